@@ -1,0 +1,24 @@
+"""cposembed: learned position embeddings on fast, multithreaded C kernels.
+
+The handbook's ``LearnedPositionEmbedding`` (see :mod:`cposembed.reference`)
+with the same API and numbers, plus fused token+position addition and a
+deterministic gradient scatter-add, as Cython/OpenMP kernels.
+"""
+
+from ._config import openmp_enabled, show_config
+from ._threads import get_num_threads, set_num_threads
+from ._version import __version__
+from .embedding import LearnedPositionEmbedding
+from .functional import add_positions, lookup, scatter_add
+
+__all__ = [
+    "LearnedPositionEmbedding",
+    "__version__",
+    "add_positions",
+    "get_num_threads",
+    "lookup",
+    "openmp_enabled",
+    "scatter_add",
+    "set_num_threads",
+    "show_config",
+]

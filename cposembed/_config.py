@@ -1,0 +1,84 @@
+"""Build and runtime configuration: ``openmp_enabled()`` and ``show_config()``."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import _kernels, _threads
+from ._version import __version__
+
+
+def openmp_enabled() -> bool:
+    """True if the kernels were compiled with OpenMP (False: serial build)."""
+    return bool(_kernels.openmp_enabled())
+
+
+def _build_info() -> dict[str, Any]:
+    try:
+        from ._build_info import BUILD_INFO  # written by setup.py at build time
+    except ImportError:
+        return {}
+    return dict(BUILD_INFO)
+
+
+def _openmp_runtime() -> str:
+    """Path of the OpenMP runtime library loaded for the extension."""
+    if not openmp_enabled():
+        return "none (serial build)"
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        pass
+    else:
+        libs = [i for i in threadpool_info() if i.get("user_api") == "openmp"]
+        if libs:
+            return ", ".join(f"{i['internal_api']} {i.get('version') or ''} ({i['filepath']})"
+                             for i in libs)
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if any(n in line for n in ("libgomp", "libomp", "libiomp")):
+                    return line.split()[-1]
+    except OSError:
+        pass
+    return "unknown"
+
+
+def config() -> dict[str, Any]:
+    """The facts ``show_config()`` prints, as a dict."""
+    build = _build_info()
+    return {
+        "cposembed": __version__,
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "openmp_enabled": openmp_enabled(),
+        "openmp_runtime": _openmp_runtime(),
+        "num_threads": _threads.get_num_threads(),
+        "omp_get_max_threads": _kernels.omp_max_threads(),
+        "cpus_available": _threads._cpu_limit(),
+        "serial_threshold_elements": _threads.SERIAL_THRESHOLD,
+        "env": {
+            k: os.environ[k]
+            for k in ("CPOSEMBED_NUM_THREADS", "OMP_NUM_THREADS")
+            if k in os.environ
+        },
+        "compiler": build.get("compiler", "unknown"),
+        "compile_args": build.get("compile_args", []),
+        "link_args": build.get("link_args", []),
+    }
+
+
+def show_config() -> None:
+    """Print the version, OpenMP runtime, thread defaults and compiler flags."""
+    for key, value in config().items():
+        if isinstance(value, list):
+            value = " ".join(value) or "(none)"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "(none set)"
+        print(f"{key:>26}: {value}")

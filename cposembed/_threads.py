@@ -1,0 +1,120 @@
+"""How many OpenMP threads a kernel call uses.
+
+The rules follow scikit-learn's ``_openmp_effective_n_threads``: an explicit
+request wins, then the package setting, then ``CPOSEMBED_NUM_THREADS``, then
+OpenMP's own default (``omp_get_max_threads()``, which honours
+``OMP_NUM_THREADS`` and threadpoolctl's ``threadpool_limits``), and the
+result never exceeds the CPUs this process may run on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from . import _kernels
+
+# Below this many output elements a call runs on one thread: waking an OpenMP
+# team costs a few microseconds, about what copying this much memory takes.
+SERIAL_THRESHOLD = 1 << 16
+
+_lock = threading.Lock()
+_user_num_threads: int | None = None
+
+# GNU libgomp is not fork-safe: a child forked after the parent ran a parallel
+# region hangs in its first parallel region (its thread pool did not survive
+# the fork). We note when the parent went parallel and keep the child serial.
+_went_parallel = False
+_in_forked_child = False
+
+
+def _after_fork_in_child() -> None:
+    global _in_forked_child
+    if _went_parallel:
+        _in_forked_child = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _cpu_limit() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _check_positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be a positive integer; got {value!r}")
+    n = int(value.__index__())  # type: ignore[attr-defined]
+    if n < 1:
+        raise ValueError(f"{name} must be a positive integer; got {n}")
+    return n
+
+
+def _env_num_threads() -> int | None:
+    raw = os.environ.get("CPOSEMBED_NUM_THREADS", "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}"
+        ) from None
+    if n < 1:
+        raise ValueError(f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}")
+    return n
+
+
+def get_num_threads() -> int:
+    """Number of threads the kernels use by default.
+
+    ``set_num_threads(n)`` if it was called, else ``CPOSEMBED_NUM_THREADS``,
+    else ``omp_get_max_threads()``; capped by the CPUs available to this
+    process. Always 1 in a build without OpenMP.
+    """
+    if not _kernels.openmp_enabled():
+        return 1
+    n = _user_num_threads
+    if n is None:
+        n = _env_num_threads()
+    if n is None:
+        n = _kernels.omp_max_threads()
+    return max(1, min(n, _cpu_limit()))
+
+
+def set_num_threads(n: int | None) -> None:
+    """Set the default thread count for all kernels; ``None`` restores the default."""
+    global _user_num_threads
+    value = None if n is None else _check_positive_int(n, "num_threads")
+    with _lock:
+        _user_num_threads = value
+
+
+def effective_num_threads(num_threads: int | None, work: int, chunks: int) -> int:
+    """Threads for one call doing ``work`` element operations in ``chunks`` pieces.
+
+    Validates ``num_threads`` (a per-call override). Small work, a serial
+    build and a child forked after the parent used threads run on one thread.
+    """
+    if num_threads is not None:
+        # An explicit request is honoured as given (oversubscription is the
+        # caller's choice); only the default is capped by the CPU count.
+        n = _check_positive_int(num_threads, "num_threads")
+        if not _kernels.openmp_enabled():
+            n = 1
+    else:
+        n = get_num_threads()
+    if n <= 1 or work < SERIAL_THRESHOLD or _in_forked_child:
+        return 1
+    return min(n, max(1, chunks))
+
+
+def note_parallel(n_threads: int) -> None:
+    """Record that a parallel region is about to run (for the fork guard)."""
+    global _went_parallel
+    if n_threads > 1:
+        _went_parallel = True

@@ -1,0 +1,258 @@
+"""The functional kernels: lookup, add_positions, scatter_add.
+
+Each function validates everything first (``_validation``), then picks the
+threads (``_threads``), then calls one Cython kernel on C-contiguous buffers.
+Inputs in any other layout or dtype are converted first; outputs that the
+kernel cannot write directly (non-contiguous, or overlapping an input) are
+computed into a scratch buffer and copied in at the end. Either way nothing
+is written before every check has passed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _kernels
+from . import _threads
+from . import _validation as v
+
+__all__ = ["lookup", "add_positions", "scatter_add"]
+
+
+def _run_threads(num_threads: int | None, work: int, chunks: int) -> int:
+    n = _threads.effective_num_threads(num_threads, work, chunks)
+    _threads.note_parallel(n)
+    return n
+
+
+def _writable_target(
+    out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, *reads: np.ndarray
+) -> np.ndarray:
+    """Where the kernel writes: ``out`` itself when it safely can, else scratch."""
+    if out is None:
+        return np.empty(shape, dtype=dtype)
+    if out.flags.c_contiguous and not any(v.overlaps(out, r) for r in reads):
+        return out
+    return np.empty(shape, dtype=dtype)
+
+
+def _finish(target: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+        return target
+    if target is not out:
+        np.copyto(out, target)
+    return out
+
+
+def lookup(
+    table: Any, positions: Any, *, out: np.ndarray | None = None, num_threads: int | None = None
+) -> np.ndarray:
+    """Gather rows of a position table: ``table[positions]``.
+
+    Parameters
+    ----------
+    table : array_like of shape (L, d), float32 or float64
+        The position embedding table.
+    positions : int, array_like of int, or any NumPy index
+        Row indices, ``-L <= p < L`` (negatives wrap). Boolean masks and
+        slices work as in NumPy.
+    out : ndarray, optional
+        Destination of shape ``positions.shape + (d,)`` and the table's dtype.
+    num_threads : int, optional
+        Threads for this call (default: :func:`cposembed.get_num_threads`).
+
+    Returns
+    -------
+    ndarray
+        ``out`` if given, else a new array. Never a view of ``table``.
+
+    Raises
+    ------
+    IndexError
+        A position outside ``[-L, L)``, or an index NumPy rejects.
+    TypeError, ValueError
+        Wrong table dtype or shape, or an ``out`` that does not fit.
+    """
+    table = v.as_table(table)
+    n_rows, d = table.shape
+    pos = v.as_positions(positions, n_rows)
+    if pos.flat is None:
+        return _lookup_numpy(table, positions, out)
+    shape = pos.shape + (d,)
+    if out is not None:
+        v.check_out(out, shape, table.dtype)
+    n = pos.flat.size
+    threads = _run_threads(num_threads, n * d, n)
+    target = _writable_target(out, shape, table.dtype, table)
+    _kernels.lookup_rows(table, pos.flat, target.reshape(n, d), threads)
+    return _finish(target, out)
+
+
+def _lookup_numpy(table: np.ndarray, positions: Any, out: np.ndarray | None) -> Any:
+    # Indices that also reach into the embedding axis (e.g. ``(slice(None), 0)``)
+    # are served by NumPy itself, as the reference does.
+    result = table[positions]
+    if isinstance(result, np.ndarray) and np.shares_memory(result, table):
+        result = result.copy()
+    if out is None:
+        return result
+    v.check_out(out, np.shape(result), table.dtype)
+    np.copyto(out, result)
+    return out
+
+
+def _row_positions(
+    positions: Any, offset: Any, lead: tuple[int, ...], n_rows: int, what: str
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Positions for rows laid out as ``lead``: ``(flat, core)`` as in broadcast_positions."""
+    offset = v.as_offset(offset)
+    if positions is None:
+        if not lead:
+            raise ValueError(
+                f"{what} must have shape (..., T, d) when positions is None; got a 1-D array"
+            )
+        n_tokens = lead[-1]
+        return v.default_positions(offset, n_tokens, n_rows), (n_tokens,)
+    if offset:
+        raise ValueError(
+            f"offset={offset} only applies with positions=None; "
+            "add it to the explicit positions instead"
+        )
+    pos = v.as_positions(positions, n_rows)
+    return v.broadcast_positions(pos, lead, f"{what}.shape[:-1]")
+
+
+def add_positions(
+    tokens: Any,
+    table: Any,
+    positions: Any = None,
+    *,
+    offset: int = 0,
+    out: np.ndarray | None = None,
+    num_threads: int | None = None,
+) -> np.ndarray:
+    """Fused ``tokens + table[positions]``.
+
+    Parameters
+    ----------
+    tokens : array_like of shape (..., T, d)
+        Token embeddings (any real dtype; the result dtype is NumPy's
+        ``result_type(tokens, table)``).
+    table : array_like of shape (L, d), float32 or float64
+    positions : array_like of int, optional
+        Must broadcast to ``tokens.shape[:-1]``. ``None`` means
+        ``offset + arange(T)`` for every sequence.
+    offset : int, default 0
+        Tokens already seen (incremental decoding); only with ``positions=None``.
+    out : ndarray, optional
+        Destination of ``tokens``' shape and the result dtype; may be
+        ``tokens`` itself for an in-place add.
+    num_threads : int, optional
+        Threads for this call.
+
+    Returns
+    -------
+    ndarray
+    """
+    table = v.as_table(table)
+    n_rows, d = table.shape
+    tok = v.as_rows(tokens, d, "token_embeddings")
+    lead = tok.shape[:-1]
+    flat, core = _row_positions(positions, offset, lead, n_rows, "token_embeddings")
+    dtype = np.result_type(tok.dtype, table.dtype)
+    if out is not None:
+        v.check_out(out, tok.shape, dtype)
+    n = tok.size // d if d else int(np.prod(lead))
+
+    if dtype != table.dtype:
+        # e.g. float64 tokens + float32 table: NumPy's own promotion decides.
+        rows = table[flat.reshape(core)]
+        return np.add(tok, rows, out=out)
+
+    tok_c = np.ascontiguousarray(tok, dtype=dtype)
+    threads = _run_threads(num_threads, n * d, n)
+    if (
+        out is not None
+        and out.flags.c_contiguous
+        and _same_buffer(out, tok_c)
+        and not v.overlaps(out, table)
+    ):
+        target = out  # in place: each element reads only itself first
+    else:
+        target = _writable_target(out, tok.shape, dtype, tok_c, table)
+    if n:
+        _kernels.add_rows(tok_c.reshape(n, d), table, flat, target.reshape(n, d), threads)
+    return _finish(target, out)
+
+
+def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.shape == b.shape
+        and a.strides == b.strides
+    )
+
+
+def scatter_add(
+    grad_table: np.ndarray,
+    grad_output: Any,
+    positions: Any = None,
+    *,
+    offset: int = 0,
+    num_threads: int | None = None,
+) -> np.ndarray:
+    """Accumulate ``grad_table[positions[i]] += grad_output[i]`` in place.
+
+    The gradient of :func:`add_positions` and :func:`lookup` with respect
+    to the table. Repeated positions accumulate (like ``np.add.at``, and in
+    the same order). The result is bitwise the same for any thread count.
+
+    Parameters
+    ----------
+    grad_table : ndarray of shape (L, d), float32 or float64, writable
+        Accumulated into in place.
+    grad_output : array_like of shape (..., d)
+        Converted to ``grad_table``'s dtype.
+    positions : array_like of int, optional
+        Must broadcast to ``grad_output.shape[:-1]``; ``None`` means
+        ``offset + arange(T)`` for every sequence.
+    offset : int, default 0
+        Only with ``positions=None``.
+    num_threads : int, optional
+        Threads for this call.
+
+    Returns
+    -------
+    ndarray
+        ``grad_table``.
+    """
+    if not isinstance(grad_table, np.ndarray):
+        raise TypeError(f"grad_table must be a numpy.ndarray; got {v.describe(grad_table)}")
+    if grad_table.dtype not in v.FLOAT_DTYPES:
+        raise TypeError(f"grad_table must have dtype float32 or float64; got {grad_table.dtype}")
+    if grad_table.ndim != 2:
+        raise ValueError(f"grad_table must be 2-D (L, d); got shape {grad_table.shape}")
+    if not grad_table.flags.writeable:
+        raise ValueError("grad_table is read-only; pass a writable array")
+    n_rows, d = grad_table.shape
+    g = v.as_rows(grad_output, d, "grad_output")
+    lead = g.shape[:-1]
+    flat, _ = _row_positions(positions, offset, lead, n_rows, "grad_output")
+    n = int(np.prod(lead))
+    if n == 0 or d == 0 or flat.size == 0:
+        return grad_table
+    g_c = np.ascontiguousarray(g, dtype=grad_table.dtype).reshape(n, d)
+    if v.overlaps(g_c, grad_table):
+        g_c = g_c.copy()
+    threads = _run_threads(num_threads, n * d, min(n_rows, flat.size))
+    row_start = np.empty(n_rows + 1, dtype=np.int64)
+    order = np.empty(flat.size, dtype=np.int64)
+    if grad_table.flags.c_contiguous:
+        _kernels.scatter_add_rows(grad_table, g_c, flat, row_start, order, threads)
+    else:
+        work = np.ascontiguousarray(grad_table)
+        _kernels.scatter_add_rows(work, g_c, flat, row_start, order, threads)
+        np.copyto(grad_table, work)
+    return grad_table

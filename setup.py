@@ -1,0 +1,185 @@
+"""Build script: Cython extensions with OpenMP when the compiler has it.
+
+Build switches (environment variables read at build time):
+
+``CPOSEMBED_DISABLE_OPENMP=1``
+    build serial extensions even if the compiler supports OpenMP.
+``CPOSEMBED_NATIVE=1``
+    add ``-march=native`` (a local build tuned to this CPU; not portable).
+``CPOSEMBED_DEBUG=1``
+    turn Cython's bounds and wraparound checks back on and keep debug info.
+``CPOSEMBED_SANITIZE=address,undefined``
+    build with the given ``-fsanitize=`` list (see ``tools/sanitize.sh``).
+
+The OpenMP decision follows scikit-learn's ``_build_utils/openmp_helpers.py``:
+compile, link *and run* a tiny ``#pragma omp parallel`` program with the
+compiler that will build the extension; if any step fails, warn and build
+serially. A serial build is a working build (``cposembed.openmp_enabled()``
+is then False), never a failed one.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import warnings
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+def _env_flag(name):
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+DEBUG = _env_flag("CPOSEMBED_DEBUG")
+SANITIZE = os.environ.get("CPOSEMBED_SANITIZE", "").strip()
+
+# All Cython directives live here, not in the .pyx files.
+COMPILER_DIRECTIVES = {
+    "language_level": 3,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": not DEBUG,
+    "nonecheck": False,
+    "embedsignature": True,
+}
+
+OPENMP_PROBE = textwrap.dedent(
+    """\
+    #include <omp.h>
+    #include <stdio.h>
+    int main(void) {
+        int n = 0;
+        #pragma omp parallel reduction(+:n)
+        n += 1;
+        printf("%d\\n", n);
+        return n > 0 ? 0 : 1;
+    }
+    """
+)
+
+
+def _openmp_flags(compiler):
+    """(compile_args, link_args) that enable OpenMP for this compiler."""
+    ctype = getattr(compiler, "compiler_type", "unix")
+    if ctype == "msvc":
+        return ["/openmp"], []
+    if sys.platform == "darwin":
+        # Apple clang needs the preprocessor route and Homebrew/conda libomp.
+        return ["-Xpreprocessor", "-fopenmp"], ["-lomp"]
+    return ["-fopenmp"], ["-fopenmp"]
+
+
+def _probe_openmp(compiler, compile_args, link_args):
+    """True if a tiny OpenMP program compiles, links and runs."""
+    tmp = tempfile.mkdtemp(prefix="cposembed-omp-")
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp)
+        with open("probe.c", "w") as f:
+            f.write(OPENMP_PROBE)
+        objects = compiler.compile(["probe.c"], extra_postargs=compile_args)
+        exe = "probe" + (".exe" if sys.platform == "win32" else "")
+        compiler.link_executable(objects, "probe", extra_postargs=link_args)
+        out = subprocess.run(
+            [os.path.join(tmp, exe)], capture_output=True, text=True, timeout=60
+        )
+        return out.returncode == 0 and int(out.stdout.strip() or 0) >= 1
+    except Exception:  # any compile/link/run failure means "no OpenMP"
+        return False
+    finally:
+        os.chdir(cwd)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class BuildExtOpenMP(build_ext):
+    """build_ext that adds OpenMP and optimisation flags after probing."""
+
+    def build_extensions(self):
+        compile_args, link_args = [], []
+        msvc = getattr(self.compiler, "compiler_type", "") == "msvc"
+
+        if _env_flag("CPOSEMBED_DISABLE_OPENMP"):
+            print("cposembed: CPOSEMBED_DISABLE_OPENMP is set: building serially")
+            use_openmp = False
+        else:
+            omp_c, omp_l = _openmp_flags(self.compiler)
+            use_openmp = _probe_openmp(self.compiler, omp_c, omp_l)
+            if use_openmp:
+                compile_args += omp_c
+                link_args += omp_l
+            else:
+                warnings.warn(
+                    "cposembed: this compiler cannot build and run an OpenMP "
+                    "program; building a serial extension (everything works, "
+                    "on one thread). Install an OpenMP runtime (e.g. libgomp, "
+                    "libomp) and rebuild for multithreading.",
+                    stacklevel=1,
+                )
+
+        if msvc:
+            compile_args += ["/O2"]
+        else:
+            # -O3 for the vectorised row loops; never -ffast-math: the kernels
+            # must add in exactly the reference's order and precision.
+            compile_args += ["-O3", "-fno-math-errno"]
+            compile_args += ["-g", "-O1"] if DEBUG else ["-g0"]
+            if _env_flag("CPOSEMBED_NATIVE"):
+                compile_args += ["-march=native"]
+            if SANITIZE:
+                san = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer"]
+                compile_args += san
+                link_args += san
+            if not DEBUG and not SANITIZE and sys.platform.startswith("linux"):
+                link_args += ["-s"]  # no debug symbols in the shipped .so
+
+        build_info = {
+            "openmp": use_openmp,
+            "compile_args": compile_args,
+            "link_args": link_args,
+            "compiler": " ".join(getattr(self.compiler, "compiler_so", []) or [])
+            or getattr(self.compiler, "compiler_type", "unknown"),
+            "cython_directives": COMPILER_DIRECTIVES,
+        }
+        for ext in self.extensions:
+            ext.extra_compile_args = list(ext.extra_compile_args) + compile_args
+            ext.extra_link_args = list(ext.extra_link_args) + link_args
+            ext.define_macros = list(ext.define_macros) + [
+                ("CPOSEMBED_USE_OPENMP", "1" if use_openmp else "0")
+            ]
+        self._write_build_info(build_info)
+        super().build_extensions()
+
+    def _write_build_info(self, info):
+        """Record the flags so ``show_config()`` can report them."""
+        text = "# Generated by setup.py at build time.\nBUILD_INFO = %r\n" % (info,)
+        targets = [os.path.join("cposembed", "_build_info.py")]
+        if not self.inplace:
+            targets.append(os.path.join(self.build_lib, "cposembed", "_build_info.py"))
+        for path in targets:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+
+
+EXTENSIONS = [
+    Extension(
+        "cposembed._kernels",
+        ["src_c/_kernels.pyx"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
+]
+
+setup(
+    ext_modules=cythonize(
+        EXTENSIONS,
+        compiler_directives=COMPILER_DIRECTIVES,
+        include_path=["src_c"],
+    ),
+    cmdclass={"build_ext": BuildExtOpenMP},
+)
