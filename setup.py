@@ -172,6 +172,15 @@ EXTENSIONS = [
         "cposembed._kernels",
         ["src_c/_kernels.pyx"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        include_dirs=["src_c"],
+        depends=["src_c/_stream.h", "src_c/_openmp.pxd"],
+    ),
+    # Machine-limit probes (streaming fill/copy, read-only sum) for the bench.
+    Extension(
+        "cposembed._membench",
+        ["src_c/_membench.pyx"],
+        include_dirs=["src_c"],
+        depends=["src_c/_stream.h", "src_c/_openmp.pxd"],
     ),
 ]
 

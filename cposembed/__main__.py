@@ -42,6 +42,13 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # argparse's REMAINDER does not capture options ("--quick") that come
+        # first, so the bench's own parser gets its arguments directly.
+        from .bench import main as bench_main
+
+        return int(bench_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(
         prog="python -m cposembed", description="Learned position embeddings on C kernels."
     )

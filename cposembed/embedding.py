@@ -8,7 +8,12 @@ from typing import Any
 import numpy as np
 
 from . import _validation as v
-from .functional import add_positions, lookup, scatter_add
+from .functional import add_positions, lookup, scatter_add, small_take
+
+# Token arrays up to this many elements are added by NumPy directly when
+# positions=None (a decode step): the full path's fixed costs would dominate.
+_SMALL_ADD_ELEMENTS = 1 << 14
+_ndarray = np.ndarray
 
 __all__ = ["LearnedPositionEmbedding"]
 
@@ -127,7 +132,20 @@ class LearnedPositionEmbedding:
     # -- forward -----------------------------------------------------------
     def __call__(self, positions: Any, *, out: np.ndarray | None = None) -> np.ndarray:
         """Look up position embeddings: ``embeddings[positions]`` (a new array, or ``out``)."""
-        return lookup(self._embeddings, positions, out=out)
+        table = self._embeddings
+        if out is None:
+            # Tiny calls: NumPy directly; anything unusual or invalid (whose
+            # error message is ours) takes the full path below.
+            if type(positions) is int:
+                try:
+                    return table[positions].copy()
+                except IndexError:
+                    pass
+            else:
+                result = small_take(table, positions)
+                if result is not None:
+                    return result
+        return lookup(table, positions, out=out)
 
     def add_to(
         self,
@@ -143,6 +161,23 @@ class LearnedPositionEmbedding:
         ``token_embeddings`` (shape ``(..., T, d)``). ``out`` may be
         ``token_embeddings`` itself. See :func:`cposembed.add_positions`.
         """
+        tok = token_embeddings
+        if positions is None and out is None and type(tok) is _ndarray and type(offset) is int:
+            # A decode step: NumPy's own broadcast add of the rows in use
+            # (the fixed costs of the full path would dominate).
+            table = self._embeddings
+            shape = tok.shape
+            if (
+                len(shape) >= 2
+                and shape[-1] == table.shape[1]
+                and 0 <= offset
+                and offset + shape[-2] <= table.shape[0]
+                and tok.size <= _SMALL_ADD_ELEMENTS
+                and (tok.dtype is table.dtype or tok.dtype.kind == "f")
+            ):
+                if shape[-2] == 1:
+                    return tok + table[offset]
+                return tok + table[offset : offset + shape[-2]]
         return add_positions(
             token_embeddings, self._embeddings, positions, offset=offset, out=out
         )

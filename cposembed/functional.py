@@ -20,6 +20,45 @@ from . import _validation as v
 
 __all__ = ["lookup", "add_positions", "scatter_add"]
 
+# Outputs at least this large are written with streaming (non-temporal)
+# stores: far beyond what the caches keep, so reading each line in before
+# overwriting it (what an ordinary store does) would only double the memory
+# traffic. Below it, ordinary stores leave the result in cache for the next op.
+STREAM_THRESHOLD_BYTES = 1 << 23
+
+
+def _stream(nbytes: int) -> bool:
+    return nbytes >= STREAM_THRESHOLD_BYTES
+
+
+# Up to this many output elements, a lookup of plain integer positions is
+# served by ndarray.take: for tiny calls the fixed cost of validating and
+# entering the kernel (typed-memoryview acquisition, fused-type dispatch:
+# several microseconds) exceeds the copy itself.
+SMALL_TAKE_ELEMENTS = 1 << 15
+
+
+def small_take(table: np.ndarray, positions: Any) -> np.ndarray | None:
+    """``table.take(positions, axis=0)`` for a small signed-integer index, else None.
+
+    None means "use the full path": positions that are not a list or an
+    array of signed integers (bool lists are masks to NumPy), too large, or
+    that NumPy rejects (out of range), whose error the full path words.
+    """
+    if type(positions) is list:
+        try:
+            positions = np.asarray(positions)
+        except (ValueError, TypeError, OverflowError):
+            return None
+    elif type(positions) is not np.ndarray:
+        return None
+    if positions.dtype.kind != "i" or positions.size * table.shape[1] > SMALL_TAKE_ELEMENTS:
+        return None
+    try:
+        return table.take(positions, axis=0)
+    except (IndexError, TypeError):
+        return None
+
 
 def _run_threads(num_threads: int | None, work: int, chunks: int) -> int:
     n = _threads.effective_num_threads(num_threads, work, chunks)
@@ -75,6 +114,16 @@ def lookup(
     TypeError, ValueError
         Wrong table dtype or shape, or an ``out`` that does not fit.
     """
+    if (
+        out is None
+        and num_threads is None
+        and type(table) is np.ndarray
+        and table.ndim == 2
+        and table.dtype in v.FLOAT_DTYPES
+    ):
+        result = small_take(table, positions)
+        if result is not None:
+            return result
     table = v.as_table(table)
     n_rows, d = table.shape
     pos = v.as_positions(positions, n_rows)
@@ -86,7 +135,9 @@ def lookup(
     n = pos.flat.size
     threads = _run_threads(num_threads, n * d, n)
     target = _writable_target(out, shape, table.dtype, table)
-    _kernels.lookup_rows(table, pos.flat, target.reshape(n, d), threads)
+    _kernels.lookup_rows(
+        table, pos.flat, target.reshape(n, d), threads, _stream(target.nbytes)
+    )
     return _finish(target, out)
 
 
@@ -183,7 +234,11 @@ def add_positions(
     else:
         target = _writable_target(out, tok.shape, dtype, tok_c, table)
     if n:
-        _kernels.add_rows(tok_c.reshape(n, d), table, flat, target.reshape(n, d), threads)
+        # In place the lines are read anyway, so ordinary stores cost nothing extra.
+        stream = target is not tok_c and _stream(target.nbytes)
+        _kernels.add_rows(
+            tok_c.reshape(n, d), table, flat, target.reshape(n, d), threads, stream
+        )
     return _finish(target, out)
 
 

@@ -10,12 +10,26 @@
 # positions[i % m]. It lets `positions=None` (offset + arange(T), the same for
 # every sequence of a batch) and any positions array that broadcasts along
 # leading axes run without materialising N indices.
+#
+# Work is split by hand into one contiguous block of rows per thread (what
+# schedule="static" would do) so that each thread can end its block with a
+# store fence after streaming stores (see _stream.h), and so that freshly
+# allocated outputs are first touched by the thread that writes them.
 
 from cython.parallel cimport prange
 from libc.stdint cimport int32_t, int64_t
-from libc.string cimport memcpy
 
 from _openmp cimport CPOSEMBED_OPENMP_ENABLED, omp_get_max_threads
+
+cdef extern from "_stream.h" nogil:
+    int cpe_have_stream()
+    void cpe_sfence()
+    void cpe_prefetch(const void* p)
+    void cpe_copy_f32(float* dst, const float* src, Py_ssize_t n, int stream)
+    void cpe_copy_f64(double* dst, const double* src, Py_ssize_t n, int stream)
+    void cpe_add_f32(float* out, const float* a, const float* b, Py_ssize_t n, int stream)
+    void cpe_add_f64(double* out, const double* a, const double* b, Py_ssize_t n,
+                     int stream)
 
 ctypedef fused real_t:
     float
@@ -24,6 +38,17 @@ ctypedef fused real_t:
 ctypedef fused index_t:
     int32_t
     int64_t
+
+# The "distinct positions" scatter-add path sums a block of table rows over
+# the whole batch before moving on; this is the block's size in bytes per
+# thread: well inside a 512 KiB-1 MiB L2 next to the gradient streaming by.
+cdef enum:
+    _BLOCK_BYTES = 262144
+# The general scatter-add path keeps each thread's share of the table in
+# cache while the gradient streams by: this many bytes of it per thread
+# (most of a shared L3 of a few MiB per core).
+cdef enum:
+    _SCAN_BLOCK_BYTES = 8388608
 
 
 def openmp_enabled():
@@ -34,6 +59,11 @@ def openmp_enabled():
 def omp_max_threads():
     """omp_get_max_threads() of the OpenMP runtime, or 1 in a serial build."""
     return omp_get_max_threads()
+
+
+def streaming_stores_available():
+    """True if this build streams large outputs with non-temporal stores (x86-64 SSE2)."""
+    return bool(cpe_have_stream())
 
 
 def index_bounds(const index_t[::1] positions):  # IN
@@ -55,12 +85,21 @@ cdef inline Py_ssize_t _wrap(int64_t p, Py_ssize_t n_rows) noexcept nogil:
     return <Py_ssize_t>(p + n_rows if p < 0 else p)
 
 
+cdef inline void _copy_row(real_t* dst, const real_t* src, Py_ssize_t d,
+                           int stream) noexcept nogil:
+    if real_t is float:
+        cpe_copy_f32(dst, src, d, stream)
+    else:
+        cpe_copy_f64(dst, src, d, stream)
+
+
 cdef inline void _add_row(const real_t* a, const real_t* b, real_t* out,
-                          Py_ssize_t d) noexcept nogil:
+                          Py_ssize_t d, int stream) noexcept nogil:
     # `out` may be `a` (in-place add_to); element k only reads a[k], b[k].
-    cdef Py_ssize_t k
-    for k in range(d):
-        out[k] = a[k] + b[k]
+    if real_t is float:
+        cpe_add_f32(out, a, b, d, stream)
+    else:
+        cpe_add_f64(out, a, b, d, stream)
 
 
 cdef inline void _acc_row(real_t* acc, const real_t* src,
@@ -70,58 +109,128 @@ cdef inline void _acc_row(real_t* acc, const real_t* src,
         acc[k] += src[k]
 
 
+cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
+    # The next row of a random gather: ask for all its cache lines now, so
+    # they arrive while the current row is summed.
+    cdef Py_ssize_t k = 0
+    cdef Py_ssize_t step = 64 // sizeof(real_t)
+    while k < d:
+        cpe_prefetch(src + k)
+        k += step
+
+
+cdef inline Py_ssize_t _block_lo(Py_ssize_t n, int t, int n_threads) noexcept nogil:
+    return <Py_ssize_t>((<int64_t>n * t) // n_threads)
+
+
+# ---- lookup ------------------------------------------------------------------
+
+cdef void _lookup_block(const real_t* table, const index_t* positions, real_t* out,
+                        Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t L, Py_ssize_t d,
+                        int stream) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(lo, hi):
+        _copy_row(out + i * d, table + _wrap(positions[i], L) * d, d, stream)
+    if stream:
+        cpe_sfence()
+
+
 def lookup_rows(const real_t[:, ::1] table,    # IN  (L, d)
                 const index_t[::1] positions,  # IN  (n,)
                 real_t[:, ::1] out,            # OUT (n, d)
-                int n_threads):
-    """out[i, :] = table[positions[i], :]."""
-    cdef Py_ssize_t i, n = out.shape[0], d = table.shape[1]
+                int n_threads,
+                bint stream=False):
+    """out[i, :] = table[positions[i], :]; `stream`: non-temporal stores."""
+    cdef Py_ssize_t n = out.shape[0], d = table.shape[1]
     cdef Py_ssize_t L = table.shape[0]
-    cdef size_t row_bytes = d * sizeof(real_t)
+    cdef int t
     if n == 0 or d == 0:
         return
+    cdef const real_t* tp = &table[0, 0]
+    cdef const index_t* pp = &positions[0]
+    cdef real_t* op = &out[0, 0]
     with nogil:
         if n_threads <= 1:
-            for i in range(n):
-                memcpy(&out[i, 0], &table[_wrap(positions[i], L), 0], row_bytes)
+            _lookup_block(tp, pp, op, 0, n, L, d, stream)
         else:
-            for i in prange(n, schedule="static", num_threads=n_threads):
-                memcpy(&out[i, 0], &table[_wrap(positions[i], L), 0], row_bytes)
+            for t in prange(n_threads, schedule="static", num_threads=n_threads):
+                _lookup_block(tp, pp, op, _block_lo(n, t, n_threads),
+                              _block_lo(n, t + 1, n_threads), L, d, stream)
+
+
+# ---- add ---------------------------------------------------------------------
+
+cdef void _add_block(const real_t* tokens, const real_t* table, const index_t* positions,
+                     real_t* out, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t L,
+                     Py_ssize_t m, Py_ssize_t d, int stream) noexcept nogil:
+    cdef Py_ssize_t i, j = lo % m
+    for i in range(lo, hi):
+        _add_row(tokens + i * d, table + _wrap(positions[j], L) * d, out + i * d, d, stream)
+        j += 1
+        if j == m:
+            j = 0
+    if stream:
+        cpe_sfence()
 
 
 def add_rows(const real_t[:, ::1] tokens,     # IN  (N, d)
              const real_t[:, ::1] table,      # IN  (L, d)
              const index_t[::1] positions,    # IN  (m,), N % m == 0
              real_t[:, ::1] out,              # OUT (N, d), may be `tokens`
-             int n_threads):
+             int n_threads,
+             bint stream=False):
     """out[i, :] = tokens[i, :] + table[positions[i % m], :]."""
-    cdef Py_ssize_t i, N = out.shape[0], d = table.shape[1]
+    cdef Py_ssize_t N = out.shape[0], d = table.shape[1]
     cdef Py_ssize_t L = table.shape[0], m = positions.shape[0]
+    cdef int t
     if N == 0 or d == 0:
         return
+    cdef const real_t* kp = &tokens[0, 0]
+    cdef const real_t* tp = &table[0, 0]
+    cdef const index_t* pp = &positions[0]
+    cdef real_t* op = &out[0, 0]
     with nogil:
         if n_threads <= 1:
-            for i in range(N):
-                _add_row(&tokens[i, 0], &table[_wrap(positions[i % m], L), 0],
-                         &out[i, 0], d)
+            _add_block(kp, tp, pp, op, 0, N, L, m, d, stream)
         else:
-            for i in prange(N, schedule="static", num_threads=n_threads):
-                _add_row(&tokens[i, 0], &table[_wrap(positions[i % m], L), 0],
-                         &out[i, 0], d)
+            for t in prange(n_threads, schedule="static", num_threads=n_threads):
+                _add_block(kp, tp, pp, op, _block_lo(N, t, n_threads),
+                           _block_lo(N, t + 1, n_threads), L, m, d, stream)
 
 
-cdef void _sort_by_row(const index_t[::1] positions, Py_ssize_t L,
-                       int64_t[::1] row_start, int64_t[::1] order) noexcept nogil:
-    # Stable counting sort of j = 0..m-1 by row: afterwards the j with
-    # positions[j] == r are order[row_start[r]:row_start[r + 1]], ascending.
-    cdef Py_ssize_t j, r, m = positions.shape[0]
-    cdef Py_ssize_t p
+# ---- scatter-add -------------------------------------------------------------
+
+cdef bint _count_rows(const index_t* positions, Py_ssize_t m, Py_ssize_t L,
+                      int64_t* row_start) noexcept nogil:
+    # row_start[r + 1] = number of j with positions[j] == r; returns whether
+    # every row is hit at most once (positions distinct within the period).
+    cdef Py_ssize_t j, r
+    cdef bint distinct = True
+    cdef int64_t c
     for r in range(L + 1):
         row_start[r] = 0
     for j in range(m):
-        row_start[_wrap(positions[j], L) + 1] += 1
+        r = _wrap(positions[j], L) + 1
+        c = row_start[r] + 1
+        row_start[r] = c
+        if c > 1:
+            distinct = False
+    return distinct
+
+
+cdef void _prefix_rows(Py_ssize_t L, int64_t* row_start) noexcept nogil:
+    # Counts in row_start[1:] -> row_start[r] = first slot of row r.
+    cdef Py_ssize_t r
     for r in range(L):
         row_start[r + 1] += row_start[r]
+
+
+cdef void _sort_by_row(const index_t* positions, Py_ssize_t m, Py_ssize_t L,
+                       int64_t* row_start, int64_t* order) noexcept nogil:
+    # Stable counting sort of j = 0..m-1 by row (row_start already prefixed):
+    # afterwards the j with positions[j] == r are
+    # order[row_start[r]:row_start[r + 1]], ascending.
+    cdef Py_ssize_t j, r, p
     for j in range(m):
         p = _wrap(positions[j], L)
         order[row_start[p]] = j
@@ -132,7 +241,7 @@ cdef void _sort_by_row(const index_t[::1] positions, Py_ssize_t L,
     row_start[0] = 0
 
 
-cdef Py_ssize_t _first_row_at(const int64_t[::1] row_start, Py_ssize_t L,
+cdef Py_ssize_t _first_row_at(const int64_t* row_start, Py_ssize_t L,
                               int64_t target) noexcept nogil:
     # First row r in [0, L] with row_start[r] >= target (row_start ascends).
     cdef Py_ssize_t lo = 0, hi = L, mid
@@ -145,23 +254,133 @@ cdef Py_ssize_t _first_row_at(const int64_t[::1] row_start, Py_ssize_t L,
     return lo
 
 
-cdef void _sum_rows(real_t[:, ::1] grad, const real_t[:, ::1] g,
-                    const int64_t[::1] row_start, const int64_t[::1] order,
+cdef void _sum_rows(real_t* grad, const real_t* g,
+                    const int64_t* row_start, const int64_t* order,
                     Py_ssize_t r_lo, Py_ssize_t r_hi, Py_ssize_t nb,
-                    Py_ssize_t m) noexcept nogil:
+                    Py_ssize_t m, Py_ssize_t d) noexcept nogil:
     # Rows r_lo..r_hi-1 of grad, each summing its contributions in input
     # order (i = k*m + j ascending): the order np.add.at uses, so results
-    # are bitwise those of np.add.at whatever the thread count.
-    cdef Py_ssize_t r, k, t, d = grad.shape[1]
-    cdef int64_t s, e
+    # are bitwise those of np.add.at whatever the thread count. The source
+    # rows come in random order, so the next one is prefetched.
+    cdef Py_ssize_t r, k, t, d_ = d
+    cdef int64_t s, e, last = row_start[r_hi]
+    cdef real_t* acc
     for r in range(r_lo, r_hi):
         s = row_start[r]
         e = row_start[r + 1]
         if s == e:
             continue
+        acc = grad + r * d_
         for k in range(nb):
             for t in range(s, e):
-                _acc_row(&grad[r, 0], &g[k * m + order[t], 0], d)
+                if t + 1 < e:
+                    _prefetch_row(g + (k * m + order[t + 1]) * d_, d_)
+                elif k + 1 < nb:
+                    _prefetch_row(g + ((k + 1) * m + order[s]) * d_, d_)
+                elif e < last:
+                    _prefetch_row(g + order[e] * d_, d_)
+                _acc_row(acc, g + (k * m + order[t]) * d_, d_)
+
+
+cdef void _sum_distinct(real_t* grad, const real_t* g, const index_t* positions,
+                        Py_ssize_t j_lo, Py_ssize_t j_hi, Py_ssize_t nb,
+                        Py_ssize_t m, Py_ssize_t L, Py_ssize_t d) noexcept nogil:
+    # Positions j_lo..j_hi-1 hit distinct rows, so row positions[j] receives
+    # exactly g[k*m + j] for k = 0..nb-1, summed in that order (np.add.at's).
+    # Blocked: a block of table rows small enough to stay in cache takes the
+    # whole batch, reading each block of g (contiguous rows) once.
+    cdef Py_ssize_t rows_per_block = _BLOCK_BYTES // (d * sizeof(real_t))
+    cdef Py_ssize_t b0, b1, j, k
+    if rows_per_block < 1:
+        rows_per_block = 1
+    b0 = j_lo
+    while b0 < j_hi:
+        b1 = b0 + rows_per_block
+        if b1 > j_hi:
+            b1 = j_hi
+        for k in range(nb):
+            for j in range(b0, b1):
+                _acc_row(grad + _wrap(positions[j], L) * d, g + (k * m + j) * d, d)
+        b0 = b1
+
+
+cdef inline void _acc_cols(real_t* acc, const real_t* src, Py_ssize_t c0,
+                           Py_ssize_t c1) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in range(c0, c1):
+        acc[k] += src[k]
+
+
+cdef void _scan_rows(real_t* grad, const real_t* g, const index_t* positions,
+                     Py_ssize_t r_lo, Py_ssize_t r_hi, Py_ssize_t nb,
+                     Py_ssize_t m, Py_ssize_t L, Py_ssize_t d,
+                     Py_ssize_t block_bytes) noexcept nogil:
+    # Rows r_lo..r_hi-1 of grad, taking contributions in input order i (so
+    # bitwise np.add.at's order) while reading g front to back; the rows it
+    # skips belong to other threads. The owned rows are updated at random,
+    # so they must stay in cache: columns are done in blocks small enough
+    # for that (one block, the whole row, for GPT-2-size tables).
+    cdef Py_ssize_t k, j, r, c0, c1, bd
+    cdef Py_ssize_t esz = sizeof(real_t)
+    bd = block_bytes // ((r_hi - r_lo) * esz) if r_hi > r_lo else d
+    bd = (bd // 16) * 16
+    if bd < 16:
+        bd = 16
+    c0 = 0
+    while c0 < d:
+        c1 = c0 + bd
+        if c1 > d:
+            c1 = d
+        for k in range(nb):
+            for j in range(m):
+                r = _wrap(positions[j], L)
+                if r >= r_lo and r < r_hi:
+                    _acc_cols(grad + r * d, g + (k * m + j) * d, c0, c1)
+        c0 = c1
+
+
+cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t* rs,
+                       int64_t* od, Py_ssize_t L, Py_ssize_t d, Py_ssize_t m,
+                       Py_ssize_t nb, int n_threads, bint allow_distinct,
+                       int general_mode, Py_ssize_t scan_block_bytes) noexcept nogil:
+    cdef Py_ssize_t r_lo, r_hi, per_thread_rows
+    cdef int t
+    cdef bint distinct
+    distinct = _count_rows(pp, m, L, rs) and allow_distinct
+    if distinct:
+        if n_threads <= 1:
+            _sum_distinct(gp, sp, pp, 0, m, nb, m, L, d)
+        else:
+            for t in prange(n_threads, schedule="static", num_threads=n_threads):
+                _sum_distinct(gp, sp, pp, _block_lo(m, t, n_threads),
+                              _block_lo(m, t + 1, n_threads), nb, m, L, d)
+        return
+    if general_mode == 0:
+        # Scan unless even 16-column blocks of a thread's rows overflow the budget.
+        per_thread_rows = L // n_threads if n_threads > 1 else L
+        if per_thread_rows * 16 * <Py_ssize_t>sizeof(real_t) <= scan_block_bytes:
+            general_mode = 1
+        else:
+            general_mode = 2
+    _prefix_rows(L, rs)
+    if general_mode == 2:
+        _sort_by_row(pp, m, L, rs, od)
+    if n_threads <= 1:
+        if general_mode == 1:
+            _scan_rows(gp, sp, pp, 0, L, nb, m, L, d, scan_block_bytes)
+        else:
+            _sum_rows(gp, sp, rs, od, 0, L, nb, m, d)
+    else:
+        # Thread t owns the rows holding about the t-th 1/n of the contributions.
+        for t in prange(n_threads, schedule="static", num_threads=n_threads):
+            r_lo = _first_row_at(rs, L, (t * m) // n_threads)
+            r_hi = _first_row_at(rs, L, ((t + 1) * m) // n_threads)
+            if t == n_threads - 1:
+                r_hi = L
+            if general_mode == 1:
+                _scan_rows(gp, sp, pp, r_lo, r_hi, nb, m, L, d, scan_block_bytes)
+            else:
+                _sum_rows(gp, sp, rs, od, r_lo, r_hi, nb, m, d)
 
 
 def scatter_add_rows(real_t[:, ::1] grad,            # IN/OUT (L, d)
@@ -169,27 +388,34 @@ def scatter_add_rows(real_t[:, ::1] grad,            # IN/OUT (L, d)
                      const index_t[::1] positions,   # IN (m,), N % m == 0
                      int64_t[::1] row_start,         # SCRATCH (L + 1,)
                      int64_t[::1] order,             # SCRATCH (m,)
-                     int n_threads):
+                     int n_threads,
+                     bint allow_distinct=True,
+                     int general_mode=0,
+                     Py_ssize_t scan_block_bytes=_SCAN_BLOCK_BYTES):
     """grad[positions[i % m], :] += g[i, :] for i = 0..N-1, deterministically.
 
-    Each thread owns a contiguous block of table rows holding about 1/n of
-    the contributions; no two threads write the same row, so there are no
-    races and no atomics, and each row's sum has one fixed order.
+    Each thread owns a set of table rows; no two threads write the same row,
+    so there are no races and no atomics, and each row's sum has one fixed
+    order (input order, as np.add.at). Positions that are distinct within
+    the period (arange, the usual case) take a blocked path that reads the
+    gradient once in long contiguous runs. Others (general_mode 0 = auto)
+    either scan the gradient front to back while each thread updates its own
+    rows in cache, in column blocks of about `scan_block_bytes` per thread
+    (mode 1), or, when even 16-column blocks would not stay in cache, visit
+    rows one by one through a counting sort (mode 2). `allow_distinct=False`
+    and `general_mode` force a path (for tests); all paths give the same bits.
     """
     cdef Py_ssize_t L = grad.shape[0], d = grad.shape[1]
     cdef Py_ssize_t m = positions.shape[0], N = g.shape[0]
-    cdef Py_ssize_t nb, t, r_lo, r_hi
+    cdef Py_ssize_t nb
     if N == 0 or d == 0 or m == 0:
         return
     nb = N // m
+    cdef real_t* gp = &grad[0, 0]
+    cdef const real_t* sp = &g[0, 0]
+    cdef const index_t* pp = &positions[0]
+    cdef int64_t* rs = &row_start[0]
+    cdef int64_t* od = &order[0]
     with nogil:
-        _sort_by_row(positions, L, row_start, order)
-        if n_threads <= 1:
-            _sum_rows(grad, g, row_start, order, 0, L, nb, m)
-        else:
-            for t in prange(n_threads, schedule="static", num_threads=n_threads):
-                r_lo = _first_row_at(row_start, L, (t * m) // n_threads)
-                r_hi = _first_row_at(row_start, L, ((t + 1) * m) // n_threads)
-                if t == n_threads - 1:
-                    r_hi = L
-                _sum_rows(grad, g, row_start, order, r_lo, r_hi, nb, m)
+        _scatter_add(gp, sp, pp, rs, od, L, d, m, nb, n_threads, allow_distinct,
+                     general_mode, scan_block_bytes)

@@ -1,0 +1,185 @@
+/* Row primitives with optional non-temporal (streaming) stores.
+ *
+ * Streaming stores write whole cache lines straight to memory without first
+ * reading them (no read-for-ownership), which cuts the memory traffic of an
+ * output far larger than the cache from 2x to 1x its size. They are only a
+ * win for such outputs: for a small output the lines would have stayed in
+ * cache for the caller. The kernels decide per call (a size threshold set in
+ * cposembed/functional.py). SSE2 is part of x86-64, so this stays portable;
+ * other architectures get plain stores. Each thread that streamed must call
+ * cpe_sfence() before its work counts as done.
+ *
+ * Only the element-wise IEEE operations of the plain loops are used (a copy,
+ * one add), so results are bitwise those of the plain-store path.
+ */
+#ifndef CPOSEMBED_STREAM_H
+#define CPOSEMBED_STREAM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__SSE2__) || defined(_M_X64) || (defined(_M_IX86_FP) && _M_IX86_FP >= 2)
+#include <emmintrin.h>
+#define CPE_HAVE_STREAM 1
+#else
+#define CPE_HAVE_STREAM 0
+#endif
+
+static inline int cpe_have_stream(void) { return CPE_HAVE_STREAM; }
+
+static inline void cpe_sfence(void) {
+#if CPE_HAVE_STREAM
+    _mm_sfence();
+#endif
+}
+
+static inline void cpe_prefetch(const void *p) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p, 0, 3);
+#else
+    (void)p;
+#endif
+}
+
+/* Elements before the first 16-byte-aligned one (all of them if `p` is not
+ * even aligned to its element size, e.g. a view at an odd byte offset). */
+static inline ptrdiff_t cpe_peel(const void *p, ptrdiff_t n, size_t esize) {
+    uintptr_t a = (uintptr_t)p;
+    ptrdiff_t k;
+    if (a % esize) return n;
+    k = (ptrdiff_t)(((16 - (a & 15)) & 15) / esize);
+    return k < n ? k : n;
+}
+
+/* ---- copy ------------------------------------------------------------ */
+static inline void cpe_copy_f32(float *dst, const float *src, ptrdiff_t n, int stream) {
+#if CPE_HAVE_STREAM
+    if (stream) {
+        ptrdiff_t k = 0, peel = cpe_peel(dst, n, sizeof(float));
+        for (; k < peel; k++) dst[k] = src[k];
+        for (; k + 16 <= n; k += 16) {
+            __m128 a = _mm_loadu_ps(src + k), b = _mm_loadu_ps(src + k + 4);
+            __m128 c = _mm_loadu_ps(src + k + 8), d = _mm_loadu_ps(src + k + 12);
+            _mm_stream_ps(dst + k, a); _mm_stream_ps(dst + k + 4, b);
+            _mm_stream_ps(dst + k + 8, c); _mm_stream_ps(dst + k + 12, d);
+        }
+        for (; k + 4 <= n; k += 4) _mm_stream_ps(dst + k, _mm_loadu_ps(src + k));
+        for (; k < n; k++) dst[k] = src[k];
+        return;
+    }
+#endif
+    (void)stream;
+    memcpy(dst, src, (size_t)n * sizeof(float));
+}
+
+static inline void cpe_copy_f64(double *dst, const double *src, ptrdiff_t n, int stream) {
+#if CPE_HAVE_STREAM
+    if (stream) {
+        ptrdiff_t k = 0, peel = cpe_peel(dst, n, sizeof(double));
+        for (; k < peel; k++) dst[k] = src[k];
+        for (; k + 8 <= n; k += 8) {
+            __m128d a = _mm_loadu_pd(src + k), b = _mm_loadu_pd(src + k + 2);
+            __m128d c = _mm_loadu_pd(src + k + 4), d = _mm_loadu_pd(src + k + 6);
+            _mm_stream_pd(dst + k, a); _mm_stream_pd(dst + k + 2, b);
+            _mm_stream_pd(dst + k + 4, c); _mm_stream_pd(dst + k + 6, d);
+        }
+        for (; k + 2 <= n; k += 2) _mm_stream_pd(dst + k, _mm_loadu_pd(src + k));
+        for (; k < n; k++) dst[k] = src[k];
+        return;
+    }
+#endif
+    (void)stream;
+    memcpy(dst, src, (size_t)n * sizeof(double));
+}
+
+/* ---- add: out = a + b (out may be a; each element reads only itself) ---- */
+static inline void cpe_add_f32(float *out, const float *a, const float *b, ptrdiff_t n,
+                               int stream) {
+    ptrdiff_t k = 0;
+#if CPE_HAVE_STREAM
+    if (stream) {
+        ptrdiff_t peel = cpe_peel(out, n, sizeof(float));
+        for (; k < peel; k++) out[k] = a[k] + b[k];
+        for (; k + 8 <= n; k += 8) {
+            __m128 x = _mm_add_ps(_mm_loadu_ps(a + k), _mm_loadu_ps(b + k));
+            __m128 y = _mm_add_ps(_mm_loadu_ps(a + k + 4), _mm_loadu_ps(b + k + 4));
+            _mm_stream_ps(out + k, x);
+            _mm_stream_ps(out + k + 4, y);
+        }
+        for (; k + 4 <= n; k += 4)
+            _mm_stream_ps(out + k, _mm_add_ps(_mm_loadu_ps(a + k), _mm_loadu_ps(b + k)));
+    }
+#endif
+    (void)stream;
+    for (; k < n; k++) out[k] = a[k] + b[k];
+}
+
+static inline void cpe_add_f64(double *out, const double *a, const double *b, ptrdiff_t n,
+                               int stream) {
+    ptrdiff_t k = 0;
+#if CPE_HAVE_STREAM
+    if (stream) {
+        ptrdiff_t peel = cpe_peel(out, n, sizeof(double));
+        for (; k < peel; k++) out[k] = a[k] + b[k];
+        for (; k + 4 <= n; k += 4) {
+            __m128d x = _mm_add_pd(_mm_loadu_pd(a + k), _mm_loadu_pd(b + k));
+            __m128d y = _mm_add_pd(_mm_loadu_pd(a + k + 2), _mm_loadu_pd(b + k + 2));
+            _mm_stream_pd(out + k, x);
+            _mm_stream_pd(out + k + 2, y);
+        }
+        for (; k + 2 <= n; k += 2)
+            _mm_stream_pd(out + k, _mm_add_pd(_mm_loadu_pd(a + k), _mm_loadu_pd(b + k)));
+    }
+#endif
+    (void)stream;
+    for (; k < n; k++) out[k] = a[k] + b[k];
+}
+
+/* ---- machine-limit probes (cposembed._membench) ----------------------- */
+static inline void cpe_fill_f32(float *dst, ptrdiff_t n, float value, int stream) {
+    ptrdiff_t k = 0;
+#if CPE_HAVE_STREAM
+    if (stream) {
+        __m128 v = _mm_set1_ps(value);
+        ptrdiff_t peel = cpe_peel(dst, n, sizeof(float));
+        for (; k < peel; k++) dst[k] = value;
+        for (; k + 16 <= n; k += 16) {
+            _mm_stream_ps(dst + k, v); _mm_stream_ps(dst + k + 4, v);
+            _mm_stream_ps(dst + k + 8, v); _mm_stream_ps(dst + k + 12, v);
+        }
+        for (; k + 4 <= n; k += 4) _mm_stream_ps(dst + k, v);
+    }
+#endif
+    (void)stream;
+    for (; k < n; k++) dst[k] = value;
+}
+
+/* Sum of n floats with 8 independent vector accumulators: bound by memory,
+ * not by the latency of one chain of adds. Order differs from NumPy's sum;
+ * this is a bandwidth probe, not a numerical routine. */
+static inline double cpe_read_sum_f32(const float *src, ptrdiff_t n) {
+    ptrdiff_t k = 0;
+    double total = 0.0;
+#if CPE_HAVE_STREAM
+    __m128 s0 = _mm_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (; k + 16 <= n; k += 16) {
+        s0 = _mm_add_ps(s0, _mm_loadu_ps(src + k));
+        s1 = _mm_add_ps(s1, _mm_loadu_ps(src + k + 4));
+        s2 = _mm_add_ps(s2, _mm_loadu_ps(src + k + 8));
+        s3 = _mm_add_ps(s3, _mm_loadu_ps(src + k + 12));
+    }
+    float lanes[4];
+    _mm_storeu_ps(lanes, _mm_add_ps(_mm_add_ps(s0, s1), _mm_add_ps(s2, s3)));
+    total = (double)lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#else
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (; k + 8 <= n; k += 8)
+        for (int j = 0; j < 8; j++) s[j] += src[k + j];
+    for (int j = 0; j < 8; j++) total += s[j];
+#endif
+    for (; k < n; k++) total += src[k];
+    return total;
+}
+
+#endif /* CPOSEMBED_STREAM_H */
