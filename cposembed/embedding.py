@@ -28,11 +28,14 @@ def _positive_int(value: Any, name: str) -> int:
 
 
 def _table_dtype(dtype: Any) -> np.dtype:
+    if dtype is None:
+        return np.dtype(np.float32)  # None means the default, as in NumPy
     try:
         dt = np.dtype(dtype)
     except TypeError:
         dt = None
-    if dt not in v.FLOAT_DTYPES:
+    # (`dt is None` first: NumPy compares None equal to float64.)
+    if dt is None or dt not in v.FLOAT_DTYPES:
         raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
     return dt
 
