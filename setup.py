@@ -175,6 +175,8 @@ EXTENSIONS = [
         include_dirs=["src_c"],
         depends=["src_c/_stream.h", "src_c/_openmp.pxd"],
     ),
+    # Reused large output buffers (no page faults on every call).
+    Extension("cposembed._alloc", ["src_c/_alloc.pyx"]),
     # Machine-limit probes (streaming fill/copy, read-only sum) for the bench.
     Extension(
         "cposembed._membench",

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _kernels
+from . import _alloc, _kernels
 from . import _threads
 from . import _validation as v
 
@@ -66,15 +66,30 @@ def _run_threads(num_threads: int | None, work: int, chunks: int) -> int:
     return n
 
 
+# Fresh outputs at least this large come from cposembed._alloc's reusable
+# blocks: a new mmap'ed array pays a page fault and a kernel zeroing per page,
+# more than the lookup that fills it; a block freed by a previous call's
+# result is handed out again instead (up to a few blocks, 2 GiB, are kept).
+POOL_MIN_BYTES = 1 << 22
+
+
+def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``np.empty(shape, dtype)``, from the reusable blocks when it is large."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < POOL_MIN_BYTES:
+        return np.empty(shape, dtype=dtype)
+    return np.frombuffer(_alloc.block(nbytes), dtype=dtype).reshape(shape)
+
+
 def _writable_target(
     out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, *reads: np.ndarray
 ) -> np.ndarray:
     """Where the kernel writes: ``out`` itself when it safely can, else scratch."""
     if out is None:
-        return np.empty(shape, dtype=dtype)
+        return empty(shape, dtype)
     if out.flags.c_contiguous and not any(v.overlaps(out, r) for r in reads):
         return out
-    return np.empty(shape, dtype=dtype)
+    return empty(shape, dtype)
 
 
 def _finish(target: np.ndarray, out: np.ndarray | None) -> np.ndarray:

@@ -1,0 +1,141 @@
+# Large output buffers that are reused instead of returned to the OS.
+#
+# A fresh multi-megabyte NumPy array comes from mmap: every page is faulted
+# in and zeroed by the kernel on first write, which costs more than the
+# lookup that fills it (on a VM several times more). Typical use allocates
+# outputs of the same size step after step, so this module keeps a few freed
+# blocks and hands them out again. A block returns to the pool only when the
+# last array (or view) using its memory is gone: the ndarray's base is a
+# _Block, whose __dealloc__ runs exactly then, with the GIL held, which also
+# serialises access to the pool.
+
+from cpython.buffer cimport PyBuffer_FillInfo
+from libc.stdlib cimport free
+
+cdef extern from *:
+    """
+    #include <stdlib.h>
+    #if defined(__linux__)
+    #include <sys/mman.h>
+    #endif
+    static void *cpe_alloc_block(size_t nbytes) {
+        void *p = NULL;
+    #if defined(_WIN32)
+        p = malloc(nbytes);
+    #else
+        /* 2 MiB alignment lets Linux back the block with huge pages. */
+        size_t align = nbytes >= (4u << 20) ? (2u << 20) : 64;
+        if (posix_memalign(&p, align, nbytes) != 0) return NULL;
+    #if defined(__linux__) && defined(MADV_HUGEPAGE)
+        if (align == (2u << 20)) madvise(p, nbytes, MADV_HUGEPAGE);
+    #endif
+    #endif
+        return p;
+    }
+    """
+    void* cpe_alloc_block(size_t nbytes) nogil
+
+DEF _MAX_BLOCKS = 4
+
+cdef void* _pool_ptr[_MAX_BLOCKS]
+cdef size_t _pool_size[_MAX_BLOCKS]
+cdef int _pool_n = 0
+cdef size_t _pool_limit = (<size_t>1) << 31   # bytes kept at most
+cdef bint _enabled = True
+
+
+cdef size_t _pool_bytes() noexcept:
+    cdef size_t total = 0
+    cdef int i
+    for i in range(_pool_n):
+        total += _pool_size[i]
+    return total
+
+
+cdef bint _give_back(void* ptr, size_t nbytes) noexcept:
+    global _pool_n
+    if not _enabled or _pool_n >= _MAX_BLOCKS or _pool_bytes() + nbytes > _pool_limit:
+        return False
+    _pool_ptr[_pool_n] = ptr
+    _pool_size[_pool_n] = nbytes
+    _pool_n += 1
+    return True
+
+
+cdef void* _take(size_t nbytes, size_t* got) noexcept:
+    # The smallest pooled block that fits without wasting more than half.
+    global _pool_n
+    cdef int i, best = -1
+    for i in range(_pool_n):
+        if nbytes <= _pool_size[i] <= 2 * nbytes:
+            if best < 0 or _pool_size[i] < _pool_size[best]:
+                best = i
+    if best < 0:
+        return NULL
+    cdef void* p = _pool_ptr[best]
+    got[0] = _pool_size[best]
+    _pool_n -= 1
+    _pool_ptr[best] = _pool_ptr[_pool_n]
+    _pool_size[best] = _pool_size[_pool_n]
+    return p
+
+
+cdef class _Block:
+    """Owner of one block; exposes `used` bytes of it as a writable buffer."""
+    cdef void* ptr
+    cdef size_t capacity
+    cdef size_t used
+    cdef readonly bint reused
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        PyBuffer_FillInfo(view, self, self.ptr, <Py_ssize_t>self.used, 0, flags)
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+    def __dealloc__(self):
+        if self.ptr != NULL and not _give_back(self.ptr, self.capacity):
+            free(self.ptr)
+        self.ptr = NULL
+
+
+def block(Py_ssize_t nbytes):
+    """A _Block of at least `nbytes` (> 0) bytes, from the pool if one fits."""
+    cdef size_t got = 0
+    cdef _Block b = _Block.__new__(_Block)
+    cdef void* p = _take(<size_t>nbytes, &got) if _enabled else NULL
+    if p == NULL:
+        p = cpe_alloc_block(<size_t>nbytes)
+        if p == NULL:
+            raise MemoryError(f"cannot allocate {nbytes} bytes")
+        got = <size_t>nbytes
+        b.reused = False
+    else:
+        b.reused = True
+    b.ptr = p
+    b.capacity = got
+    b.used = <size_t>nbytes
+    return b
+
+
+def pool_info():
+    """(number of pooled blocks, bytes they hold, byte limit, enabled)."""
+    return _pool_n, _pool_bytes(), _pool_limit, _enabled
+
+
+def set_pool(bint enabled=True, limit_bytes=None):
+    """Turn reuse on/off and set the byte limit; turning it off frees the pool."""
+    global _enabled, _pool_limit
+    _enabled = enabled
+    if limit_bytes is not None:
+        _pool_limit = <size_t>max(0, limit_bytes)
+    if not enabled:
+        clear_pool()
+
+
+def clear_pool():
+    """Free every pooled block."""
+    global _pool_n
+    while _pool_n > 0:
+        _pool_n -= 1
+        free(_pool_ptr[_pool_n])
