@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from . import _validation as v
+from .functional import SMALL_TAKE_ELEMENTS as _SMALL_TAKE_ELEMENTS
 from .functional import add_positions, lookup, scatter_add, small_take
 
 # Token arrays up to this many elements are added by NumPy directly when
@@ -139,11 +140,21 @@ class LearnedPositionEmbedding:
         if out is None:
             # Tiny calls: NumPy directly; anything unusual or invalid (whose
             # error message is ours) takes the full path below.
-            if type(positions) is int:
+            kind = type(positions)
+            if kind is int:
                 try:
                     return table[positions].copy()
                 except IndexError:
                     pass
+            elif kind is _ndarray:
+                if (
+                    positions.dtype.kind == "i"
+                    and positions.size * table.shape[1] <= _SMALL_TAKE_ELEMENTS
+                ):
+                    try:
+                        return table.take(positions, 0)
+                    except IndexError:
+                        pass
             else:
                 result = small_take(table, positions)
                 if result is not None:

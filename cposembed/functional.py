@@ -55,7 +55,7 @@ def small_take(table: np.ndarray, positions: Any) -> np.ndarray | None:
     if positions.dtype.kind != "i" or positions.size * table.shape[1] > SMALL_TAKE_ELEMENTS:
         return None
     try:
-        return table.take(positions, axis=0)
+        return table.take(positions, 0)
     except (IndexError, TypeError):
         return None
 

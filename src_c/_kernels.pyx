@@ -25,6 +25,7 @@ cdef extern from "_stream.h" nogil:
     int cpe_have_stream()
     void cpe_sfence()
     void cpe_prefetch(const void* p)
+    void cpe_prefetch_nta(const void* p)
     void cpe_copy_f32(float* dst, const float* src, Py_ssize_t n, int stream)
     void cpe_copy_f64(double* dst, const double* src, Py_ssize_t n, int stream)
     void cpe_add_f32(float* out, const float* a, const float* b, Py_ssize_t n, int stream)
@@ -119,6 +120,21 @@ cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
         k += step
 
 
+cdef inline void _prefetch_once(const real_t* src, Py_ssize_t d) noexcept nogil:
+    # A row read once, a few rows ahead: fetched without evicting the rows
+    # that are reused (non-temporal hint).
+    cdef Py_ssize_t k = 0
+    cdef Py_ssize_t step = 64 // sizeof(real_t)
+    while k < d:
+        cpe_prefetch_nta(src + k)
+        k += step
+
+
+# How many rows ahead the streamed-once rows are prefetched.
+cdef enum:
+    _AHEAD = 2
+
+
 cdef inline Py_ssize_t _block_lo(Py_ssize_t n, int t, int n_threads) noexcept nogil:
     return <Py_ssize_t>((<int64_t>n * t) // n_threads)
 
@@ -127,9 +143,11 @@ cdef inline Py_ssize_t _block_lo(Py_ssize_t n, int t, int n_threads) noexcept no
 
 cdef void _lookup_block(const real_t* table, const index_t* positions, real_t* out,
                         Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t L, Py_ssize_t d,
-                        int stream) noexcept nogil:
+                        int stream, int prefetch) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(lo, hi):
+        if prefetch and i + 1 < hi:
+            _prefetch_row(table + _wrap(positions[i + 1], L) * d, d)
         _copy_row(out + i * d, table + _wrap(positions[i], L) * d, d, stream)
     if stream:
         cpe_sfence()
@@ -139,8 +157,10 @@ def lookup_rows(const real_t[:, ::1] table,    # IN  (L, d)
                 const index_t[::1] positions,  # IN  (n,)
                 real_t[:, ::1] out,            # OUT (n, d)
                 int n_threads,
-                bint stream=False):
-    """out[i, :] = table[positions[i], :]; `stream`: non-temporal stores."""
+                bint stream=False,
+                bint prefetch=True):
+    """out[i, :] = table[positions[i], :]; `stream`: non-temporal stores;
+    `prefetch`: ask for the next source row ahead (for random positions)."""
     cdef Py_ssize_t n = out.shape[0], d = table.shape[1]
     cdef Py_ssize_t L = table.shape[0]
     cdef int t
@@ -151,20 +171,24 @@ def lookup_rows(const real_t[:, ::1] table,    # IN  (L, d)
     cdef real_t* op = &out[0, 0]
     with nogil:
         if n_threads <= 1:
-            _lookup_block(tp, pp, op, 0, n, L, d, stream)
+            _lookup_block(tp, pp, op, 0, n, L, d, stream, prefetch)
         else:
             for t in prange(n_threads, schedule="static", num_threads=n_threads):
                 _lookup_block(tp, pp, op, _block_lo(n, t, n_threads),
-                              _block_lo(n, t + 1, n_threads), L, d, stream)
+                              _block_lo(n, t + 1, n_threads), L, d, stream, prefetch)
 
 
 # ---- add ---------------------------------------------------------------------
 
 cdef void _add_block(const real_t* tokens, const real_t* table, const index_t* positions,
                      real_t* out, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t L,
-                     Py_ssize_t m, Py_ssize_t d, int stream) noexcept nogil:
+                     Py_ssize_t m, Py_ssize_t d, int stream, int nta) noexcept nogil:
     cdef Py_ssize_t i, j = lo % m
     for i in range(lo, hi):
+        if i + 1 < hi:
+            _prefetch_row(table + _wrap(positions[j + 1 if j + 1 < m else 0], L) * d, d)
+        if nta and i + _AHEAD < hi:
+            _prefetch_once(tokens + (i + _AHEAD) * d, d)
         _add_row(tokens + i * d, table + _wrap(positions[j], L) * d, out + i * d, d, stream)
         j += 1
         if j == m:
@@ -178,8 +202,13 @@ def add_rows(const real_t[:, ::1] tokens,     # IN  (N, d)
              const index_t[::1] positions,    # IN  (m,), N % m == 0
              real_t[:, ::1] out,              # OUT (N, d), may be `tokens`
              int n_threads,
-             bint stream=False):
-    """out[i, :] = tokens[i, :] + table[positions[i % m], :]."""
+             bint stream=False,
+             bint nta=True):
+    """out[i, :] = tokens[i, :] + table[positions[i % m], :].
+
+    `stream`: non-temporal stores; `nta`: prefetch the token rows with a
+    non-temporal hint so that they do not evict the table rows.
+    """
     cdef Py_ssize_t N = out.shape[0], d = table.shape[1]
     cdef Py_ssize_t L = table.shape[0], m = positions.shape[0]
     cdef int t
@@ -191,11 +220,11 @@ def add_rows(const real_t[:, ::1] tokens,     # IN  (N, d)
     cdef real_t* op = &out[0, 0]
     with nogil:
         if n_threads <= 1:
-            _add_block(kp, tp, pp, op, 0, N, L, m, d, stream)
+            _add_block(kp, tp, pp, op, 0, N, L, m, d, stream, nta)
         else:
             for t in prange(n_threads, schedule="static", num_threads=n_threads):
                 _add_block(kp, tp, pp, op, _block_lo(N, t, n_threads),
-                           _block_lo(N, t + 1, n_threads), L, m, d, stream)
+                           _block_lo(N, t + 1, n_threads), L, m, d, stream, nta)
 
 
 # ---- scatter-add -------------------------------------------------------------
@@ -300,6 +329,8 @@ cdef void _sum_distinct(real_t* grad, const real_t* g, const index_t* positions,
             b1 = j_hi
         for k in range(nb):
             for j in range(b0, b1):
+                if j + _AHEAD < b1:
+                    _prefetch_once(g + (k * m + j + _AHEAD) * d, d)
                 _acc_row(grad + _wrap(positions[j], L) * d, g + (k * m + j) * d, d)
         b0 = b1
 
@@ -333,6 +364,10 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const index_t* positions,
             c1 = d
         for k in range(nb):
             for j in range(m):
+                if j + _AHEAD < m:
+                    r = _wrap(positions[j + _AHEAD], L)
+                    if r >= r_lo and r < r_hi:
+                        _prefetch_once(g + (k * m + j + _AHEAD) * d + c0, c1 - c0)
                 r = _wrap(positions[j], L)
                 if r >= r_lo and r < r_hi:
                     _acc_cols(grad + r * d, g + (k * m + j) * d, c0, c1)

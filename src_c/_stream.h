@@ -42,6 +42,18 @@ static inline void cpe_prefetch(const void *p) {
 #endif
 }
 
+/* For data read once (token rows, the gradient): fetch it without letting
+ * it push the reused rows (the table, the gradient table) out of the caches. */
+static inline void cpe_prefetch_nta(const void *p) {
+#if CPE_HAVE_STREAM
+    _mm_prefetch((const char *)p, _MM_HINT_NTA);
+#elif defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p, 0, 0);
+#else
+    (void)p;
+#endif
+}
+
 /* Elements before the first 16-byte-aligned one (all of them if `p` is not
  * even aligned to its element size, e.g. a view at an odd byte offset). */
 static inline ptrdiff_t cpe_peel(const void *p, ptrdiff_t n, size_t esize) {
@@ -101,11 +113,15 @@ static inline void cpe_add_f32(float *out, const float *a, const float *b, ptrdi
     if (stream) {
         ptrdiff_t peel = cpe_peel(out, n, sizeof(float));
         for (; k < peel; k++) out[k] = a[k] + b[k];
-        for (; k + 8 <= n; k += 8) {
-            __m128 x = _mm_add_ps(_mm_loadu_ps(a + k), _mm_loadu_ps(b + k));
-            __m128 y = _mm_add_ps(_mm_loadu_ps(a + k + 4), _mm_loadu_ps(b + k + 4));
-            _mm_stream_ps(out + k, x);
-            _mm_stream_ps(out + k + 4, y);
+        for (; k + 16 <= n; k += 16) {
+            __m128 x0 = _mm_add_ps(_mm_loadu_ps(a + k), _mm_loadu_ps(b + k));
+            __m128 x1 = _mm_add_ps(_mm_loadu_ps(a + k + 4), _mm_loadu_ps(b + k + 4));
+            __m128 x2 = _mm_add_ps(_mm_loadu_ps(a + k + 8), _mm_loadu_ps(b + k + 8));
+            __m128 x3 = _mm_add_ps(_mm_loadu_ps(a + k + 12), _mm_loadu_ps(b + k + 12));
+            _mm_stream_ps(out + k, x0);
+            _mm_stream_ps(out + k + 4, x1);
+            _mm_stream_ps(out + k + 8, x2);
+            _mm_stream_ps(out + k + 12, x3);
         }
         for (; k + 4 <= n; k += 4)
             _mm_stream_ps(out + k, _mm_add_ps(_mm_loadu_ps(a + k), _mm_loadu_ps(b + k)));
@@ -122,11 +138,15 @@ static inline void cpe_add_f64(double *out, const double *a, const double *b, pt
     if (stream) {
         ptrdiff_t peel = cpe_peel(out, n, sizeof(double));
         for (; k < peel; k++) out[k] = a[k] + b[k];
-        for (; k + 4 <= n; k += 4) {
-            __m128d x = _mm_add_pd(_mm_loadu_pd(a + k), _mm_loadu_pd(b + k));
-            __m128d y = _mm_add_pd(_mm_loadu_pd(a + k + 2), _mm_loadu_pd(b + k + 2));
-            _mm_stream_pd(out + k, x);
-            _mm_stream_pd(out + k + 2, y);
+        for (; k + 8 <= n; k += 8) {
+            __m128d x0 = _mm_add_pd(_mm_loadu_pd(a + k), _mm_loadu_pd(b + k));
+            __m128d x1 = _mm_add_pd(_mm_loadu_pd(a + k + 2), _mm_loadu_pd(b + k + 2));
+            __m128d x2 = _mm_add_pd(_mm_loadu_pd(a + k + 4), _mm_loadu_pd(b + k + 4));
+            __m128d x3 = _mm_add_pd(_mm_loadu_pd(a + k + 6), _mm_loadu_pd(b + k + 6));
+            _mm_stream_pd(out + k, x0);
+            _mm_stream_pd(out + k + 2, x1);
+            _mm_stream_pd(out + k + 4, x2);
+            _mm_stream_pd(out + k + 6, x3);
         }
         for (; k + 2 <= n; k += 2)
             _mm_stream_pd(out + k, _mm_add_pd(_mm_loadu_pd(a + k), _mm_loadu_pd(b + k)));
