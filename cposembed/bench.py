@@ -109,12 +109,12 @@ def _time_group(group: Group, repeats: int, slow_s: float = 0.3) -> None:
             c.times.append(time.perf_counter() - t0)
 
 
-def _time_tiny(group: Group, repeats: int, budget_s: float = 0.02) -> None:
+def _time_tiny(group: Group, repeats: int, budget_s: float = 0.005) -> None:
     """Per-call times of microsecond calls: batches of calls, alternating."""
     for c in group.contenders:
         c.fn()
-        number = max(1, timeit.Timer(c.fn).autorange()[0])
-        c._number = max(1, int(number * budget_s / 0.2))  # type: ignore[attr-defined]
+        per_call = timeit.Timer(c.fn).timeit(50) / 50
+        c._number = max(1, int(budget_s / max(per_call, 1e-8)))  # type: ignore[attr-defined]
         c.times = []
     n = len(group.contenders)
     for r in range(repeats * 3):

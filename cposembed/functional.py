@@ -249,10 +249,12 @@ def add_positions(
     else:
         target = _writable_target(out, tok.shape, dtype, tok_c, table)
     if n:
-        # In place the lines are read anyway, so ordinary stores cost nothing extra.
-        stream = target is not tok_c and _stream(target.nbytes)
+        # In place the lines are read anyway, so ordinary stores cost nothing
+        # extra; there the token rows are prefetched with a non-temporal hint.
+        in_place = target is tok_c
+        stream = not in_place and _stream(target.nbytes)
         _kernels.add_rows(
-            tok_c.reshape(n, d), table, flat, target.reshape(n, d), threads, stream
+            tok_c.reshape(n, d), table, flat, target.reshape(n, d), threads, stream, in_place
         )
     return _finish(target, out)
 

@@ -185,8 +185,6 @@ cdef void _add_block(const real_t* tokens, const real_t* table, const index_t* p
                      Py_ssize_t m, Py_ssize_t d, int stream, int nta) noexcept nogil:
     cdef Py_ssize_t i, j = lo % m
     for i in range(lo, hi):
-        if i + 1 < hi:
-            _prefetch_row(table + _wrap(positions[j + 1 if j + 1 < m else 0], L) * d, d)
         if nta and i + _AHEAD < hi:
             _prefetch_once(tokens + (i + _AHEAD) * d, d)
         _add_row(tokens + i * d, table + _wrap(positions[j], L) * d, out + i * d, d, stream)

@@ -125,6 +125,15 @@ static inline void cpe_add_f32(float *out, const float *a, const float *b, ptrdi
         }
         for (; k + 4 <= n; k += 4)
             _mm_stream_ps(out + k, _mm_add_ps(_mm_loadu_ps(a + k), _mm_loadu_ps(b + k)));
+    } else {
+        /* Explicit vectors: in place (out == a) the compiler's own
+         * vectorisation gives up on its overlap check and adds one by one. */
+        for (; k + 8 <= n; k += 8) {
+            __m128 x0 = _mm_add_ps(_mm_loadu_ps(a + k), _mm_loadu_ps(b + k));
+            __m128 x1 = _mm_add_ps(_mm_loadu_ps(a + k + 4), _mm_loadu_ps(b + k + 4));
+            _mm_storeu_ps(out + k, x0);
+            _mm_storeu_ps(out + k + 4, x1);
+        }
     }
 #endif
     (void)stream;
@@ -150,6 +159,13 @@ static inline void cpe_add_f64(double *out, const double *a, const double *b, pt
         }
         for (; k + 2 <= n; k += 2)
             _mm_stream_pd(out + k, _mm_add_pd(_mm_loadu_pd(a + k), _mm_loadu_pd(b + k)));
+    } else {
+        for (; k + 4 <= n; k += 4) {
+            __m128d x0 = _mm_add_pd(_mm_loadu_pd(a + k), _mm_loadu_pd(b + k));
+            __m128d x1 = _mm_add_pd(_mm_loadu_pd(a + k + 2), _mm_loadu_pd(b + k + 2));
+            _mm_storeu_pd(out + k, x0);
+            _mm_storeu_pd(out + k + 2, x1);
+        }
     }
 #endif
     (void)stream;
