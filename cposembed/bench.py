@@ -452,6 +452,7 @@ def machine_info(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
         "batch": list(args.batch),
         "dtype": args.dtype,
         "repeats": args.repeats,
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
                          if k in os.environ},
     }

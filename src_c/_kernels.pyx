@@ -26,6 +26,7 @@ cdef extern from "_stream.h" nogil:
     void cpe_sfence()
     void cpe_prefetch(const void* p)
     void cpe_prefetch_nta(const void* p)
+    void cpe_prefetch_w(const void* p)
     void cpe_copy_f32(float* dst, const float* src, Py_ssize_t n, int stream)
     void cpe_copy_f64(double* dst, const double* src, Py_ssize_t n, int stream)
     void cpe_add_f32(float* out, const float* a, const float* b, Py_ssize_t n, int stream)
@@ -130,9 +131,21 @@ cdef inline void _prefetch_once(const real_t* src, Py_ssize_t d) noexcept nogil:
         k += step
 
 
+cdef inline void _prefetch_pair(real_t* acc, const real_t* src,
+                                Py_ssize_t n) noexcept nogil:
+    # A gradient-table row about to be updated at random (write intent) and
+    # the gradient row to add into it.
+    cdef Py_ssize_t k = 0
+    cdef Py_ssize_t step = 64 // sizeof(real_t)
+    while k < n:
+        cpe_prefetch_w(acc + k)
+        cpe_prefetch(src + k)
+        k += step
+
+
 # How many rows ahead the streamed-once rows are prefetched.
 cdef enum:
-    _AHEAD = 2
+    _AHEAD = 4
 
 
 cdef inline Py_ssize_t _block_lo(Py_ssize_t n, int t, int n_threads) noexcept nogil:
@@ -327,8 +340,6 @@ cdef void _sum_distinct(real_t* grad, const real_t* g, const index_t* positions,
             b1 = j_hi
         for k in range(nb):
             for j in range(b0, b1):
-                if j + _AHEAD < b1:
-                    _prefetch_once(g + (k * m + j + _AHEAD) * d, d)
                 _acc_row(grad + _wrap(positions[j], L) * d, g + (k * m + j) * d, d)
         b0 = b1
 
@@ -365,7 +376,8 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const index_t* positions,
                 if j + _AHEAD < m:
                     r = _wrap(positions[j + _AHEAD], L)
                     if r >= r_lo and r < r_hi:
-                        _prefetch_once(g + (k * m + j + _AHEAD) * d + c0, c1 - c0)
+                        _prefetch_pair(grad + r * d + c0, g + (k * m + j + _AHEAD) * d + c0,
+                                       c1 - c0)
                 r = _wrap(positions[j], L)
                 if r >= r_lo and r < r_hi:
                     _acc_cols(grad + r * d, g + (k * m + j) * d, c0, c1)

@@ -42,6 +42,14 @@ static inline void cpe_prefetch(const void *p) {
 #endif
 }
 
+static inline void cpe_prefetch_w(const void *p) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p, 1, 3);
+#else
+    (void)p;
+#endif
+}
+
 /* For data read once (token rows, the gradient): fetch it without letting
  * it push the reused rows (the table, the gradient table) out of the caches. */
 static inline void cpe_prefetch_nta(const void *p) {
