@@ -259,6 +259,21 @@ def add_positions(
     return _finish(target, out)
 
 
+def _shortest_period(flat: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
+    """``flat[:T]`` when explicit ``(..., T)`` positions repeat every sequence.
+
+    Training code often passes ``arange(T)`` expanded to ``(B, T)``; seen as
+    one period the kernel can take its distinct-positions path (a blocked
+    sum over the batch). Same contributions, same order: same bits.
+    """
+    if len(lead) < 2 or flat.size != int(np.prod(lead)) or flat.size == lead[-1]:
+        return flat
+    rows = flat.reshape(-1, lead[-1])
+    if np.array_equal(rows, np.broadcast_to(rows[0], rows.shape)):
+        return np.ascontiguousarray(rows[0])
+    return flat
+
+
 def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
     return (
         a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
@@ -315,6 +330,7 @@ def scatter_add(
     n = int(np.prod(lead))
     if n == 0 or d == 0 or flat.size == 0:
         return grad_table
+    flat = _shortest_period(flat, lead)
     g_c = np.ascontiguousarray(g, dtype=grad_table.dtype).reshape(n, d)
     if v.overlaps(g_c, grad_table):
         g_c = g_c.copy()

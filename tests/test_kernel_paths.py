@@ -403,3 +403,21 @@ def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
     assert {"lookup(out=)", "scatter_add random", "tiny: pe(5)"} <= ops
     assert all(not r["check"].startswith("MISMATCH") for r in data["results"])
     assert "cposembed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape", [(4, 50), (2, 3, 50), (1, 50)])
+@pytest.mark.parametrize("same_rows", [True, False])
+def test_scatter_explicit_repeated_positions_take_one_period(shape, same_rows):
+    rng = np.random.default_rng(5)
+    L, d = 60, 12
+    pos = np.broadcast_to(rng.permutation(L)[:50], shape).copy()
+    if not same_rows:
+        pos.reshape(-1)[-1] = pos.reshape(-1)[0]  # last sequence differs
+    g = rng.standard_normal(shape + (d,)).astype(np.float32)
+    expect = reference_scatter(np.zeros((L, d), np.float32), g, pos)
+    flat = pos.reshape(-1)
+    short = F._shortest_period(flat, shape)
+    assert short.size == (50 if same_rows else flat.size)
+    for threads in THREADS:
+        got = cposembed.scatter_add(np.zeros((L, d), np.float32), g, pos, num_threads=threads)
+        assert np.array_equal(_bits(got), _bits(expect))
