@@ -423,6 +423,28 @@ def report(groups: list[Group], file: Any = sys.stdout) -> list[dict[str, Any]]:
     return rows
 
 
+def markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    """The results as a Markdown table (for BENCHMARKS.md)."""
+    lines = [
+        "| op | contender | time | GB/s | ours / this | target | check |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    last = None
+    for r in rows:
+        op = r["op"] if r["op"] != last else ""
+        last = r["op"]
+        t = r["median_s"]
+        time_s = f"{t * 1e6:.2f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
+        gbs = f"{r['gb_per_s']:.2f}" if r["gb_per_s"] else ""
+        ratio = "" if r["contender"] == OURS else f"{r['ratio_ours_to_this']:.3f}"
+        target = ""
+        if r["target"] is not None:
+            target = f"<= {r['target']} {'ok' if r['met'] else '**miss**'}"
+        lines.append(f"| {op} | {r['contender']} | {time_s} | {gbs} | {ratio} | {target} "
+                     f"| {r['check']} |")
+    return "\n".join(lines) + "\n"
+
+
 def machine_info(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
     from ._config import config
 
@@ -475,6 +497,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows")
     p.add_argument("--only", nargs="+", metavar="NAME",
                    help="run only these comparisons: lookup pe_alloc add_out add_inplace "
@@ -540,6 +563,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "results": rows}, f, indent=1)
         _progress(f"wrote {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows, info))
+        _progress(f"wrote {args.markdown}")
     if bad:
         print(f"{len(bad)} output check(s) failed", file=sys.stderr)
         return 1
