@@ -281,6 +281,18 @@ cdef void _sort_by_row(const index_t* positions, Py_ssize_t m, Py_ssize_t L,
     row_start[0] = 0
 
 
+cdef inline Py_ssize_t _col_edge(Py_ssize_t d, int t, int n_threads,
+                                 Py_ssize_t esz) noexcept nogil:
+    # Start of thread t's column band: a multiple of 64 bytes, d at the end.
+    cdef Py_ssize_t per_line = 64 // esz
+    cdef Py_ssize_t c
+    if t >= n_threads:
+        return d
+    c = (d * t) // n_threads
+    c = (c // per_line) * per_line
+    return c
+
+
 cdef Py_ssize_t _first_row_at(const int64_t* row_start, Py_ssize_t L,
                               int64_t target) noexcept nogil:
     # First row r in [0, L] with row_start[r] >= target (row_start ascends).
@@ -354,23 +366,25 @@ cdef inline void _acc_cols(real_t* acc, const real_t* src, Py_ssize_t c0,
 cdef void _scan_rows(real_t* grad, const real_t* g, const index_t* positions,
                      Py_ssize_t r_lo, Py_ssize_t r_hi, Py_ssize_t nb,
                      Py_ssize_t m, Py_ssize_t L, Py_ssize_t d,
-                     Py_ssize_t block_bytes) noexcept nogil:
+                     Py_ssize_t block_bytes, Py_ssize_t col_lo,
+                     Py_ssize_t col_hi) noexcept nogil:
     # Rows r_lo..r_hi-1 of grad, taking contributions in input order i (so
     # bitwise np.add.at's order) while reading g front to back; the rows it
     # skips belong to other threads. The owned rows are updated at random,
     # so they must stay in cache: columns are done in blocks small enough
-    # for that (one block, the whole row, for GPT-2-size tables).
+    # for that (one block, the whole row, for GPT-2-size tables). A thread
+    # may also own only the columns col_lo..col_hi-1 of all rows.
     cdef Py_ssize_t k, j, r, c0, c1, bd
     cdef Py_ssize_t esz = sizeof(real_t)
     bd = block_bytes // ((r_hi - r_lo) * esz) if r_hi > r_lo else d
     bd = (bd // 16) * 16
     if bd < 16:
         bd = 16
-    c0 = 0
-    while c0 < d:
+    c0 = col_lo
+    while c0 < col_hi:
         c1 = c0 + bd
-        if c1 > d:
-            c1 = d
+        if c1 > col_hi:
+            c1 = col_hi
         for k in range(nb):
             for j in range(m):
                 if j + _AHEAD < m:
@@ -388,7 +402,7 @@ cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t*
                        int64_t* od, Py_ssize_t L, Py_ssize_t d, Py_ssize_t m,
                        Py_ssize_t nb, int n_threads, bint allow_distinct,
                        int general_mode, Py_ssize_t scan_block_bytes) noexcept nogil:
-    cdef Py_ssize_t r_lo, r_hi, per_thread_rows
+    cdef Py_ssize_t r_lo, r_hi
     cdef int t
     cdef bint distinct
     distinct = _count_rows(pp, m, L, rs) and allow_distinct
@@ -401,21 +415,35 @@ cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t*
                               _block_lo(m, t + 1, n_threads), nb, m, L, d)
         return
     if general_mode == 0:
-        # Scan unless even 16-column blocks of a thread's rows overflow the budget.
-        per_thread_rows = L // n_threads if n_threads > 1 else L
-        if per_thread_rows * 16 * <Py_ssize_t>sizeof(real_t) <= scan_block_bytes:
+        # One thread: scan (reads the gradient in order), unless even
+        # 16-column blocks of the table overflow the cache budget. Several
+        # threads: the sorted path, where each thread reads only its own
+        # rows' gradient rows; a scan would have each thread read every
+        # other row, which measured slower (as did column bands, mode 3,
+        # kept as an option).
+        if n_threads <= 1 and L * 16 * <Py_ssize_t>sizeof(real_t) <= scan_block_bytes:
             general_mode = 1
         else:
             general_mode = 2
+    if general_mode == 3 and n_threads <= 1:
+        general_mode = 1
     _prefix_rows(L, rs)
     if general_mode == 2:
         _sort_by_row(pp, m, L, rs, od)
     if n_threads <= 1:
         if general_mode == 1:
-            _scan_rows(gp, sp, pp, 0, L, nb, m, L, d, scan_block_bytes)
+            _scan_rows(gp, sp, pp, 0, L, nb, m, L, d, scan_block_bytes, 0, d)
         else:
             _sum_rows(gp, sp, rs, od, 0, L, nb, m, d)
     else:
+        if general_mode == 3:
+            # Thread t owns a band of columns of every row (64-byte aligned
+            # edges): it reads its part of every gradient row, front to back.
+            for t in prange(n_threads, schedule="static", num_threads=n_threads):
+                _scan_rows(gp, sp, pp, 0, L, nb, m, L, d, scan_block_bytes,
+                           _col_edge(d, t, n_threads, sizeof(real_t)),
+                           _col_edge(d, t + 1, n_threads, sizeof(real_t)))
+            return
         # Thread t owns the rows holding about the t-th 1/n of the contributions.
         for t in prange(n_threads, schedule="static", num_threads=n_threads):
             r_lo = _first_row_at(rs, L, (t * m) // n_threads)
@@ -423,7 +451,7 @@ cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t*
             if t == n_threads - 1:
                 r_hi = L
             if general_mode == 1:
-                _scan_rows(gp, sp, pp, r_lo, r_hi, nb, m, L, d, scan_block_bytes)
+                _scan_rows(gp, sp, pp, r_lo, r_hi, nb, m, L, d, scan_block_bytes, 0, d)
             else:
                 _sum_rows(gp, sp, rs, od, r_lo, r_hi, nb, m, d)
 
@@ -447,7 +475,8 @@ def scatter_add_rows(real_t[:, ::1] grad,            # IN/OUT (L, d)
     either scan the gradient front to back while each thread updates its own
     rows in cache, in column blocks of about `scan_block_bytes` per thread
     (mode 1), or, when even 16-column blocks would not stay in cache, visit
-    rows one by one through a counting sort (mode 2). `allow_distinct=False`
+    rows one by one through a counting sort (mode 2); with threads and wide
+    rows, each thread scans a band of columns of all rows (mode 3). `allow_distinct=False`
     and `general_mode` force a path (for tests); all paths give the same bits.
     """
     cdef Py_ssize_t L = grad.shape[0], d = grad.shape[1]

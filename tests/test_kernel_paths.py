@@ -127,6 +127,8 @@ def _scatter_all_paths(grad0, g, pos):
             (False, 1, 64),         # scan, 16-column blocks
             (False, 1, 4096),       # scan, medium blocks
             (False, 2, 1 << 23),    # counting sort + prefetch
+            (False, 3, 1 << 23),    # column bands per thread
+            (False, 3, 64),         # column bands, 16-column blocks
         ]:
             grad = grad0.copy()
             _kernels.scatter_add_rows(
