@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         func=info
     )
     p_bench = sub.add_parser(
-        "bench", help="benchmark against the NumPy reference (and PyTorch if installed)",
+        "bench",
+        help="benchmark against the NumPy reference (and PyTorch if installed)",
         add_help=False,
     )
     p_bench.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -27,8 +27,9 @@ import platform
 import sys
 import time
 import timeit
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -166,7 +167,6 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
     tok = rng.standard_normal((B, T, d)).astype(dt)
     gout = rng.standard_normal((B, T, d)).astype(dt)
     out = np.empty((B, T, d), dt)
-    out_flat = out.reshape(-1)
     isz = dt.itemsize
     rows_bytes = B * T * d * isz
     # The limit probes work on float32 buffers of the same byte count.
@@ -191,17 +191,25 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
     def g_lookup() -> Group:
         cs = [
             Contender(OURS, lambda: lookup(P, pos_ar, out=out, num_threads=nt), rows_bytes),
-            Contender("limit: streaming fill", lambda: _membench.fill(probe_dst, probe_nt), rows_bytes),
-            Contender("numpy np.take(out=)", lambda: np.take(P, pos_ar, axis=0, out=out),
-                      rows_bytes),
+            Contender(
+                "limit: streaming fill", lambda: _membench.fill(probe_dst, probe_nt), rows_bytes
+            ),
+            Contender(
+                "numpy np.take(out=)", lambda: np.take(P, pos_ar, axis=0, out=out), rows_bytes
+            ),
         ]
         mine = lookup(P, pos_ar, num_threads=nt)
         cs[2].check = _same(mine, np.take(P, pos_ar, axis=0))
         if t_ is not None:
             o2 = out_t.view(B * T, d)
             p2 = pos_ar_t.view(-1)
-            cs.append(Contender("torch index_select(out=)",
-                                lambda: t_.index_select(Pt, 0, p2, out=o2), rows_bytes))
+            cs.append(
+                Contender(
+                    "torch index_select(out=)",
+                    lambda: t_.index_select(Pt, 0, p2, out=o2),
+                    rows_bytes,
+                )
+            )
             cs[-1].check = _same(mine, t_.index_select(Pt, 0, p2).numpy().reshape(B, T, d))
         return Group("lookup(out=)", cs, f"positions {pos_ar.shape} arange")
 
@@ -221,25 +229,36 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
         cs[2].check = _same(mine, P[pos_rand])
         if t_ is not None:
             F = t_.nn.functional
-            cs.append(Contender("torch F.embedding", lambda: F.embedding(pos_rand_t, Pt),
-                                rows_bytes))
+            cs.append(
+                Contender("torch F.embedding", lambda: F.embedding(pos_rand_t, Pt), rows_bytes)
+            )
             cs[-1].check = _same(mine, F.embedding(pos_rand_t, Pt).numpy())
         return Group("pe(pos)", cs, "allocating the output; positions random")
 
     def g_add_out() -> Group:
         cs = [
-            Contender(OURS, lambda: add_positions(tok, P, out=out, num_threads=nt),
-                      2 * rows_bytes),
-            Contender("limit: streaming copy",
-                      lambda: _membench.copy(probe_dst, probe_src, probe_nt), 2 * rows_bytes),
-            Contender("numpy np.add(tok, P[pos], out=)",
-                      lambda: np.add(tok, P[:T], out=out), 2 * rows_bytes),
+            Contender(OURS, lambda: add_positions(tok, P, out=out, num_threads=nt), 2 * rows_bytes),
+            Contender(
+                "limit: streaming copy",
+                lambda: _membench.copy(probe_dst, probe_src, probe_nt),
+                2 * rows_bytes,
+            ),
+            Contender(
+                "numpy np.add(tok, P[pos], out=)",
+                lambda: np.add(tok, P[:T], out=out),
+                2 * rows_bytes,
+            ),
         ]
         mine = add_positions(tok, P)
         cs[2].check = _same(mine, tok + P[np.arange(T)])
         if t_ is not None:
-            cs.append(Contender("torch add(tok, P[pos], out=)",
-                                lambda: t_.add(tok_t, Pt[:T], out=out_t), 2 * rows_bytes))
+            cs.append(
+                Contender(
+                    "torch add(tok, P[pos], out=)",
+                    lambda: t_.add(tok_t, Pt[:T], out=out_t),
+                    2 * rows_bytes,
+                )
+            )
             cs[-1].check = _same(mine, t_.add(tok_t, Pt[:T]).numpy())
         return Group("add_positions(out=)", cs, "positions=None (arange(T) per sequence)")
 
@@ -247,20 +266,22 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
         work = tok.copy()
         wf = work.reshape(-1).view(np.float32)
         cs = [
-            Contender(OURS, lambda: add_positions(work, P, out=work, num_threads=nt),
-                      2 * rows_bytes),
-            Contender("limit: streaming copy", lambda: _membench.copy(probe_dst, wf, probe_nt),
-                      2 * rows_bytes),
-            Contender("numpy tok += P[pos]", lambda: np.add(work, P[:T], out=work),
-                      2 * rows_bytes),
+            Contender(
+                OURS, lambda: add_positions(work, P, out=work, num_threads=nt), 2 * rows_bytes
+            ),
+            Contender(
+                "limit: streaming copy",
+                lambda: _membench.copy(probe_dst, wf, probe_nt),
+                2 * rows_bytes,
+            ),
+            Contender("numpy tok += P[pos]", lambda: np.add(work, P[:T], out=work), 2 * rows_bytes),
         ]
         a = tok.copy()
         add_positions(a, P, out=a)
         cs[2].check = _same(a, tok + P[:T])
         if t_ is not None:
             w_t = t_.from_numpy(work)
-            cs.append(Contender("torch tok.add_(P[pos])", lambda: w_t.add_(Pt[:T]),
-                                2 * rows_bytes))
+            cs.append(Contender("torch tok.add_(P[pos])", lambda: w_t.add_(Pt[:T]), 2 * rows_bytes))
             cs[-1].check = _same(a, t_.from_numpy(tok.copy()).add_(Pt[:T]).numpy())
         return Group("add_positions in place", cs, "out=tok")
 
@@ -274,8 +295,13 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
         if t_ is not None:
             F = t_.nn.functional
             it = t_.from_numpy(idx)
-            cs.append(Contender("torch tok + F.embedding(pos)",
-                                lambda: tok_t + F.embedding(it, Pt), 2 * rows_bytes))
+            cs.append(
+                Contender(
+                    "torch tok + F.embedding(pos)",
+                    lambda: tok_t + F.embedding(it, Pt),
+                    2 * rows_bytes,
+                )
+            )
             cs[-1].check = _same(pe.add_to(tok), (tok_t + F.embedding(it, Pt)).numpy())
         return Group("pe.add_to(tok)", cs, "allocating the output")
 
@@ -287,8 +313,9 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
         pos_arg = None if kind == "arange" else pos
         cs = [
             Contender(OURS, lambda: scatter_add(G, gout, pos_arg, num_threads=nt), rows_bytes),
-            Contender("limit: read once", lambda: _membench.read_sum(probe_grad, probe_nt),
-                      rows_bytes),
+            Contender(
+                "limit: read once", lambda: _membench.read_sum(probe_grad, probe_nt), rows_bytes
+            ),
             Contender("numpy np.add.at", lambda: np.add.at(G2, pos, gout), rows_bytes),
         ]
         a = np.zeros_like(P)
@@ -300,11 +327,13 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
             Gt = t_.zeros(L, d, dtype=tdt)
             pt = (pos_ar_t if kind == "arange" else pos_rand_t).reshape(-1)
             g2 = gout_t.reshape(-1, d)
-            cs.append(Contender("torch index_add_", lambda: Gt.index_add_(0, pt, g2),
-                                rows_bytes))
+            cs.append(Contender("torch index_add_", lambda: Gt.index_add_(0, pt, g2), rows_bytes))
             cs[-1].check = _same(a, t_.zeros(L, d, dtype=tdt).index_add_(0, pt, g2).numpy())
-        return Group(f"scatter_add {kind}", cs,
-                     "positions=None" if kind == "arange" else "positions (B, T) uniform")
+        return Group(
+            f"scatter_add {kind}",
+            cs,
+            "positions=None" if kind == "arange" else "positions (B, T) uniform",
+        )
 
     def g_fwd_bwd() -> Group:
         pe2 = LearnedPositionEmbedding(L, d, seed=0, dtype=dt)
@@ -331,17 +360,23 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
 
     def g_threads(kind: str) -> Group:
         if kind == "lookup":
+
             def run(n: int) -> Callable[[], Any]:
                 return lambda: lookup(P, pos_ar, out=out, num_threads=n)
+
             nbytes = rows_bytes
-            extra = [Contender("limit: streaming fill",
-                               lambda: _membench.fill(probe_dst, probe_nt), rows_bytes)]
+            extra = [
+                Contender(
+                    "limit: streaming fill", lambda: _membench.fill(probe_dst, probe_nt), rows_bytes
+                )
+            ]
             op = "threads: lookup(out=)"
         else:
             G = np.zeros_like(P)
 
             def run(n: int) -> Callable[[], Any]:
                 return lambda: scatter_add(G, gout, pos_rand, num_threads=n)
+
             nbytes = rows_bytes
             extra = []
             op = "threads: scatter_add random"
@@ -363,8 +398,12 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
             ("tiny: pe([0])", lambda: tp([0]), lambda: tr([0]), "reference"),
             ("tiny: pe(arange(10))", lambda: tp(a10), lambda: tr(a10), "reference"),
             ("tiny: pe(4x128 array)", lambda: tp(a4), lambda: tr(a4), "reference"),
-            ("tiny: add_to((1,1,d), offset=i)", lambda: tp.add_to(t1, offset=77),
-             lambda: t1 + table[77], "numpy tok + table[i]"),
+            (
+                "tiny: add_to((1,1,d), offset=i)",
+                lambda: tp.add_to(t1, offset=77),
+                lambda: t1 + table[77],
+                "numpy tok + table[i]",
+            ),
         ]:
             cs = [Contender(OURS, mine, 0), Contender(name, theirs, 0)]
             expect = theirs()
@@ -383,8 +422,10 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
         ("fwd_bwd", g_fwd_bwd),
     ]
     if nt > 1:
-        groups += [("threads_lookup", lambda: g_threads("lookup")),
-                   ("threads_scatter", lambda: g_threads("scatter"))]
+        groups += [
+            ("threads_lookup", lambda: g_threads("lookup")),
+            ("threads_scatter", lambda: g_threads("scatter")),
+        ]
     groups.append(("tiny", g_tiny))  # type: ignore[arg-type]
     return groups
 
@@ -398,8 +439,11 @@ def _fmt_ms(s: float) -> str:
 def report(groups: list[Group], file: Any = sys.stdout) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     w = 34
-    print(f"{'op / contender':<{w + 2}} {'time':>12} {'GB/s':>7} {'ours/this':>10} "
-          f"{'target':>8}  check", file=file)
+    print(
+        f"{'op / contender':<{w + 2}} {'time':>12} {'GB/s':>7} {'ours/this':>10} "
+        f"{'target':>8}  check",
+        file=file,
+    )
     for g in groups:
         ours = next(c for c in g.contenders if c.name == OURS)
         print(f"{g.op}  [{g.note}]" if g.note else g.op, file=file)
@@ -419,14 +463,24 @@ def report(groups: list[Group], file: Any = sys.stdout) -> list[dict[str, Any]]:
                     met = ours.median <= 1.1 * limit.median
                 verdict = f"<={target:<4} {'ok' if met else 'MISS'}"
             gbs_s = f"{gbs:7.2f}" if gbs == gbs else f"{'':>7}"
-            print(f"  {c.name:<{w}} {_fmt_ms(med):>12} {gbs_s} {ratio:10.3f} "
-                  f"{verdict:>8}  {c.check}", file=file)
-            rows.append({
-                "op": g.op, "contender": c.name, "note": g.note,
-                "median_s": med, "runs": len(c.times), "gb_per_s": gbs if gbs == gbs else None,
-                "ratio_ours_to_this": ratio, "target": target,
-                "met": met, "check": c.check,
-            })
+            print(
+                f"  {c.name:<{w}} {_fmt_ms(med):>12} {gbs_s} {ratio:10.3f} {verdict:>8}  {c.check}",
+                file=file,
+            )
+            rows.append(
+                {
+                    "op": g.op,
+                    "contender": c.name,
+                    "note": g.note,
+                    "median_s": med,
+                    "runs": len(c.times),
+                    "gb_per_s": gbs if gbs == gbs else None,
+                    "ratio_ours_to_this": ratio,
+                    "target": target,
+                    "met": met,
+                    "check": c.check,
+                }
+            )
     return rows
 
 
@@ -447,8 +501,9 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
         target = ""
         if r["target"] is not None:
             target = f"<= {r['target']} {'ok' if r['met'] else '**miss**'}"
-        lines.append(f"| {op} | {r['contender']} | {time_s} | {gbs} | {ratio} | {target} "
-                     f"| {r['check']} |")
+        lines.append(
+            f"| {op} | {r['contender']} | {time_s} | {gbs} | {ratio} | {target} | {r['check']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -482,8 +537,9 @@ def machine_info(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
         "dtype": args.dtype,
         "repeats": args.repeats,
         "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-                         if k in os.environ},
+        "openblas_env": {
+            k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ
+        },
     }
 
 
@@ -493,23 +549,46 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description="cposembed against the machine's memory limits, NumPy and PyTorch "
         "(one process, alternating runs, medians, ratios = ours / theirs).",
     )
-    p.add_argument("--quick", action="store_true",
-                   help="small sizes and few repeats: a smoke test of a few seconds")
-    p.add_argument("--table", nargs=2, type=int, metavar=("L", "D"), default=None,
-                   help="table shape (default 2048 768)")
-    p.add_argument("--batch", nargs=2, type=int, metavar=("B", "T"), default=None,
-                   help="positions shape (default 32 1024)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="threads for cposembed, the limits and torch (default: all)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes and few repeats: a smoke test of a few seconds",
+    )
+    p.add_argument(
+        "--table",
+        nargs=2,
+        type=int,
+        metavar=("L", "D"),
+        default=None,
+        help="table shape (default 2048 768)",
+    )
+    p.add_argument(
+        "--batch",
+        nargs=2,
+        type=int,
+        metavar=("B", "T"),
+        default=None,
+        help="positions shape (default 32 1024)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for cposembed, the limits and torch (default: all)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows")
-    p.add_argument("--only", nargs="+", metavar="NAME",
-                   help="run only these comparisons: lookup pe_alloc add_out add_inplace "
-                   "add_to scatter_arange scatter_random fwd_bwd threads_lookup "
-                   "threads_scatter tiny")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="run only these comparisons: lookup pe_alloc add_out add_inplace "
+        "add_to scatter_arange scatter_random fwd_bwd threads_lookup "
+        "threads_scatter tiny",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.table = args.table or [256, 64]
@@ -533,16 +612,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     torch = _try_torch(not args.no_torch, args.threads)
     info = machine_info(args, torch)
-    _progress(f"cposembed bench: table {args.table[0]}x{args.table[1]} {args.dtype}, "
-              f"positions {args.batch[0]}x{args.batch[1]}, {args.threads} threads, "
-              f"{args.repeats} rounds, torch {info['torch'] or 'not installed (rows skipped)'}")
+    _progress(
+        f"cposembed bench: table {args.table[0]}x{args.table[1]} {args.dtype}, "
+        f"positions {args.batch[0]}x{args.batch[1]}, {args.threads} threads, "
+        f"{args.repeats} rounds, torch {info['torch'] or 'not installed (rows skipped)'}"
+    )
     factories = build_groups(args, torch)
     if args.only:
         known = {name for name, _ in factories}
         unknown = set(args.only) - known
         if unknown:
-            print(f"unknown --only names: {sorted(unknown)}; known: {sorted(known)}",
-                  file=sys.stderr)
+            print(
+                f"unknown --only names: {sorted(unknown)}; known: {sorted(known)}", file=sys.stderr
+            )
             return 2
         factories = [(n, f) for n, f in factories if n in args.only]
     done: list[Group] = []
@@ -556,14 +638,17 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 _time_group(g, args.repeats)
             ours = next(c for c in g.contenders if c.name == OURS)
-            others = ", ".join(f"{c.name} {ours.median / c.median:.2f}x"
-                               for c in g.contenders if c is not ours)
+            others = ", ".join(
+                f"{c.name} {ours.median / c.median:.2f}x" for c in g.contenders if c is not ours
+            )
             _progress(f"      {g.op}: {_fmt_ms(ours.median).strip()}; ours/other: {others}")
             done.append(g)
     _progress(f"done in {time.perf_counter() - t_start:.1f} s")
     print()
-    print("cposembed bench: " + ", ".join(f"{k}={v}" for k, v in info.items()
-                                           if k not in ("compile_args",)))
+    print(
+        "cposembed bench: "
+        + ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("compile_args",))
+    )
     rows = report(done)
     bad = [r for r in rows if r["check"].startswith("MISMATCH")]
     if args.json:

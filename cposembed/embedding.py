@@ -192,9 +192,7 @@ class LearnedPositionEmbedding:
                 if shape[-2] == 1:
                     return tok + table[offset]
                 return tok + table[offset : offset + shape[-2]]
-        return add_positions(
-            token_embeddings, self._embeddings, positions, offset=offset, out=out
-        )
+        return add_positions(token_embeddings, self._embeddings, positions, offset=offset, out=out)
 
     # -- backward ----------------------------------------------------------
     def backward(self, grad_output: Any, positions: Any = None, *, offset: int = 0) -> np.ndarray:

@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _alloc, _kernels
-from . import _threads
+from . import _alloc, _kernels, _threads
 from . import _validation as v
 
 __all__ = ["lookup", "add_positions", "scatter_add"]
@@ -78,7 +77,8 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < POOL_MIN_BYTES:
         return np.empty(shape, dtype=dtype)
-    return np.frombuffer(_alloc.block(nbytes), dtype=dtype).reshape(shape)
+    block: Any = _alloc.block(nbytes)  # a writable buffer (C-level protocol)
+    return np.frombuffer(block, dtype=dtype).reshape(shape)
 
 
 def _writable_target(
@@ -144,15 +144,14 @@ def lookup(
     pos = v.as_positions(positions, n_rows)
     if pos.flat is None:
         return _lookup_numpy(table, positions, out)
+    assert pos.shape is not None  # set whenever flat is
     shape = pos.shape + (d,)
     if out is not None:
         v.check_out(out, shape, table.dtype)
     n = pos.flat.size
     threads = _run_threads(num_threads, n * d, n)
     target = _writable_target(out, shape, table.dtype, table)
-    _kernels.lookup_rows(
-        table, pos.flat, target.reshape(n, d), threads, _stream(target.nbytes)
-    )
+    _kernels.lookup_rows(table, pos.flat, target.reshape(n, d), threads, _stream(target.nbytes))
     return _finish(target, out)
 
 

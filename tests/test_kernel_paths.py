@@ -122,18 +122,25 @@ def _scatter_all_paths(grad0, g, pos):
     results = {}
     for threads in THREADS:
         for allow_distinct, mode, block in [
-            (True, 0, 1 << 23),     # auto
-            (False, 1, 1 << 23),    # scan, whole rows
-            (False, 1, 64),         # scan, 16-column blocks
-            (False, 1, 4096),       # scan, medium blocks
-            (False, 2, 1 << 23),    # counting sort + prefetch
-            (False, 3, 1 << 23),    # column bands per thread
-            (False, 3, 64),         # column bands, 16-column blocks
+            (True, 0, 1 << 23),  # auto
+            (False, 1, 1 << 23),  # scan, whole rows
+            (False, 1, 64),  # scan, 16-column blocks
+            (False, 1, 4096),  # scan, medium blocks
+            (False, 2, 1 << 23),  # counting sort + prefetch
+            (False, 3, 1 << 23),  # column bands per thread
+            (False, 3, 64),  # column bands, 16-column blocks
         ]:
             grad = grad0.copy()
             _kernels.scatter_add_rows(
-                grad, g, pos, np.empty(L + 1, np.int64), np.empty(pos.size, np.int64),
-                threads, allow_distinct, mode, block,
+                grad,
+                g,
+                pos,
+                np.empty(L + 1, np.int64),
+                np.empty(pos.size, np.int64),
+                threads,
+                allow_distinct,
+                mode,
+                block,
             )
             results[(threads, allow_distinct, mode, block)] = grad
     return results
@@ -141,8 +148,9 @@ def _scatter_all_paths(grad0, g, pos):
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("index_dtype", INDEX)
-@pytest.mark.parametrize("kind", ["arange", "offset_arange", "permutation", "random",
-                                  "negative", "one_row"])
+@pytest.mark.parametrize(
+    "kind", ["arange", "offset_arange", "permutation", "random", "negative", "one_row"]
+)
 @pytest.mark.parametrize("nb", [1, 3])
 def test_scatter_every_path_bitwise_np_add_at(dtype, index_dtype, kind, nb):
     rng = np.random.default_rng(7)
@@ -177,8 +185,7 @@ def test_scatter_functional_threads_bitwise_above_threshold(dtype, positions):
     assert B * T * d > _threads.SERIAL_THRESHOLD
     g = rng.standard_normal((B, T, d)).astype(dtype)
     pos = None if positions == "none" else rng.integers(-L, L, size=(B, T))
-    expect = reference_scatter(np.zeros((L, d), dtype), g,
-                               np.arange(T) if pos is None else pos)
+    expect = reference_scatter(np.zeros((L, d), dtype), g, np.arange(T) if pos is None else pos)
     for threads in THREADS:
         got = cposembed.scatter_add(np.zeros((L, d), dtype), g, pos, num_threads=threads)
         assert np.array_equal(_bits(got), _bits(expect)), threads
@@ -194,8 +201,9 @@ def test_scatter_auto_picks_sorted_path_for_huge_tables():
     expect = reference_scatter(np.zeros((L, d), np.float32), g, pos)
     for threads in (1, 2):
         grad = np.zeros((L, d), np.float32)
-        _kernels.scatter_add_rows(grad, g, pos, np.empty(L + 1, np.int64),
-                                  np.empty(100, np.int64), threads, True, 0, 8)
+        _kernels.scatter_add_rows(
+            grad, g, pos, np.empty(L + 1, np.int64), np.empty(100, np.int64), threads, True, 0, 8
+        )
         assert np.array_equal(grad, expect)
 
 
@@ -387,8 +395,9 @@ def test_membench_probes(threads, n, stream):
     assert np.all(dst == 1.0)
     _membench.copy(dst, src, threads, stream)
     assert np.array_equal(dst, src)
-    assert _membench.read_sum(src, threads) == pytest.approx(float(src.sum(dtype=np.float64)),
-                                                             rel=1e-4, abs=1e-3)
+    assert _membench.read_sum(src, threads) == pytest.approx(
+        float(src.sum(dtype=np.float64)), rel=1e-4, abs=1e-3
+    )
 
 
 def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
@@ -397,8 +406,20 @@ def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
     from cposembed import bench
 
     path = tmp_path / "b.json"
-    code = bench.main(["--quick", "--no-torch", "--repeats", "1", "--json", str(path),
-                       "--only", "lookup", "scatter_random", "tiny"])
+    code = bench.main(
+        [
+            "--quick",
+            "--no-torch",
+            "--repeats",
+            "1",
+            "--json",
+            str(path),
+            "--only",
+            "lookup",
+            "scatter_random",
+            "tiny",
+        ]
+    )
     assert code == 0
     data = json.loads(path.read_text())
     ops = {r["op"] for r in data["results"]}
