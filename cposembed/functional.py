@@ -68,7 +68,7 @@ def _run_threads(num_threads: int | None, work: int, chunks: int) -> int:
 # Fresh outputs at least this large come from cposembed._alloc's reusable
 # blocks: a new mmap'ed array pays a page fault and a kernel zeroing per page,
 # more than the lookup that fills it; a block freed by a previous call's
-# result is handed out again instead (up to a few blocks, 2 GiB, are kept).
+# result is handed out again instead (at most 4 blocks, 1 GiB, are kept).
 POOL_MIN_BYTES = 1 << 22
 
 

@@ -40,7 +40,7 @@ DEF _MAX_BLOCKS = 4
 cdef void* _pool_ptr[_MAX_BLOCKS]
 cdef size_t _pool_size[_MAX_BLOCKS]
 cdef int _pool_n = 0
-cdef size_t _pool_limit = (<size_t>1) << 31   # bytes kept at most
+cdef size_t _pool_limit = (<size_t>1) << 30   # bytes kept at most (1 GiB)
 cdef bint _enabled = True
 
 
