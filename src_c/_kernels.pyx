@@ -111,6 +111,26 @@ cdef inline void _acc_row(real_t* acc, const real_t* src,
         acc[k] += src[k]
 
 
+cdef inline void _acc_row_pf(real_t* acc, const real_t* src, const real_t* nxt,
+                             Py_ssize_t d) noexcept nogil:
+    # acc += src, asking for the matching cache line of the next row (`nxt`,
+    # may be NULL) as each line is summed: the prefetches trickle out at the
+    # pace of the work instead of all at once.
+    cdef Py_ssize_t k = 0, j
+    cdef Py_ssize_t step = 64 // sizeof(real_t)
+    if nxt != NULL:
+        while k + step <= d:
+            cpe_prefetch(nxt + k)
+            for j in range(k, k + step):
+                acc[j] += src[j]
+            k += step
+        if k < d:
+            cpe_prefetch(nxt + k)
+    while k < d:
+        acc[k] += src[k]
+        k += 1
+
+
 cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
     # The next row of a random gather: ask for all its cache lines now, so
     # they arrive while the current row is summed.
@@ -317,6 +337,7 @@ cdef void _sum_rows(real_t* grad, const real_t* g,
     cdef Py_ssize_t r, k, t, d_ = d
     cdef int64_t s, e, last = row_start[r_hi]
     cdef real_t* acc
+    cdef const real_t* nxt
     for r in range(r_lo, r_hi):
         s = row_start[r]
         e = row_start[r + 1]
@@ -326,12 +347,14 @@ cdef void _sum_rows(real_t* grad, const real_t* g,
         for k in range(nb):
             for t in range(s, e):
                 if t + 1 < e:
-                    _prefetch_row(g + (k * m + order[t + 1]) * d_, d_)
+                    nxt = g + (k * m + order[t + 1]) * d_
                 elif k + 1 < nb:
-                    _prefetch_row(g + ((k + 1) * m + order[s]) * d_, d_)
+                    nxt = g + ((k + 1) * m + order[s]) * d_
                 elif e < last:
-                    _prefetch_row(g + order[e] * d_, d_)
-                _acc_row(acc, g + (k * m + order[t]) * d_, d_)
+                    nxt = g + order[e] * d_
+                else:
+                    nxt = NULL
+                _acc_row_pf(acc, g + (k * m + order[t]) * d_, nxt, d_)
 
 
 cdef void _sum_distinct(real_t* grad, const real_t* g, const index_t* positions,
