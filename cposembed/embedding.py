@@ -64,7 +64,10 @@ def _padding_index(value: Any, n_rows: int) -> int | None:
 def _learning_rate(lr: Any) -> float:
     if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, (int, float, np.integer, np.floating)):
         raise TypeError(f"lr must be a real number; got {v.describe(lr)}")
-    value = float(lr)
+    try:
+        value = float(lr)
+    except OverflowError:
+        value = math.inf
     if not math.isfinite(value):
         raise ValueError(f"lr must be finite; got {value}")
     return value
@@ -133,7 +136,7 @@ class LearnedPositionEmbedding:
         self._init_state(pad)
 
     def _init_state(self, padding_idx: int | None) -> None:
-        self.padding_idx = padding_idx
+        self._padding_idx = padding_idx
         self.grad: np.ndarray | None = None
         # Rows some backward() touched since the last zero_grad(), and the grad
         # array that mask describes (if the user assigns another array to
@@ -182,6 +185,22 @@ class LearnedPositionEmbedding:
                 "(use from_pretrained for a table of another size)"
             )
         self._embeddings = np.array(arr, dtype=self.dtype, order="C", copy=True)
+
+    @property
+    def padding_idx(self) -> int | None:
+        """The row that gets no gradient (normalised to ``[0, L)``), or None."""
+        return self._padding_idx
+
+    @padding_idx.setter
+    def padding_idx(self, value: int | None) -> None:
+        # As in torch, setting it later does not zero the row; it only stops
+        # the row from receiving gradient from now on.
+        pad = _padding_index(value, self.max_seq_len)
+        self._padding_idx = pad
+        if pad is not None and self.grad is not None:
+            self.grad[pad] = 0
+        if pad is not None and self._touched is not None:
+            self._touched[pad] = False
 
     @property
     def max_seq_len(self) -> int:

@@ -86,7 +86,9 @@ class _Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         self._tqdm = None
-        self._every = max(1, total // 50)
+        # On a terminal the bar redraws in place; in a log, a line every 10%.
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._every = max(1, total // (50 if self._tty else 10))
         self._start = time.perf_counter()
         if enabled:
             try:
@@ -110,9 +112,8 @@ class _Progress:
         filled = width * step // self.total
         bar = "#" * filled + "." * (width - filled)
         elapsed = time.perf_counter() - self._start
-        self.stream.write(
-            f"\rtraining [{bar}] {step}/{self.total} loss {loss:.3f} {elapsed:.1f}s"
-        )
+        text = f"training [{bar}] {step}/{self.total} loss {loss:.3f} {elapsed:.1f}s"
+        self.stream.write(f"\r{text}" if self._tty else f"{text}\n")
         self.stream.flush()
 
     def close(self) -> None:
@@ -120,7 +121,7 @@ class _Progress:
             return
         if self._tqdm is not None:
             self._tqdm.close()
-        else:
+        elif self._tty:
             self.stream.write("\n")
             self.stream.flush()
 
@@ -285,7 +286,7 @@ def run(args: Any) -> int:
     sigma = max(1.0, args.max_seq_len / 16)
     print(
         "task: predict each token's position from token + position embeddings "
-        f"(random tokens, soft targets of width {sigma:g} positions)"
+        f"(random tokens; Gaussian soft targets, sigma {sigma:g})"
     )
     print(
         f"table: {args.max_seq_len} positions x {args.embed_dim} dimensions; "

@@ -615,3 +615,26 @@ def test_train_command_without_matplotlib(tmp_path):
 def test_train_command_rejects_bad_options(tmp_path):
     proc = run_cli(["train", "--steps", "0"], cwd=tmp_path)
     assert proc.returncode == 2 and "--steps" in proc.stderr
+
+
+def test_padding_idx_can_be_set_later_like_torch():
+    pe = LearnedPositionEmbedding(6, 2, seed=0)
+    row = pe.embeddings[4].copy()
+    pe.backward(np.ones((6, 2)))
+    pe.padding_idx = -2
+    assert pe.padding_idx == 4
+    assert same_bits(pe.embeddings[4], row)  # not zeroed
+    assert not pe.grad[4].any()
+    pe.sgd_step(1.0)
+    assert same_bits(pe.embeddings[4], row)
+    with pytest.raises(ValueError, match="padding_idx"):
+        pe.padding_idx = 6
+    pe.padding_idx = None
+    assert pe.padding_idx is None
+
+
+def test_sgd_step_rejects_an_overflowing_rate():
+    pe = LearnedPositionEmbedding(3, 2, seed=0)
+    pe.backward(np.ones((3, 2)))
+    with pytest.raises(ValueError, match="lr"):
+        pe.sgd_step(10**400)
