@@ -247,8 +247,9 @@ class LearnedPositionEmbedding:
         """
         # A fresh gradient is only kept once the call has succeeded, so an
         # invalid first call leaves ``grad`` as None.
-        fresh = self.grad is None
-        grad = np.zeros_like(self._embeddings) if fresh else self.grad
+        existing = self.grad
+        fresh = existing is None
+        grad = np.zeros_like(self._embeddings) if existing is None else existing
         scatter_add(grad, grad_output, positions, offset=offset)
         self.grad = grad
         self._mark_touched(grad, fresh, grad_output, positions, offset)
@@ -393,7 +394,7 @@ class LearnedPositionEmbedding:
         saved table is a checkpoint of the parameters, like a torch
         ``state_dict`` (pickle keeps :attr:`grad`).
         """
-        arrays = {
+        arrays: dict[str, Any] = {
             "kind": np.array(_SAVE_KIND),
             "format_version": np.array(SAVE_FORMAT_VERSION, dtype=np.int64),
             "embeddings": self._embeddings,
@@ -401,8 +402,8 @@ class LearnedPositionEmbedding:
             "padding_idx": np.array(-1 if self.padding_idx is None else self.padding_idx,
                                     dtype=np.int64),
         }
-        if hasattr(path, "write"):
-            np.savez(path, **arrays)
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            np.savez(path, **arrays)  # an open binary file
             return
         # np.savez appends ".npz" to a file name without it; a file object
         # makes it write exactly the name given.
@@ -412,7 +413,7 @@ class LearnedPositionEmbedding:
     @classmethod
     def load(cls, path: PathOrFile) -> LearnedPositionEmbedding:
         """Read back what :meth:`save` wrote (exactly ``path``, or an open binary file)."""
-        if hasattr(path, "read"):
+        if not isinstance(path, (str, bytes, os.PathLike)):
             return cls._from_npz(path, repr(path))
         name = os.fspath(path)
         with open(name, "rb") as f:

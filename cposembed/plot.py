@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _validation as v
 
-__all__ = ["heatmap", "similarity", "cosine_similarity", "adjacent_similarity"]
+__all__ = ["adjacent_similarity", "cosine_similarity", "heatmap", "similarity"]
 
 _EXTRA_HINT = "pip install cposembed[plot]"
 

@@ -29,8 +29,9 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 import numpy as np
 

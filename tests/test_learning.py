@@ -573,12 +573,12 @@ def run_cli(args, cwd, block_matplotlib=False):
         code += "sys.modules['matplotlib'] = None\n"
     code += "from cposembed.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-c", code, *args], check=False, cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
 def adjacent_line(stdout):
-    line = [s for s in stdout.splitlines() if "adjacent positions" in s][0]
+    line = next(s for s in stdout.splitlines() if "adjacent positions" in s)
     before = float(line.split("before ")[1].split(",")[0])
     after = float(line.split("after ")[1])
     return before, after

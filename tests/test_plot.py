@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import cposembed
-from cposembed import LearnedPositionEmbedding
-from cposembed import plot
+from cposembed import LearnedPositionEmbedding, plot
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -142,7 +141,7 @@ def test_import_error_in_a_fresh_interpreter():
         "    print('ImportError:', e)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "ImportError:" in proc.stdout and "pip install cposembed[plot]" in proc.stdout
@@ -168,7 +167,7 @@ def run_demo(cwd, block_matplotlib):
         code += "sys.modules['matplotlib'] = None\n"
     code += "from cposembed.__main__ import main\nsys.exit(main(['demo']))\n"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-c", code], check=False, cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
