@@ -457,7 +457,9 @@ class LearnedPositionEmbedding:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._embeddings = np.ascontiguousarray(state["embeddings"])
+        # "_embeddings": an instance pickled before __getstate__ existed.
+        table = state["embeddings"] if "embeddings" in state else state["_embeddings"]
+        self._embeddings = np.ascontiguousarray(table)
         self._init_state(state.get("padding_idx"))
         grad = state.get("grad")
         self.grad = grad

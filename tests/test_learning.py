@@ -638,3 +638,13 @@ def test_sgd_step_rejects_an_overflowing_rate():
     pe.backward(np.ones((3, 2)))
     with pytest.raises(ValueError, match="lr"):
         pe.sgd_step(10**400)
+
+
+def test_unpickles_an_instance_pickled_before_padding_idx_existed():
+    pe = LearnedPositionEmbedding(4, 2, seed=0)
+    old_state = {"_embeddings": pe.embeddings.copy(), "grad": np.ones((4, 2), np.float32)}
+    back = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)
+    back.__setstate__(old_state)
+    assert back.padding_idx is None and same_bits(back.embeddings, pe.embeddings)
+    back.sgd_step(1.0)  # no bookkeeping: every row is updated
+    assert same_bits(back.embeddings, pe.embeddings - np.float32(1.0))
