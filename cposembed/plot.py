@@ -22,14 +22,17 @@ __all__ = ["adjacent_similarity", "cosine_similarity", "heatmap", "similarity"]
 _EXTRA_HINT = "pip install cposembed[plot]"
 
 
-def _figure_class() -> Any:
+def _new_figure(figsize: tuple[float, float]) -> Any:
     try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise ImportError(
             f"cposembed.plot needs matplotlib, an optional extra: {_EXTRA_HINT}"
         ) from exc
-    return Figure
+    fig = Figure(figsize=figsize, constrained_layout=True)
+    FigureCanvasAgg(fig)  # the Agg renderer, without pyplot or a global backend switch
+    return fig
 
 
 def _as_table(pe_or_table: Any) -> np.ndarray:
@@ -110,9 +113,8 @@ def heatmap(
         matplotlib is not installed (``pip install cposembed[plot]``).
     """
     table = _as_table(pe_or_table)
-    Figure = _figure_class()
     n_pos, n_dim = table.shape
-    fig = Figure(figsize=(8, 4), constrained_layout=True)
+    fig = _new_figure((8, 4))
     ax = fig.add_subplot()
     vmax = float(np.abs(table).max()) or 1.0
     im = ax.imshow(
@@ -142,8 +144,7 @@ def similarity(
     fixed to ``[-1, 1]``.
     """
     sim = cosine_similarity(pe_or_table)
-    Figure = _figure_class()
-    fig = Figure(figsize=(5.5, 4.5), constrained_layout=True)
+    fig = _new_figure((5.5, 4.5))
     ax = fig.add_subplot()
     im = ax.imshow(sim, origin="lower", cmap=cmap, vmin=-1.0, vmax=1.0, interpolation="nearest")
     ax.set_xlabel("Position")

@@ -56,6 +56,7 @@ class TrainResult:
     loss_last: float
     accuracy: float  # share of tokens whose most likely position is exactly right
     seconds: float
+    initial_table: np.ndarray  # the table before training (a copy)
     pictures: list[str] = field(default_factory=list)
 
 
@@ -230,6 +231,7 @@ def train(
         loss_last=loss,
         accuracy=correct,
         seconds=seconds,
+        initial_table=before,
     )
     if out is not None:
         result.pictures = write_pictures(before, pe.embeddings, out)
@@ -297,14 +299,20 @@ def run(args: Any) -> int:
     result = train(
         steps=args.steps, max_seq_len=args.max_seq_len, embed_dim=args.embed_dim,
         seed=args.seed, lr=args.lr, batch_size=args.batch_size,
-        out=args.out if plots else None, progress=not args.no_progress,
+        out=None, progress=not args.no_progress,
     )
+    before_table = result.initial_table
     print(f"loss: {result.loss_first:.3f} -> {result.loss_last:.3f}; "
           f"exact position predicted for {100 * result.accuracy:.1f}% of tokens "
           f"({result.seconds:.1f} s)")
     print(f"mean cosine similarity of adjacent positions: "
           f"before {result.similarity_before:.3f}, after {result.similarity_after:.3f}")
     if plots:
+        try:
+            result.pictures = write_pictures(before_table, result.pe.embeddings, args.out)
+        except OSError as exc:
+            print(f"error: could not write the pictures to {args.out}: {exc}", file=sys.stderr)
+            return 1
         for path in result.pictures:
             print(f"wrote {path}")
     else:
