@@ -127,7 +127,9 @@ class BuildExtOpenMP(build_ext):
         else:
             # -O3 for the vectorised row loops; never -ffast-math: the kernels
             # must add in exactly the reference's order and precision.
-            compile_args += ["-O3", "-fno-math-errno"]
+            # -ffp-contract=off: no fused multiply-add, so `a - lr * g` rounds
+            # twice, exactly as NumPy's separate multiply and subtract do.
+            compile_args += ["-O3", "-fno-math-errno", "-ffp-contract=off"]
             compile_args += ["-g", "-O1"] if DEBUG else ["-g0"]
             if _env_flag("CPOSEMBED_NATIVE"):
                 compile_args += ["-march=native"]
@@ -171,6 +173,11 @@ EXTENSIONS = [
     Extension(
         "cposembed._kernels",
         ["src_c/_kernels.pyx"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
+    Extension(
+        "cposembed._optim",
+        ["src_c/_optim.pyx"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
 ]
