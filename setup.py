@@ -131,7 +131,9 @@ class BuildExtOpenMP(build_ext):
         else:
             # -O3 for the vectorised row loops; never -ffast-math: the kernels
             # must add in exactly the reference's order and precision.
-            compile_args += ["-O3", "-fno-math-errno"]
+            # -ffp-contract=off: no fused multiply-add, so `a - lr * g` rounds
+            # twice, exactly as NumPy's separate multiply and subtract do.
+            compile_args += ["-O3", "-fno-math-errno", "-ffp-contract=off"]
             compile_args += ["-g", "-O1"] if DEBUG else ["-g0"]
             if _env_flag("CPOSEMBED_NATIVE"):
                 compile_args += ["-march=native"]
@@ -187,6 +189,11 @@ EXTENSIONS = [
         ["src_c/_membench.pyx"],
         include_dirs=["src_c"],
         depends=["src_c/_stream.h", "src_c/_openmp.pxd"],
+    ),
+    Extension(
+        "cposembed._optim",
+        ["src_c/_optim.pyx"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
 ]
 

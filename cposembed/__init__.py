@@ -5,11 +5,13 @@ with the same API and numbers, plus fused token+position addition and a
 deterministic gradient scatter-add, as Cython/OpenMP kernels.
 """
 
+from . import plot  # matplotlib itself is imported only when drawing
 from ._config import openmp_enabled, show_config
 from ._threads import get_num_threads, set_num_threads
 from ._version import __version__
 from .embedding import LearnedPositionEmbedding
 from .functional import add_positions, lookup, scatter_add
+from .masks import positions_from_mask
 
 __all__ = [
     "LearnedPositionEmbedding",
@@ -18,6 +20,8 @@ __all__ = [
     "get_num_threads",
     "lookup",
     "openmp_enabled",
+    "plot",
+    "positions_from_mask",
     "scatter_add",
     "set_num_threads",
     "show_config",

@@ -1,8 +1,9 @@
-"""Command line: ``python -m cposembed {demo,info,bench}``."""
+"""Command line: ``python -m cposembed {demo,info,bench,train}``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -25,7 +26,30 @@ def demo(args: argparse.Namespace) -> int:
     print("Sample position embeddings (first 5 dimensions):")
     for i in range(5):
         print(f"  Position {i}: {np.round(pos_vectors[i, :5], 3)} ...")
+    _demo_heatmap(pos_embed)
     return 0
+
+
+DEMO_HEATMAP = "position_embeddings_heatmap.png"
+
+
+def _demo_heatmap(pos_embed: object) -> None:
+    # The handbook's Out[6]; only when matplotlib is there (an optional extra).
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    from .plot import heatmap
+
+    path = os.path.abspath(DEMO_HEATMAP)
+    heatmap(pos_embed, path, title="Random position embeddings at initialization")
+    print(f"wrote heatmap to {path}")
+
+
+def train(args: argparse.Namespace) -> int:
+    from .train import run
+
+    return run(args)
 
 
 def info(args: argparse.Namespace) -> int:
@@ -64,6 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     p_bench.set_defaults(func=bench)
+    from .train import add_arguments as add_train_arguments
+
+    p_train = sub.add_parser(
+        "train",
+        help="train a table on a task where order matters; before/after pictures",
+        description="Train a position table on a small task where order matters (predict "
+        "each token's position), print the mean cosine similarity of adjacent positions "
+        "before and after, and write before/after heatmaps and similarity maps.",
+    )
+    add_train_arguments(p_train)
+    p_train.set_defaults(func=train)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

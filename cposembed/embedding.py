@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import operator
-from typing import Any
+import os
+from typing import IO, Any, Union
 
 import numpy as np
 
+from . import _optim, _threads
 from . import _validation as v
 from .functional import SMALL_TAKE_ELEMENTS as _SMALL_TAKE_ELEMENTS
 from .functional import add_positions, lookup, scatter_add, small_take
@@ -15,6 +18,14 @@ from .functional import add_positions, lookup, scatter_add, small_take
 # positions=None (a decode step): the full path's fixed costs would dominate.
 _SMALL_ADD_ELEMENTS = 1 << 14
 _ndarray = np.ndarray
+
+# Version of the .npz layout written by save(); load() refuses newer ones.
+SAVE_FORMAT_VERSION = 1
+_SAVE_KIND = "cposembed.LearnedPositionEmbedding"
+# Version of the pickled state (see __getstate__).
+_PICKLE_VERSION = 1
+
+PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 
 __all__ = ["LearnedPositionEmbedding"]
 
@@ -39,6 +50,36 @@ def _table_dtype(dtype: Any) -> np.dtype:
     if dt is None or dt not in v.FLOAT_DTYPES:
         raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
     return dt
+
+
+def _padding_index(value: Any, n_rows: int) -> int | None:
+    """``padding_idx`` normalised to ``[0, L)`` (negatives count from the end)."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
+        raise ValueError(
+            f"padding_idx must be None or an integer in [{-n_rows}, {n_rows}); "
+            f"got {v.describe(value)}"
+        )
+    p = operator.index(value)
+    if not -n_rows <= p < n_rows:
+        raise ValueError(
+            f"padding_idx must be in [{-n_rows}, {n_rows}) for a table of {n_rows} "
+            f"positions; got {p}"
+        )
+    return p + n_rows if p < 0 else p
+
+
+def _learning_rate(lr: Any) -> float:
+    if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, (int, float, np.integer, np.floating)):
+        raise TypeError(f"lr must be a real number; got {v.describe(lr)}")
+    try:
+        value = float(lr)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"lr must be finite; got {value}")
+    return value
 
 
 def draw_table(max_seq_len: int, embed_dim: int, seed: Any = None) -> np.ndarray:
@@ -69,6 +110,12 @@ class LearnedPositionEmbedding:
         Seed for the initial table; ``None`` uses NumPy's global legacy RNG.
     dtype : {numpy.float32, numpy.float64}, default float32
         Table dtype. float32 is the fast path; float64 is bitwise the reference.
+    padding_idx : int, optional
+        As in ``torch.nn.Embedding``: that row starts at zero and never
+        receives gradient (:meth:`backward` leaves ``grad[padding_idx]`` at
+        zero, so :meth:`sgd_step` never moves it); looking it up still returns
+        it. Negative values count from the end; stored normalised to ``[0, L)``.
+        The other rows are drawn exactly as without it.
 
     Attributes
     ----------
@@ -76,20 +123,46 @@ class LearnedPositionEmbedding:
         The live table (C-contiguous, writable).
     grad : ndarray or None
         Accumulated gradient, ``None`` until the first :meth:`backward`.
+    padding_idx : int or None
     """
 
     def __init__(
-        self, max_seq_len: int, embed_dim: int, seed: Any = None, *, dtype: Any = np.float32
+        self,
+        max_seq_len: int,
+        embed_dim: int,
+        seed: Any = None,
+        *,
+        dtype: Any = np.float32,
+        padding_idx: int | None = None,
     ) -> None:
         n_rows = _positive_int(max_seq_len, "max_seq_len")
         d = _positive_int(embed_dim, "embed_dim")
         dt = _table_dtype(dtype)
+        pad = _padding_index(padding_idx, n_rows)
         self._embeddings = np.ascontiguousarray(draw_table(n_rows, d, seed), dtype=dt)
+        if pad is not None:
+            self._embeddings[pad] = 0
+        self._init_state(pad)
+
+    def _init_state(self, padding_idx: int | None) -> None:
+        self._padding_idx = padding_idx
         self.grad: np.ndarray | None = None
+        # Rows some backward() touched since the last zero_grad(), and the grad
+        # array that mask describes (if the user assigns another array to
+        # `grad`, sgd_step cannot trust the mask and updates every row).
+        self._touched: np.ndarray | None = None
+        self._touched_grad: np.ndarray | None = None
 
     @classmethod
-    def from_pretrained(cls, table: Any, *, dtype: Any = np.float32) -> LearnedPositionEmbedding:
-        """Build one around a copy of an existing ``(L, d)`` table (e.g. GPT-2's ``wpe``)."""
+    def from_pretrained(
+        cls, table: Any, *, dtype: Any = np.float32, padding_idx: int | None = None
+    ) -> LearnedPositionEmbedding:
+        """Build one around a copy of an existing ``(L, d)`` table (e.g. GPT-2's ``wpe``).
+
+        As in ``torch.nn.Embedding.from_pretrained``, a ``padding_idx`` row keeps
+        the value it has in ``table`` (it is not zeroed) and never receives
+        gradient.
+        """
         dt = _table_dtype(dtype)
         arr = np.asarray(table)
         if arr.dtype.kind not in "biuf":
@@ -99,9 +172,10 @@ class LearnedPositionEmbedding:
                 f"table must be 2-D (max_seq_len, embed_dim) with both sizes >= 1; "
                 f"got shape {arr.shape}"
             )
+        pad = _padding_index(padding_idx, arr.shape[0])
         self = cls.__new__(cls)
         self._embeddings = np.array(arr, dtype=dt, order="C", copy=True)
-        self.grad = None
+        self._init_state(pad)
         return self
 
     # -- the table ---------------------------------------------------------
@@ -120,6 +194,22 @@ class LearnedPositionEmbedding:
                 "(use from_pretrained for a table of another size)"
             )
         self._embeddings = np.array(arr, dtype=self.dtype, order="C", copy=True)
+
+    @property
+    def padding_idx(self) -> int | None:
+        """The row that gets no gradient (normalised to ``[0, L)``), or None."""
+        return self._padding_idx
+
+    @padding_idx.setter
+    def padding_idx(self, value: int | None) -> None:
+        # As in torch, setting it later does not zero the row; it only stops
+        # the row from receiving gradient from now on.
+        pad = _padding_index(value, self.max_seq_len)
+        self._padding_idx = pad
+        if pad is not None and self.grad is not None:
+            self.grad[pad] = 0
+        if pad is not None and self._touched is not None:
+            self._touched[pad] = False
 
     @property
     def max_seq_len(self) -> int:
@@ -199,22 +289,257 @@ class LearnedPositionEmbedding:
         """Accumulate the table gradient of :meth:`add_to` / ``__call__`` into :attr:`grad`.
 
         ``grad[positions[i]] += grad_output[i]`` for every ``i``; deterministic
-        (bitwise the same for any thread count). Returns :attr:`grad`.
+        (bitwise the same for any thread count). The ``padding_idx`` row gets
+        no gradient. Returns :attr:`grad`.
         """
         # A fresh gradient is only kept once the call has succeeded, so an
         # invalid first call leaves ``grad`` as None.
-        grad = self.grad if self.grad is not None else np.zeros_like(self._embeddings)
+        existing = self.grad
+        fresh = existing is None
+        grad = np.zeros_like(self._embeddings) if existing is None else existing
         scatter_add(grad, grad_output, positions, offset=offset)
         self.grad = grad
+        self._mark_touched(grad, fresh, grad_output, positions, offset)
+        if self.padding_idx is not None:
+            # The row was zero before this call (it never keeps gradient), so
+            # resetting it is the same as never having added to it.
+            grad[self.padding_idx] = 0
         return grad
+
+    def _mark_touched(
+        self, grad: np.ndarray, fresh: bool, grad_output: Any, positions: Any, offset: int
+    ) -> None:
+        # scatter_add has accepted these arguments, so they are valid here.
+        # Marking a row too many is harmless (its gradient is zero, and
+        # x - lr * 0 == x bitwise); missing one is not.
+        if self._touched is None or self._touched_grad is not grad:
+            # A grad array the user assigned may hold anything: all rows count.
+            self._touched = np.full(self.max_seq_len, not fresh, dtype=bool)
+            self._touched_grad = grad
+        if positions is None:
+            n_tokens = np.shape(grad_output)[-2]
+            self._touched[offset : offset + n_tokens] = True
+        else:
+            flat = v.as_positions(positions, self.max_seq_len).flat
+            self._touched[flat] = True
+        if self.padding_idx is not None:
+            self._touched[self.padding_idx] = False
 
     def zero_grad(self) -> None:
         """Reset the accumulated gradient to zeros (keeping its buffer)."""
         if self.grad is not None:
             self.grad.fill(0)
+        if self._touched is not None:
+            self._touched.fill(False)
+
+    # -- learning ------------------------------------------------------------
+    def sgd_step(self, lr: float) -> None:
+        """One plain SGD step: ``embeddings -= lr * grad``, on the touched rows only.
+
+        Bitwise what NumPy computes for ``pe.embeddings -= float(lr) * pe.grad``
+        (``lr`` rounded once to the table's dtype, then a multiply and a
+        subtract per element), but only rows that some :meth:`backward` touched
+        since the last :meth:`zero_grad` are visited: the others have a zero
+        gradient and would not change. Runs on the kernels' threads. Does not
+        reset the gradient (call :meth:`zero_grad`, as with torch optimizers).
+
+        If no :meth:`backward` has run yet (``grad is None``) this does nothing,
+        as torch optimizers skip parameters without a gradient. If you assign
+        another array to :attr:`grad`, every row is updated; in-place edits to
+        :attr:`grad` are only seen on the touched rows.
+
+        Parameters
+        ----------
+        lr : float
+            Learning rate: any finite real number (negative values ascend).
+
+        Raises
+        ------
+        TypeError
+            ``lr`` is not a real number, or :attr:`grad` is not a numeric array.
+        ValueError
+            ``lr`` is NaN or infinite, or :attr:`grad` has the wrong shape.
+        """
+        step = _learning_rate(lr)
+        grad = self.grad
+        if grad is None:
+            return
+        table = self._embeddings
+        if not isinstance(grad, np.ndarray) or grad.dtype.kind not in "biuf":
+            raise TypeError(f"grad must be a real-valued numpy.ndarray; got {v.describe(grad)}")
+        if grad.shape != table.shape:
+            raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
+        if grad is self._touched_grad and self._touched is not None:
+            rows = np.flatnonzero(self._touched).astype(np.int64, copy=False)
+        else:
+            rows = np.arange(self.max_seq_len, dtype=np.int64)
+            if self.padding_idx is not None:
+                rows = rows[rows != self.padding_idx]
+        if rows.size == 0:
+            return
+        if grad.dtype != table.dtype or not grad.flags.c_contiguous or v.overlaps(grad, table):
+            # Not the layout the kernel takes: NumPy's own arithmetic, same rule.
+            table[rows] -= step * grad[rows]
+            return
+        d = table.shape[1]
+        n_threads = _threads.effective_num_threads(None, rows.size * d, rows.size)
+        _threads.note_parallel(n_threads)
+        _optim.sgd_rows(table, grad, rows, step, n_threads)
+
+    def resized(self, new_max_len: int, method: str = "linear") -> LearnedPositionEmbedding:
+        """A new instance whose table has ``new_max_len`` rows (for longer or shorter contexts).
+
+        Parameters
+        ----------
+        new_max_len : int
+            Rows of the new table.
+        method : {"linear", "repeat"}
+            ``"linear"`` interpolates along positions and keeps both end rows:
+            new row ``i`` is the old table at ``i * (L - 1) / (new_max_len - 1)``
+            (a one-row table is repeated; a one-row result is the old row 0).
+            ``"repeat"`` tiles the table and cuts it to length: row ``i`` is
+            old row ``i % L``.
+
+        Returns
+        -------
+        LearnedPositionEmbedding
+            Same dtype and ``padding_idx`` (whose row is copied from this
+            table, not interpolated); no gradient.
+
+        Raises
+        ------
+        ValueError
+            ``new_max_len`` not a positive integer, an unknown ``method``, or a
+            ``padding_idx`` that does not fit in the new length.
+        """
+        new_len = _positive_int(new_max_len, "new_max_len")
+        if method not in ("linear", "repeat"):
+            raise ValueError(f'method must be "linear" or "repeat"; got {method!r}')
+        pad = self.padding_idx
+        if pad is not None and pad >= new_len:
+            raise ValueError(
+                f"padding_idx {pad} does not fit in new_max_len {new_len}; "
+                "build the new table with from_pretrained and another padding_idx"
+            )
+        old = self._embeddings
+        n_old = old.shape[0]
+        if method == "repeat":
+            table = old[np.arange(new_len) % n_old]
+        else:
+            table = _interpolate_rows(old, new_len)
+        if pad is not None:
+            table[pad] = old[pad]
+        return type(self).from_pretrained(table, dtype=self.dtype, padding_idx=pad)
+
+    # -- saving --------------------------------------------------------------
+    def save(self, path: PathOrFile) -> None:
+        """Write the table and its settings to ``path`` as an ``.npz`` archive.
+
+        Writes exactly ``path`` (no ``.npz`` suffix is appended) or into an
+        open binary file. Stored: the table (bitwise, in its dtype), its dtype,
+        ``padding_idx`` and a format version. The gradient is not stored: a
+        saved table is a checkpoint of the parameters, like a torch
+        ``state_dict`` (pickle keeps :attr:`grad`).
+        """
+        arrays: dict[str, Any] = {
+            "kind": np.array(_SAVE_KIND),
+            "format_version": np.array(SAVE_FORMAT_VERSION, dtype=np.int64),
+            "embeddings": self._embeddings,
+            "dtype": np.array(self.dtype.name),
+            "padding_idx": np.array(-1 if self.padding_idx is None else self.padding_idx,
+                                    dtype=np.int64),
+        }
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            np.savez(path, **arrays)  # an open binary file
+            return
+        # np.savez appends ".npz" to a file name without it; a file object
+        # makes it write exactly the name given.
+        with open(os.fspath(path), "wb") as f:
+            np.savez(f, **arrays)
+
+    @classmethod
+    def load(cls, path: PathOrFile) -> LearnedPositionEmbedding:
+        """Read back what :meth:`save` wrote (exactly ``path``, or an open binary file)."""
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return cls._from_npz(path, repr(path))
+        name = os.fspath(path)
+        with open(name, "rb") as f:
+            return cls._from_npz(f, repr(name))
+
+    @classmethod
+    def _from_npz(cls, f: IO[bytes], name: str) -> LearnedPositionEmbedding:
+        try:
+            archive = np.load(f, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise ValueError(f"{name} is not a file written by save() ({exc})") from None
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise ValueError(f"{name} is not a file written by save() (not an .npz archive)")
+        with archive:
+            missing = {"kind", "format_version", "embeddings", "padding_idx"} - set(archive.files)
+            if missing or str(archive["kind"]) != _SAVE_KIND:
+                raise ValueError(
+                    f"{name} is not a file written by LearnedPositionEmbedding.save() "
+                    f"(missing {sorted(missing)})" if missing else
+                    f"{name} is not a file written by LearnedPositionEmbedding.save()"
+                )
+            version = int(archive["format_version"])
+            if version > SAVE_FORMAT_VERSION:
+                raise ValueError(
+                    f"{name} has format version {version}; this cposembed reads up to "
+                    f"{SAVE_FORMAT_VERSION} (upgrade cposembed)"
+                )
+            table = archive["embeddings"]
+            pad = int(archive["padding_idx"])
+        return cls.from_pretrained(table, dtype=table.dtype, padding_idx=None if pad < 0 else pad)
+
+    # -- pickle --------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        touched = self._touched if self._touched_grad is self.grad else None
+        return {
+            "version": _PICKLE_VERSION,
+            "embeddings": self._embeddings,
+            "grad": self.grad,
+            "touched": touched,
+            "padding_idx": self.padding_idx,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # "_embeddings": an instance pickled before __getstate__ existed.
+        table = state["embeddings"] if "embeddings" in state else state["_embeddings"]
+        self._embeddings = np.ascontiguousarray(table)
+        self._init_state(state.get("padding_idx"))
+        grad = state.get("grad")
+        self.grad = grad
+        touched = state.get("touched")
+        if grad is not None and touched is not None:
+            self._touched = np.array(touched, dtype=bool)
+            self._touched_grad = grad
 
     def __repr__(self) -> str:
+        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
         return (
             f"{type(self).__name__}(max_seq_len={self.max_seq_len}, "
-            f"embed_dim={self.embed_dim}, dtype={self.dtype.name})"
+            f"embed_dim={self.embed_dim}, dtype={self.dtype.name}{pad})"
         )
+
+
+def _interpolate_rows(old: np.ndarray, new_len: int) -> np.ndarray:
+    """Linear interpolation of the rows of ``old`` at ``i * (L - 1) / (new_len - 1)``.
+
+    Computed in float64 and cast once. Where the sample point falls exactly on
+    an old row (both ends always, every row when scaling by an integer factor)
+    that row is copied, so it comes back bitwise.
+    """
+    n_old = old.shape[0]
+    if n_old == 1 or new_len == 1:
+        return old[np.zeros(new_len, dtype=np.intp)]
+    # Integer numerator, one division: exact at both ends.
+    x = np.arange(new_len, dtype=np.int64) * (n_old - 1) / (new_len - 1)
+    lo = np.minimum(np.floor(x).astype(np.intp), n_old - 2)
+    w = (x - lo)[:, None]
+    a = old[lo].astype(np.float64)
+    b = old[lo + 1].astype(np.float64)
+    table = ((1.0 - w) * a + w * b).astype(old.dtype)
+    on_row = x == np.floor(x)
+    table[on_row] = old[x[on_row].astype(np.intp)]
+    return table

@@ -1,0 +1,112 @@
+"""Positions from an attention mask: left/right padding and incremental decoding."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from . import _validation as v
+
+__all__ = ["positions_from_mask"]
+
+
+def _offsets(offset: Any, rows_shape: tuple[int, ...]) -> np.ndarray | int:
+    if isinstance(offset, (bool, np.bool_)):
+        raise TypeError(f"offset must be a non-negative integer; got {v.describe(offset)}")
+    if hasattr(offset, "__index__") and not isinstance(offset, np.ndarray):
+        value = operator.index(offset)
+        if value < 0:
+            raise ValueError(f"offset must be non-negative; got {value}")
+        return value
+    arr = np.asarray(offset)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(
+            f"offset must be a non-negative integer or an integer array with one value "
+            f"per row; got {v.describe(offset)}"
+        )
+    if arr.ndim == 0:
+        return _offsets(int(arr), rows_shape)
+    if arr.shape != rows_shape:
+        raise ValueError(
+            f"an offset array must have one value per row, shape {rows_shape}; got {arr.shape}"
+        )
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"offset must be non-negative; got {int(arr.min())}")
+    return arr.astype(np.int64)[..., None]
+
+
+def positions_from_mask(
+    attention_mask: Any, *, offset: Any = 0, pad_position: int = 0
+) -> np.ndarray:
+    """Position ids for a padded batch from its attention mask.
+
+    Each token's position is ``offset`` plus the number of tokens (mask 1)
+    before it in its row; padding (mask 0) gets ``pad_position``. So a
+    left-padded row ``[0, 0, 1, 1, 1]`` gets ``[p, p, 0, 1, 2]`` and a
+    right-padded ``[1, 1, 1, 0, 0]`` gets ``[0, 1, 2, p, p]``: every sequence
+    starts at position ``offset`` wherever its padding is.
+
+    Parameters
+    ----------
+    attention_mask : array_like of shape (B, T)
+        1 (or True) for a token, 0 (or False) for padding; any integer, bool
+        or float dtype holding only 0 and 1. Any number of leading axes
+        (including none: one row ``(T,)``) works; positions count along the last.
+    offset : int or array_like of int, default 0
+        Tokens already seen (incremental decoding): a non-negative int, or one
+        value per row, shape ``(B,)`` (e.g. ``past_mask.sum(-1)`` when the rows
+        of the cache hold different numbers of tokens).
+    pad_position : int, default 0
+        Position given to padding (any row of the table: its output is masked
+        out anyway; 0 keeps every position in range).
+
+    Returns
+    -------
+    ndarray of int64, the mask's shape
+
+    Raises
+    ------
+    TypeError
+        A mask that is not numeric, non-integer ``offset``/``pad_position``.
+    ValueError
+        A mask value other than 0 or 1, a 0-d mask, a negative offset, or an
+        offset array of the wrong shape.
+
+    Examples
+    --------
+    >>> positions_from_mask([[0, 0, 1, 1], [1, 1, 1, 1]])
+    array([[0, 0, 0, 1],
+           [0, 1, 2, 3]])
+
+    Incremental decoding: one new token per row after the prompt above,
+    with ``offset`` the tokens each row has seen so far:
+
+    >>> positions_from_mask([[1], [1]], offset=[2, 4])
+    array([[2],
+           [4]])
+    """
+    mask = np.asarray(attention_mask)
+    if mask.dtype.kind not in "biuf":
+        raise TypeError(
+            f"attention_mask must hold 0/1 (bool, integer or float); got dtype {mask.dtype}"
+        )
+    if mask.ndim == 0:
+        raise ValueError("attention_mask must have shape (B, T) (or (T,)); got a 0-d array")
+    if isinstance(pad_position, (bool, np.bool_)) or not hasattr(pad_position, "__index__"):
+        raise TypeError(f"pad_position must be an integer; got {v.describe(pad_position)}")
+    pad = operator.index(pad_position)
+    if mask.dtype.kind != "b":
+        bad = (mask != 0) & (mask != 1)
+        if bad.any():
+            value = mask[bad].flat[0]
+            raise ValueError(
+                f"attention_mask must hold only 0 (padding) and 1 (token); found {value!r}"
+            )
+    is_token = mask.astype(bool)
+    off = _offsets(offset, mask.shape[:-1])
+    # Tokens before each entry = inclusive running count minus the entry itself.
+    before = np.cumsum(is_token, axis=-1, dtype=np.int64)
+    before -= is_token
+    return np.where(is_token, before + off, np.int64(pad)).astype(np.int64, copy=False)

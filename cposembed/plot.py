@@ -1,0 +1,154 @@
+"""Pictures of a position table: the handbook's heatmap and a similarity map.
+
+matplotlib is an optional extra (``pip install cposembed[plot]``) imported
+only when a picture is drawn, so ``import cposembed.plot`` always works and
+the numbers behind the pictures (:func:`cosine_similarity`,
+:func:`adjacent_similarity`) need NumPy only. Figures are built with
+``matplotlib.figure.Figure`` and written by the Agg renderer: no pyplot, no
+window, no change to the user's matplotlib backend.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _validation as v
+
+__all__ = ["adjacent_similarity", "cosine_similarity", "heatmap", "similarity"]
+
+_EXTRA_HINT = "pip install cposembed[plot]"
+
+
+def _new_figure(figsize: tuple[float, float]) -> Any:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError(
+            f"cposembed.plot needs matplotlib, an optional extra: {_EXTRA_HINT}"
+        ) from exc
+    fig = Figure(figsize=figsize, constrained_layout=True)
+    FigureCanvasAgg(fig)  # the Agg renderer, without pyplot or a global backend switch
+    return fig
+
+
+def _as_table(pe_or_table: Any) -> np.ndarray:
+    table = getattr(pe_or_table, "embeddings", pe_or_table)
+    arr = np.asarray(table)
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(
+            "expected a LearnedPositionEmbedding or a real (max_seq_len, embed_dim) "
+            f"array; got {v.describe(pe_or_table)}"
+        )
+    if arr.ndim != 2 or 0 in arr.shape:
+        raise ValueError(
+            f"the table must be 2-D (max_seq_len, embed_dim) and non-empty; got shape {arr.shape}"
+        )
+    return arr.astype(np.float64)
+
+
+def cosine_similarity(pe_or_table: Any) -> np.ndarray:
+    """``(L, L)`` cosine similarity between the rows (positions) of a table.
+
+    A zero row (e.g. a ``padding_idx`` row) has similarity 0 with everything.
+    """
+    table = _as_table(pe_or_table)
+    norms = np.linalg.norm(table, axis=1)
+    unit = table / np.where(norms > 0, norms, 1.0)[:, None]
+    return np.clip(unit @ unit.T, -1.0, 1.0)
+
+
+def adjacent_similarity(pe_or_table: Any) -> float:
+    """Mean cosine similarity of neighbouring positions ``t`` and ``t + 1``.
+
+    About 0 for a random table; near 1 for a smooth one. ``nan`` for one row.
+    """
+    table = _as_table(pe_or_table)
+    if table.shape[0] < 2:
+        return float("nan")
+    a, b = table[:-1], table[1:]
+    denom = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    cos = np.einsum("ij,ij->i", a, b) / np.where(denom > 0, denom, 1.0)
+    return float(cos.mean())
+
+
+def _finish(fig: Any, path: Any, dpi: int) -> Any:
+    if path is not None:
+        # format="png" so the file is exactly `path`, whatever its suffix.
+        fig.savefig(os.fspath(path), format="png", dpi=dpi)
+    return fig
+
+
+def heatmap(
+    pe_or_table: Any,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    title: str | None = None,
+    cmap: str = "RdBu_r",
+    dpi: int = 100,
+) -> Any:
+    """The handbook's picture: the table as dimensions (rows) x positions (columns).
+
+    Parameters
+    ----------
+    pe_or_table : LearnedPositionEmbedding or array_like of shape (L, d)
+    path : str or path-like, optional
+        Where to write a PNG (exactly this file name).
+    title : str, optional
+        Defaults to a description of the table's size.
+    cmap : str, default "RdBu_r"
+        A diverging colour map, centred on 0.
+    dpi : int, default 100
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    ImportError
+        matplotlib is not installed (``pip install cposembed[plot]``).
+    """
+    table = _as_table(pe_or_table)
+    n_pos, n_dim = table.shape
+    fig = _new_figure((8, 4))
+    ax = fig.add_subplot()
+    vmax = float(np.abs(table).max()) or 1.0
+    im = ax.imshow(
+        table.T, aspect="auto", origin="lower", cmap=cmap, vmin=-vmax, vmax=vmax,
+        interpolation="nearest",
+    )
+    ax.set_xlabel("Position")
+    ax.set_ylabel("Dimension")
+    ax.set_title(title if title is not None else f"Position embeddings ({n_pos} x {n_dim})")
+    fig.colorbar(im, ax=ax, label="Value")
+    return _finish(fig, path, dpi)
+
+
+def similarity(
+    pe_or_table: Any,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    title: str | None = None,
+    cmap: str = "RdBu_r",
+    dpi: int = 100,
+) -> Any:
+    """Cosine similarity between every pair of positions, as an ``(L, L)`` image.
+
+    A learned table that has picked up order shows a bright band along the
+    diagonal (neighbours alike); a random one shows only the diagonal.
+    Parameters and return value as for :func:`heatmap`; the colour scale is
+    fixed to ``[-1, 1]``.
+    """
+    sim = cosine_similarity(pe_or_table)
+    fig = _new_figure((5.5, 4.5))
+    ax = fig.add_subplot()
+    im = ax.imshow(sim, origin="lower", cmap=cmap, vmin=-1.0, vmax=1.0, interpolation="nearest")
+    ax.set_xlabel("Position")
+    ax.set_ylabel("Position")
+    ax.set_title(title if title is not None else "Cosine similarity between positions")
+    fig.colorbar(im, ax=ax, label="Cosine similarity")
+    return _finish(fig, path, dpi)
