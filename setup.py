@@ -196,12 +196,13 @@ EXTENSIONS = [
 
 
 
-def _directives_changed(stamp=os.path.join("build", "cython-directives.txt")):
+def _directives_changed():
     """True if the Cython directives differ from the last cythonize run here.
 
     cythonize only compares timestamps, so a build with CPOSEMBED_DEBUG
     toggled would otherwise keep the .c files generated with the old checks.
     """
+    stamp = os.path.join("build", "cython-directives.txt")
     text = repr(sorted(COMPILER_DIRECTIVES.items()))
     try:
         with open(stamp) as f:
