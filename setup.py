@@ -214,15 +214,6 @@ class BuildExtOpenMP(build_ext):
                 f.write(text)
 
 
-EXTENSIONS = [
-    Extension(
-        "cposembed._kernels",
-        ["src_c/_kernels.pyx"],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    ),
-]
-
-
 def _directives_changed():
     """True if the Cython directives differ from the last cythonize run here.
 
@@ -242,6 +233,14 @@ def _directives_changed():
         f.write(text)
     return True
 
+
+EXTENSIONS = [
+    Extension(
+        "cposembed._kernels",
+        ["src_c/_kernels.pyx"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
+]
 
 setup(
     ext_modules=cythonize(
