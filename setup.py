@@ -53,8 +53,10 @@ COMPILER_DIRECTIVES = {
     "cdivision": not DEBUG,
     "nonecheck": False,
     "embedsignature": True,
-    # No `__test__` doctest dict in the module (it would need a stub entry).
+    # No `__test__` doctest dict and no pickling helpers for cdef classes
+    # (they own raw pointers): nothing in the modules that a stub must list.
     "autotestdict": False,
+    "auto_pickle": False,
 }
 
 OPENMP_PROBE = textwrap.dedent(
