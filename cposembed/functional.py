@@ -80,7 +80,7 @@ def lookup(
     pos = v.as_positions(positions, n_rows)
     if pos.flat is None:
         return _lookup_numpy(table, positions, out)
-    assert pos.shape is not None  # set whenever flat is (for mypy)
+    assert pos.shape is not None  # set whenever flat is
     shape = pos.shape + (d,)
     if out is not None:
         v.check_out(out, shape, table.dtype)
