@@ -37,8 +37,10 @@ def _openmp_runtime() -> str:
     else:
         libs = [i for i in threadpool_info() if i.get("user_api") == "openmp"]
         if libs:
-            return ", ".join(f"{i['internal_api']} {i.get('version') or ''} ({i['filepath']})"
-                             for i in libs)
+            return ", ".join(
+                " ".join(filter(None, (i.get("prefix"), i.get("version"), f"({i['filepath']})")))
+                for i in libs
+            )
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -47,6 +49,17 @@ def _openmp_runtime() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def _num_threads_source() -> str:
+    """Which rule of get_num_threads() gives the default thread count."""
+    if not openmp_enabled():
+        return "serial build"
+    if _threads._user_num_threads is not None:
+        return "set_num_threads()"
+    if os.environ.get("CPOSEMBED_NUM_THREADS", "").strip():
+        return "CPOSEMBED_NUM_THREADS"
+    return "omp_get_max_threads()"
 
 
 def config() -> dict[str, Any]:
@@ -60,6 +73,7 @@ def config() -> dict[str, Any]:
         "openmp_enabled": openmp_enabled(),
         "openmp_runtime": _openmp_runtime(),
         "num_threads": _threads.get_num_threads(),
+        "num_threads_from": _num_threads_source(),
         "omp_get_max_threads": _kernels.omp_max_threads(),
         "cpus_available": _threads._cpu_limit(),
         "serial_threshold_elements": _threads.SERIAL_THRESHOLD,
@@ -69,13 +83,20 @@ def config() -> dict[str, Any]:
             if k in os.environ
         },
         "compiler": build.get("compiler", "unknown"),
+        "compiler_version": build.get("compiler_version") or "unknown",
         "compile_args": build.get("compile_args", []),
         "link_args": build.get("link_args", []),
+        "cython": build.get("cython_version", "unknown"),
+        "build_switches": build.get("switches", {}),
     }
 
 
 def show_config() -> None:
-    """Print the version, OpenMP runtime, thread defaults and compiler flags."""
+    """Print the version, OpenMP runtime, thread defaults and compiler flags.
+
+    The same facts as :func:`config`, one per line; ``python -m cposembed
+    info`` prints this. Include it in bug reports.
+    """
     for key, value in config().items():
         if isinstance(value, list):
             value = " ".join(value) or "(none)"

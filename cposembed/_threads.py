@@ -48,7 +48,7 @@ def _cpu_limit() -> int:
 def _check_positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be a positive integer; got {value!r}")
-    n = int(value.__index__())  # type: ignore[attr-defined]
+    n = int(value.__index__())
     if n < 1:
         raise ValueError(f"{name} must be a positive integer; got {n}")
     return n

@@ -200,6 +200,7 @@ def broadcast_positions(
             "with lookup"
         )
     pshape = pos.shape
+    assert pshape is not None  # set whenever flat is (for mypy)
     try:
         full = np.broadcast_shapes(pshape, lead)
     except ValueError:
