@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Build the extension with AddressSanitizer + UndefinedBehaviorSanitizer and
+# run the whole test suite under it. Prints the number of sanitizer reports
+# and exits non-zero unless it is 0 and the suite passed.
+#
+#   bash tools/sanitize.sh                 # whole suite
+#   bash tools/sanitize.sh -k hostile      # extra arguments go to pytest
+#   SANITIZE_DEBUG=1 bash tools/sanitize.sh   # also Cython bounds checks, -O1 -g
+#   KEEP=1 bash tools/sanitize.sh          # keep the build directory
+#
+# The build happens in a throwaway copy of the working tree (never touches the
+# in-place build of this checkout). Python itself is not instrumented, so the
+# ASan runtime is LD_PRELOADed; leak detection is off (CPython keeps
+# allocations alive at exit on purpose, which LeakSanitizer would report).
+# Linux + GCC or Clang only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+CC=${CC:-gcc}
+
+libasan=$("$CC" -print-file-name=libasan.so)
+if [ ! -e "$libasan" ] || [ "$libasan" = libasan.so ]; then
+    echo "sanitize.sh: $CC has no libasan.so (install libasan / gcc)" >&2
+    exit 2
+fi
+libasan=$(readlink -f "$libasan")
+
+work=$(mktemp -d /tmp/cposembed-sanitize.XXXXXX)
+if [ "${KEEP:-0}" != 1 ]; then trap 'rm -rf "$work"' EXIT; fi
+logs="$work/logs"
+mkdir -p "$logs"
+
+# Copy tracked + untracked (not ignored) files: what you are about to commit.
+git ls-files -z --cached --others --exclude-standard \
+    | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
+    | tar --null -T - -cf - | tar -xf - -C "$work"
+
+echo "sanitize.sh: building in $work with -fsanitize=address,undefined" >&2
+(
+    cd "$work"
+    export CC CPOSEMBED_SANITIZE=address,undefined
+    if [ "${SANITIZE_DEBUG:-0}" = 1 ]; then export CPOSEMBED_DEBUG=1; fi
+    "$PYTHON" setup.py -q build_ext --inplace >"$logs/build.log" 2>&1 \
+        || { cat "$logs/build.log" >&2; exit 2; }
+)
+if ! nm -D "$work"/cposembed/_kernels*.so | grep -q __asan_; then
+    echo "sanitize.sh: the extension is not instrumented" >&2
+    exit 2
+fi
+
+start=$(date +%s)
+set +e
+(
+    cd "$work"
+    export LD_PRELOAD="$libasan${LD_PRELOAD:+:$LD_PRELOAD}"
+    export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_stack_use_after_return=1:strict_string_checks=1:check_initialization_order=1:log_path=$logs/asan"
+    export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=0:log_path=$logs/ubsan"
+    export PYTHONFAULTHANDLER=1
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests "$@"
+)
+status=$?
+set -e
+elapsed=$(( $(date +%s) - start ))
+
+reports=0
+for f in "$logs"/asan.* "$logs"/ubsan.*; do
+    [ -e "$f" ] || continue
+    n=$(grep -cE '^==[0-9]+==ERROR|runtime error:' "$f" || true)
+    reports=$((reports + (n > 0 ? n : 1)))
+    echo "---- $f" >&2
+    head -60 "$f" >&2
+done
+echo "sanitize.sh: pytest exit status $status, ${elapsed}s, sanitizer reports: $reports"
+if [ "$reports" -ne 0 ] || [ "$status" -ne 0 ]; then exit 1; fi
