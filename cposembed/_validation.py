@@ -105,9 +105,24 @@ def as_positions(positions: Any, n_rows: int) -> Positions:
         else:
             if arr.size == 0 and arr.dtype.kind == "f":
                 arr = arr.astype(np.intp)  # NumPy reads [] as an empty index
+            elif arr.dtype.kind in "fO":
+                _check_huge_ints(positions, n_rows)
     if arr is not None and arr.dtype.kind in "iu":
         return _from_int_array(arr, n_rows)
     return _from_general(positions, n_rows)
+
+
+def _check_huge_ints(positions: list, n_rows: int) -> None:
+    # NumPy turns a list holding an int beyond int64 into float64 or object
+    # and then rejects it as "not an integer"; it is an integer out of range.
+    try:
+        items = np.asarray(positions, dtype=object).reshape(-1)
+    except (ValueError, TypeError):
+        return
+    if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items):
+        for x in items:
+            if not -n_rows <= int(x) < n_rows:
+                raise _range_error(int(x), n_rows)
 
 
 def _from_general(positions: Any, n_rows: int) -> Positions:
