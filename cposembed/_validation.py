@@ -158,9 +158,16 @@ def as_offset(offset: Any) -> int:
     return value
 
 
+def native_dtype(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order (``>f4`` is float32 too)."""
+    return dtype.newbyteorder("=")
+
+
 def as_table(table: Any, name: str = "table") -> np.ndarray:
     """A 2-D float32/float64 array, C-contiguous (copied only if it is not)."""
     arr = np.asarray(table)
+    if not arr.dtype.isnative and native_dtype(arr.dtype) in FLOAT_DTYPES:
+        arr = arr.astype(native_dtype(arr.dtype))  # e.g. a big-endian checkpoint
     if arr.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have dtype float32 or float64; got {arr.dtype}")
     if arr.ndim != 2:
