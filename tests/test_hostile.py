@@ -495,3 +495,20 @@ def test_extreme_position_values(bad):
             cposembed.lookup(table, arr)
         with pytest.raises(IndexError, match=match):
             cposembed.scatter_add(np.zeros_like(table), np.ones((2, 2)), arr)
+
+
+@pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f8", ">f8"])
+def test_table_and_grad_in_either_byte_order(dtype):
+    """A big-endian checkpoint is still float32/float64: same values as NumPy."""
+    rng = np.random.RandomState(0)
+    table = rng.randn(6, 3).astype(dtype)
+    pos = np.array([[0, 5, -1], [2, 2, -6]])
+    tok = rng.randn(2, 3, 3).astype(np.dtype(dtype).newbyteorder("="))
+    assert np.array_equal(cposembed.lookup(table, pos), table[pos])
+    assert np.array_equal(cposembed.add_positions(tok, table, pos), tok + table[pos])
+    grad = np.zeros((6, 3), dtype=dtype)
+    g = rng.randn(2, 3, 3)
+    assert cposembed.scatter_add(grad, g, pos) is grad
+    want = np.zeros((6, 3), dtype=dtype)
+    np.add.at(want, pos, g.astype(dtype))
+    assert grad.dtype == np.dtype(dtype) and np.array_equal(grad, want)
