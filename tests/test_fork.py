@@ -1,10 +1,14 @@
 """Fork safety: a process forked after the parent ran OpenMP threads keeps working.
 
-GNU libgomp's thread pool does not survive ``fork``: a child that enters a
-parallel region after the parent did hangs forever. ``cposembed._threads``
-registers an ``os.register_at_fork`` hook that makes such a child run the
-kernels serially. Each scenario runs in a fresh interpreter under a timeout,
-so a hang fails the test instead of freezing the suite.
+GNU libgomp's thread pool does not survive ``fork``: a child forked by a
+thread that led a parallel region hangs in its first parallel region.
+``cposembed._threads`` registers ``os.register_at_fork`` hooks: before the
+fork it releases the forking thread's libgomp pool (``omp_pause_resource_all``)
+so the child starts a fresh pool and keeps its threads; where that is not
+available, a child whose parent used threads runs the kernels serially. Each
+scenario runs in a fresh interpreter under a timeout, so a hang fails the test
+instead of freezing the suite. Each scenario is also run with the pool
+release disabled, to test the serial fallback.
 """
 
 from __future__ import annotations
@@ -67,8 +71,11 @@ PRELUDE = textwrap.dedent(
 )
 
 
-def _run(body: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    code = PRELUDE + textwrap.dedent(body)
+NO_PAUSE = "_threads._omp_pause = None  # force the serial fallback\n"
+
+
+def _run(body: str, timeout: float = TIMEOUT, fallback: bool = False) -> subprocess.CompletedProcess:
+    code = PRELUDE + (NO_PAUSE if fallback else "") + textwrap.dedent(body)
     env = dict(os.environ)
     env.pop("CPOSEMBED_NUM_THREADS", None)
     env.pop("OMP_NUM_THREADS", None)
@@ -92,18 +99,32 @@ needs_openmp = pytest.mark.skipif(
 )
 
 
+fallback = pytest.mark.parametrize("fallback", [False, True], ids=["pool-release", "serial-fallback"])
+
+# In the child: with the pool released the kernels may use threads again;
+# in the fallback they must be serial.
+CHILD_THREADS = """
+def child_threads_ok():
+    n = _threads.effective_num_threads(2, 1 << 20, 100)
+    if _threads._omp_pause is None:
+        return _threads._in_forked_child and n == 1
+    return not _threads._in_forked_child and n == 2
+"""
+
+
 @needs_openmp
-def test_fork_pool_after_parallel_parent():
+@fallback
+def test_fork_pool_after_parallel_parent(fallback):
     """The issue's scenario: parent used 2 threads, then a fork Pool runs every kernel."""
     proc = _run(
-        """
+        CHILD_THREADS
+        + textwrap.dedent("""
         assert check(run_all(2))
         assert _threads._went_parallel, "parent did not actually go parallel"
 
         def child(i):
-            assert _threads._in_forked_child
-            # Explicit num_threads=2 as well as the default: both must stay serial.
-            return check(run_all(2)) and check(run_all(None))
+            # Explicit num_threads=2 as well as the default.
+            return child_threads_ok() and check(run_all(2)) and check(run_all(None))
 
         with mp.get_context("fork").Pool(2) as pool:
             results = pool.map(child, range(16), chunksize=1)
@@ -112,21 +133,24 @@ def test_fork_pool_after_parallel_parent():
         assert _threads.effective_num_threads(2, 1 << 20, 100) == 2
         assert check(run_all(2))
         print("OK")
-        """
+        """),
+        fallback=fallback,
     )
     _ok(proc)
 
 
 @needs_openmp
-def test_fork_grandchild_and_repeated_forks():
+@fallback
+def test_fork_grandchild_and_repeated_forks(fallback):
     """Plain os.fork, nested: children and grandchildren all finish correctly."""
     proc = _run(
-        """
+        CHILD_THREADS
+        + textwrap.dedent("""
         assert check(run_all(2))
         for round_ in range(4):
             pid = os.fork()
             if pid == 0:
-                ok = check(run_all(2))
+                ok = child_threads_ok() and check(run_all(2))
                 pid2 = os.fork()
                 if pid2 == 0:
                     os._exit(0 if check(run_all(2)) else 3)
@@ -136,8 +160,40 @@ def test_fork_grandchild_and_repeated_forks():
             assert os.waitstatus_to_exitcode(status) == 0, (round_, status)
             assert check(run_all(2))  # parent between forks, parallel again
         print("OK")
+        """),
+        fallback=fallback,
+    )
+    _ok(proc)
+
+
+@needs_openmp
+def test_fork_after_another_library_used_libgomp():
+    """Another extension on the same libgomp (scikit-learn, say) went parallel in
+    the parent, cposembed never did: the child must not hang in cposembed."""
+    proc = _run(
+        """
+        import ctypes
+        maps = open("/proc/self/maps").read()
+        paths = sorted({l.split()[-1] for l in maps.splitlines() if "libgomp" in l})
+        if not paths:
+            print("SKIP not libgomp"); sys.exit(0)
+        gomp = ctypes.CDLL(paths[0])
+        body = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
+        gomp.GOMP_parallel.argtypes = [type(body), ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        gomp.GOMP_parallel(body, None, 2, 0)  # a 2-thread region led by this thread
+        assert not _threads._went_parallel
+
+        def child(i):
+            return check(run_all(2))
+
+        with mp.get_context("fork").Pool(2) as pool:
+            results = pool.map(child, range(4), chunksize=1)
+        assert results == [True] * 4, results
+        print("OK")
         """
     )
+    if "SKIP" in proc.stdout:
+        pytest.skip(proc.stdout.strip())
     _ok(proc)
 
 
@@ -169,9 +225,9 @@ def test_fork_before_any_parallel_region_keeps_threads():
 
 @needs_openmp
 def test_guard_is_load_bearing_with_libgomp():
-    """Without the guard, a forked child that goes parallel hangs (GNU libgomp).
+    """Without either guard, a forked child that goes parallel hangs (GNU libgomp).
 
-    This proves the test above tests something: if the runtime ever becomes
+    This proves the tests above test something: if the runtime ever becomes
     fork-safe this test skips rather than fails.
     """
     proc = _run(
@@ -179,7 +235,7 @@ def test_guard_is_load_bearing_with_libgomp():
         assert check(run_all(2))
         pid = os.fork()
         if pid == 0:
-            _threads._in_forked_child = False  # defeat the guard
+            _threads._in_forked_child = False  # defeat the serial fallback
             cposembed.lookup(table, pos, num_threads=2)
             os._exit(0)
         import time
@@ -195,6 +251,7 @@ def test_guard_is_load_bearing_with_libgomp():
         print("HANG")
         """,
         timeout=60,
+        fallback=True,  # and the pool release
     )
     assert proc.returncode == 0, proc.stderr
     if "NOHANG" in proc.stdout:
