@@ -281,9 +281,10 @@ def test_add_positions_any_tokens_matches_numpy(table, data):
         offset = 0
 
         def reference():
-            if not broadcast_positions_ok(np.shape(positions), lead):
+            result = tokens + table[positions]
+            if result.shape != tokens.shape:  # positions must broadcast to tokens
                 raise ValueError("does not broadcast")
-            return tokens + table[positions]
+            return result
     else:
         positions = None
         offset = data.draw(st.integers(0, L + 1), label="offset")
@@ -384,8 +385,8 @@ def test_scatter_add_any_grad_output_matches_add_at(data):
                 raise IndexError("range")
             pos = np.arange(T)
         else:
-            pos = positions
-            if not broadcast_positions_ok(np.shape(pos), lead):
+            pos = np.arange(L)[positions]  # the rows NumPy's indexing selects, in its shape
+            if not broadcast_positions_ok(pos.shape, lead):
                 raise ValueError("broadcast")
         want = grad0.copy()
         np.add.at(want, np.broadcast_to(pos, lead), g.astype(gdtype))
