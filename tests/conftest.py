@@ -12,22 +12,25 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-_COMMON = dict(
-    deadline=None,  # shared CI machines stall; a deadline would only add flakes
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
+_COMMON = {
+    "deadline": None,  # shared CI machines stall; a deadline would only add flakes
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+    "print_blob": True,
+}
 
-settings.register_profile("ci", max_examples=100, derandomize=False, **_COMMON)
+# CI is deterministic (the same examples every run, so it never flakes);
+# the slow profile explores new random examples each time.
+settings.register_profile("ci", max_examples=100, derandomize=True, database=None, **_COMMON)
 settings.register_profile("slow", max_examples=5000, **_COMMON)
 settings.register_profile("dev", max_examples=20, **_COMMON)
 
-settings.load_profile(os.environ.get("CPOSEMBED_HYPOTHESIS_PROFILE", "ci"))
+_profile = os.environ.get("CPOSEMBED_HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(_profile)
 if os.environ.get("CPOSEMBED_HYPOTHESIS_EXAMPLES"):
     # A one-off override, e.g. CPOSEMBED_HYPOTHESIS_EXAMPLES=1000 for a quick soak.
     settings.register_profile(
         "override",
-        settings.get_profile(settings._current_profile),
+        settings.get_profile(_profile),
         max_examples=int(os.environ["CPOSEMBED_HYPOTHESIS_EXAMPLES"]),
     )
     settings.load_profile("override")

@@ -86,6 +86,7 @@ def _run(body: str, timeout: float = TIMEOUT, fallback: bool = False) -> subproc
         capture_output=True,
         text=True,
         timeout=timeout,
+        check=False,
     )
 
 
