@@ -50,6 +50,23 @@ if ! nm -D "$work"/cposembed/_kernels*.so | grep __asan_ >/dev/null; then
     exit 2
 fi
 
+# Canary: an out-of-bounds row read through the raw kernel (kernels trust
+# their inputs) must be caught, or this run could not catch anything.
+(
+    cd "$work"
+    LD_PRELOAD="$libasan" ASAN_OPTIONS="detect_leaks=0:log_path=$logs/canary" \
+        "$PYTHON" -c 'import numpy as np
+from cposembed import _kernels
+t = np.zeros((4, 8), np.float32); o = np.empty((1, 8), np.float32)
+_kernels.lookup_rows(t, np.array([4], np.int64), o, 1)' >/dev/null 2>&1
+) || true
+if ! grep -qs 'ERROR: AddressSanitizer' "$logs"/canary.*; then
+    echo "sanitize.sh: ASan did not catch a deliberate out-of-bounds read" >&2
+    exit 2
+fi
+rm -f "$logs"/canary.*
+echo "sanitize.sh: canary caught (ASan reports a deliberate overflow)" >&2
+
 start=$(date +%s)
 set +e
 (
