@@ -50,6 +50,14 @@ if ! nm -D "$work"/cposembed/_kernels*.so | grep __asan_ >/dev/null; then
     exit 2
 fi
 
+# The suite must import this build, not an installed (e.g. editable) copy.
+imported=$(cd "$work" && LD_PRELOAD="$libasan" ASAN_OPTIONS=detect_leaks=0 \
+    "$PYTHON" -c 'import cposembed._kernels as k; print(k.__file__)')
+case "$imported" in
+    "$work"/*) ;;
+    *) echo "sanitize.sh: tests would import $imported, not the sanitized build" >&2; exit 2 ;;
+esac
+
 # Canary: an out-of-bounds row read through the raw kernel (kernels trust
 # their inputs) must be caught, or this run could not catch anything.
 (
