@@ -38,7 +38,8 @@ assert N * D >= 4 * _threads.SERIAL_THRESHOLD
 
 
 @pytest.fixture(autouse=True)
-def _reset_default():
+def _reset_default(monkeypatch):
+    monkeypatch.delenv("CPOSEMBED_NUM_THREADS", raising=False)
     cposembed.set_num_threads(None)
     yield
     cposembed.set_num_threads(None)
