@@ -418,8 +418,9 @@ def test_scatter_add_grad_output_overlapping_grad(data):
     assume(positions.size == 0 or (positions.astype(np.int64).min() >= -L
                                    and positions.astype(np.int64).max() < L))
     want = grad.copy()
-    np.add.at(want, positions, g.copy())
-    cposembed.scatter_add(grad, g, positions)
+    with np.errstate(all="ignore"):  # Inf + -Inf: NumPy warns, the kernel need not
+        np.add.at(want, positions, g.copy())
+        cposembed.scatter_add(grad, g, positions)
     assert same_values(grad, want)
 
 
