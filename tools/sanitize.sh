@@ -33,9 +33,15 @@ logs="$work/logs"
 mkdir -p "$logs"
 
 # Copy tracked + untracked (not ignored) files: what you are about to commit.
-git ls-files -z --cached --others --exclude-standard \
-    | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
-    | tar --null -T - -cf - | tar -xf - -C "$work"
+# Outside a git checkout, copy everything but build output.
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git ls-files -z --cached --others --exclude-standard \
+        | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
+        | tar --null -T - -cf - | tar -xf - -C "$work"
+else
+    tar --exclude=./build --exclude='*.so' --exclude='./src_c/*.c' --exclude=.git \
+        --exclude='*.egg-info' --exclude=__pycache__ -cf - . | tar -xf - -C "$work"
+fi
 
 echo "sanitize.sh: building in $work with -fsanitize=address,undefined" >&2
 (
