@@ -9,8 +9,11 @@ result never exceeds the CPUs this process may run on.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
+from typing import Any
 
 from . import _kernels
 
@@ -21,21 +24,57 @@ SERIAL_THRESHOLD = 1 << 16
 _lock = threading.Lock()
 _user_num_threads: int | None = None
 
-# GNU libgomp is not fork-safe: a child forked after the parent ran a parallel
-# region hangs in its first parallel region (its thread pool did not survive
-# the fork). We note when the parent went parallel and keep the child serial.
+# GNU libgomp is not fork-safe: a child forked by a thread that has led a
+# parallel region (ours, or any other library's on the same libgomp) hangs in
+# its first parallel region, waiting for pool threads that did not survive the
+# fork. Before each fork we release the forking thread's pool with OpenMP 5's
+# omp_pause_resource_all (libgomp frees exactly that thread's pool), so the
+# child starts a fresh one and keeps its threads. Where that is unavailable we
+# fall back to running serially in a child whose parent used our threads.
 _went_parallel = False
 _in_forked_child = False
+_pool_released = False
+_OMP_PAUSE_HARD = 2
+
+
+def _find_omp_pause() -> Any:
+    """libgomp's omp_pause_resource_all, or None (other runtime, or too old)."""
+    if not _kernels.openmp_enabled() or not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line and "/" in line}
+        for path in sorted(paths):
+            fn = ctypes.CDLL(path).omp_pause_resource_all
+            fn.argtypes = [ctypes.c_int]
+            fn.restype = ctypes.c_int
+            return fn
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+_omp_pause = _find_omp_pause()
+
+
+def _release_openmp_pool() -> bool:
+    """Free the calling thread's libgomp pool; True if the child can use threads."""
+    return _omp_pause is not None and _omp_pause(_OMP_PAUSE_HARD) == 0
+
+
+def _before_fork() -> None:
+    global _pool_released
+    _pool_released = _release_openmp_pool()
 
 
 def _after_fork_in_child() -> None:
     global _in_forked_child
-    if _went_parallel:
+    if _went_parallel and not _pool_released:
         _in_forked_child = True
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def _cpu_limit() -> int:

@@ -105,9 +105,24 @@ def as_positions(positions: Any, n_rows: int) -> Positions:
         else:
             if arr.size == 0 and arr.dtype.kind == "f":
                 arr = arr.astype(np.intp)  # NumPy reads [] as an empty index
+            elif arr.dtype.kind in "fO":
+                _check_huge_ints(positions, n_rows)
     if arr is not None and arr.dtype.kind in "iu":
         return _from_int_array(arr, n_rows)
     return _from_general(positions, n_rows)
+
+
+def _check_huge_ints(positions: list, n_rows: int) -> None:
+    # NumPy turns a list holding an int beyond int64 into float64 or object
+    # and then rejects it as "not an integer"; it is an integer out of range.
+    try:
+        items = np.asarray(positions, dtype=object).reshape(-1)
+    except (ValueError, TypeError):
+        return
+    if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items):
+        for x in items:
+            if not -n_rows <= int(x) < n_rows:
+                raise _range_error(int(x), n_rows)
 
 
 def _from_general(positions: Any, n_rows: int) -> Positions:
@@ -143,9 +158,16 @@ def as_offset(offset: Any) -> int:
     return value
 
 
+def native_dtype(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order (``>f4`` is float32 too)."""
+    return dtype.newbyteorder("=")
+
+
 def as_table(table: Any, name: str = "table") -> np.ndarray:
     """A 2-D float32/float64 array, C-contiguous (copied only if it is not)."""
     arr = np.asarray(table)
+    if not arr.dtype.isnative and native_dtype(arr.dtype) in FLOAT_DTYPES:
+        arr = arr.astype(native_dtype(arr.dtype))  # e.g. a big-endian checkpoint
     if arr.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have dtype float32 or float64; got {arr.dtype}")
     if arr.ndim != 2:

@@ -316,7 +316,8 @@ def scatter_add(
     """
     if not isinstance(grad_table, np.ndarray):
         raise TypeError(f"grad_table must be a numpy.ndarray; got {v.describe(grad_table)}")
-    if grad_table.dtype not in v.FLOAT_DTYPES:
+    native = v.native_dtype(grad_table.dtype)
+    if native not in v.FLOAT_DTYPES:
         raise TypeError(f"grad_table must have dtype float32 or float64; got {grad_table.dtype}")
     if grad_table.ndim != 2:
         raise ValueError(f"grad_table must be 2-D (L, d); got shape {grad_table.shape}")
@@ -330,16 +331,16 @@ def scatter_add(
     if n == 0 or d == 0 or flat.size == 0:
         return grad_table
     flat = _shortest_period(flat, lead)
-    g_c = np.ascontiguousarray(g, dtype=grad_table.dtype).reshape(n, d)
+    g_c = np.ascontiguousarray(g, dtype=native).reshape(n, d)
     if v.overlaps(g_c, grad_table):
         g_c = g_c.copy()
     threads = _run_threads(num_threads, n * d, min(n_rows, flat.size))
     row_start = np.empty(n_rows + 1, dtype=np.int64)
     order = np.empty(flat.size, dtype=np.int64)
-    if grad_table.flags.c_contiguous:
+    if grad_table.flags.c_contiguous and grad_table.dtype.isnative:
         _kernels.scatter_add_rows(grad_table, g_c, flat, row_start, order, threads)
     else:
-        work = np.ascontiguousarray(grad_table)
+        work = np.ascontiguousarray(grad_table, dtype=native)
         _kernels.scatter_add_rows(work, g_c, flat, row_start, order, threads)
         np.copyto(grad_table, work)
     return grad_table

@@ -1,0 +1,302 @@
+"""Thread control: who decides how many OpenMP threads a kernel call uses.
+
+Order of precedence (API.md section 4): ``num_threads=`` on the call, then
+``set_num_threads``, then ``CPOSEMBED_NUM_THREADS``, then OpenMP's own default
+``omp_get_max_threads()`` (which follows ``OMP_NUM_THREADS`` and
+``threadpoolctl.threadpool_limits``), capped by the CPUs this process may use.
+
+What a kernel really receives is observed with a spy on the compiled kernel
+functions (``functional`` calls them through the ``_kernels`` module).
+Environment variables are read by the OpenMP runtime at start-up, so those
+cases run in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import cposembed
+from cposembed import _kernels, _threads
+
+threadpoolctl = pytest.importorskip("threadpoolctl")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPUS = _threads._cpu_limit()
+needs_openmp = pytest.mark.skipif(not cposembed.openmp_enabled(), reason="serial build")
+needs_2_cpus = pytest.mark.skipif(CPUS < 2, reason="needs 2 CPUs")
+
+# Large enough to be above SERIAL_THRESHOLD with many chunks.
+L, D, N = 256, 128, 4096
+assert N * D >= 4 * _threads.SERIAL_THRESHOLD
+
+
+@pytest.fixture(autouse=True)
+def _reset_default(monkeypatch):
+    monkeypatch.delenv("CPOSEMBED_NUM_THREADS", raising=False)
+    cposembed.set_num_threads(None)
+    yield
+    cposembed.set_num_threads(None)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records the n_threads each kernel call receives."""
+    seen: list[tuple[str, int]] = []
+    for name in ("lookup_rows", "add_rows", "scatter_add_rows"):
+        real = getattr(_kernels, name)
+
+        def wrapper(*args, _real=real, _name=name):
+            seen.append((_name, args[-1]))
+            return _real(*args)
+
+        monkeypatch.setattr(_kernels, name, wrapper)
+    return seen
+
+
+def _call_all(num_threads=None):
+    rng = np.random.RandomState(0)
+    table = rng.randn(L, D).astype(np.float32)
+    pos = rng.randint(0, L, size=N)
+    tok = rng.randn(N, D).astype(np.float32)
+    assert np.array_equal(cposembed.lookup(table, pos, num_threads=num_threads), table[pos])
+    assert np.array_equal(
+        cposembed.add_positions(tok, table, pos, num_threads=num_threads), tok + table[pos]
+    )
+    grad = cposembed.scatter_add(np.zeros_like(table), tok, pos, num_threads=num_threads)
+    want = np.zeros_like(table)
+    np.add.at(want, pos, tok)
+    assert np.array_equal(grad, want)
+
+
+def _threads_used(spy, num_threads=None) -> set[int]:
+    spy.clear()
+    _call_all(num_threads)
+    assert [name for name, _ in spy] == ["lookup_rows", "add_rows", "scatter_add_rows"]
+    return {n for _, n in spy}
+
+
+def _in_subprocess(env_updates: dict, code: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "CPOSEMBED_NUM_THREADS")}
+    env.update(env_updates)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+PROBE = """
+    import json
+    import cposembed
+    from cposembed import _threads
+    print(json.dumps({
+        "default": cposembed.get_num_threads(),
+        "effective": _threads.effective_num_threads(None, 1 << 24, 1 << 12),
+        "explicit": _threads.effective_num_threads(2, 1 << 24, 1 << 12),
+    }))
+"""
+
+
+# --- OMP_NUM_THREADS and CPOSEMBED_NUM_THREADS (fresh interpreters) -------------
+
+@needs_openmp
+@needs_2_cpus
+def test_omp_num_threads_limits_default():
+    r = _in_subprocess({"OMP_NUM_THREADS": "1"}, PROBE)
+    assert r == {"default": 1, "effective": 1, "explicit": 2}
+    r = _in_subprocess({"OMP_NUM_THREADS": "2"}, PROBE)
+    assert r["default"] == 2 and r["effective"] == 2
+
+
+@needs_openmp
+def test_default_capped_by_cpus():
+    r = _in_subprocess({"OMP_NUM_THREADS": str(CPUS * 8)}, PROBE)
+    assert r["default"] == CPUS
+
+
+@needs_openmp
+@needs_2_cpus
+def test_cposembed_num_threads_env_beats_omp_num_threads():
+    r = _in_subprocess({"OMP_NUM_THREADS": "2", "CPOSEMBED_NUM_THREADS": "1"}, PROBE)
+    assert r == {"default": 1, "effective": 1, "explicit": 2}
+    r = _in_subprocess({"OMP_NUM_THREADS": "1", "CPOSEMBED_NUM_THREADS": "2"}, PROBE)
+    assert r["default"] == 2 and r["effective"] == 2
+
+
+@needs_openmp
+@needs_2_cpus
+def test_set_num_threads_beats_env():
+    r = _in_subprocess(
+        {"OMP_NUM_THREADS": "1", "CPOSEMBED_NUM_THREADS": "1"},
+        """
+        import json, cposembed
+        cposembed.set_num_threads(2)
+        a = cposembed.get_num_threads()
+        cposembed.set_num_threads(None)
+        print(json.dumps({"set": a, "restored": cposembed.get_num_threads()}))
+        """,
+    )
+    assert r == {"set": 2, "restored": 1}
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5"])
+def test_bad_cposembed_num_threads_env_is_a_clear_error(monkeypatch, bad):
+    monkeypatch.setenv("CPOSEMBED_NUM_THREADS", bad)
+    if not cposembed.openmp_enabled():
+        assert cposembed.get_num_threads() == 1  # serial build ignores it
+        return
+    with pytest.raises(ValueError, match="CPOSEMBED_NUM_THREADS"):
+        cposembed.get_num_threads()
+
+
+@needs_openmp
+def test_cposembed_num_threads_env_read_at_call_time(monkeypatch, spy):
+    monkeypatch.setenv("CPOSEMBED_NUM_THREADS", "1")
+    assert cposembed.get_num_threads() == 1
+    assert _threads_used(spy) == {1}
+
+
+# --- threadpoolctl ---------------------------------------------------------------
+
+def _openmp_libs():
+    return [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "openmp"]
+
+
+@needs_openmp
+def test_threadpoolctl_lists_the_extensions_openmp_runtime():
+    """The OpenMP library threadpoolctl sees is the one the extension brought in,
+    and limiting exactly that library changes the kernels' default."""
+    r = _in_subprocess(
+        {},
+        """
+        import json
+        import numpy  # numpy may bring BLAS; it must not bring OpenMP
+        import threadpoolctl
+        before = [i["filepath"] for i in threadpoolctl.threadpool_info()
+                  if i["user_api"] == "openmp"]
+        import cposembed
+        from cposembed import _kernels
+        after = [i["filepath"] for i in threadpoolctl.threadpool_info()
+                 if i["user_api"] == "openmp"]
+        ctl = threadpoolctl.ThreadpoolController()
+        new = [lib for lib in ctl.lib_controllers
+               if lib.user_api == "openmp" and lib.filepath not in before]
+        limited = None
+        if new:
+            new[0].set_num_threads(1)
+            limited = _kernels.omp_max_threads()
+        print(json.dumps({"before": before, "after": after,
+                          "new": [lib.filepath for lib in new], "limited": limited,
+                          "kernels": _kernels.__file__}))
+        """,
+    )
+    assert r["new"], f"importing cposembed loaded no new OpenMP runtime: {r}"
+    assert r["limited"] == 1
+    # The runtime the dynamic linker resolved for the extension is that file.
+    if sys.platform.startswith("linux"):
+        ldd = subprocess.run(["ldd", r["kernels"]], capture_output=True, text=True, check=False)
+        if ldd.returncode == 0:
+            linked = [
+                os.path.realpath(line.split("=>")[1].split("(")[0].strip())
+                for line in ldd.stdout.splitlines()
+                if "=>" in line and any(n in line for n in ("gomp", "libomp", "iomp"))
+            ]
+            assert linked and os.path.realpath(r["new"][0]) in linked, (linked, r)
+    info = cposembed._config.config()["openmp_runtime"]
+    assert os.path.basename(r["new"][0]) in info
+
+
+@needs_openmp
+@needs_2_cpus
+def test_threadpool_limits_limits_the_default(spy):
+    assert cposembed.get_num_threads() == min(CPUS, _kernels.omp_max_threads())
+    before = _threads_used(spy)
+    with threadpoolctl.threadpool_limits(1, user_api="openmp"):
+        assert _kernels.omp_max_threads() == 1
+        assert cposembed.get_num_threads() == 1
+        assert _threads_used(spy) == {1}
+    assert _threads_used(spy) == before
+    with threadpoolctl.threadpool_limits(1):  # all APIs
+        assert _threads_used(spy) == {1}
+    with threadpoolctl.threadpool_limits(2, user_api="openmp"):
+        assert _threads_used(spy) == {min(2, CPUS)}
+
+
+@needs_openmp
+@needs_2_cpus
+def test_explicit_num_threads_wins_over_threadpool_limits(spy):
+    with threadpoolctl.threadpool_limits(1, user_api="openmp"):
+        assert _threads_used(spy, num_threads=2) == {2}
+
+
+@needs_openmp
+@needs_2_cpus
+def test_set_num_threads_wins_over_threadpool_limits(spy):
+    with threadpoolctl.threadpool_limits(1, user_api="openmp"):
+        cposembed.set_num_threads(2)
+        assert cposembed.get_num_threads() == 2
+        assert _threads_used(spy) == {2}
+        assert _threads_used(spy, num_threads=1) == {1}  # and the call beats both
+        cposembed.set_num_threads(None)
+        assert _threads_used(spy) == {1}
+
+
+# --- the rest of the rules -------------------------------------------------------
+
+@needs_openmp
+def test_explicit_num_threads_may_exceed_cpus(spy):
+    """Oversubscription is the caller's choice: an explicit request is not capped."""
+    n = CPUS + 2
+    assert _threads_used(spy, num_threads=n) == {n}
+
+
+@needs_openmp
+def test_small_work_runs_serially(spy):
+    table = np.ones((4, 4), dtype=np.float32)
+    spy.clear()
+    cposembed.lookup(table, [0, 1, 2], num_threads=2)
+    cposembed.add_positions(np.ones((3, 4), np.float32), table, num_threads=2)
+    cposembed.scatter_add(np.zeros_like(table), np.ones((3, 4), np.float32), num_threads=2)
+    assert {n for _, n in spy} == {1}
+
+
+@needs_openmp
+def test_threads_capped_by_chunks(spy):
+    """scatter_add into a 2-row table cannot use more than 2 threads."""
+    grad = np.zeros((2, 1 << 16), dtype=np.float32)
+    spy.clear()
+    cposembed.scatter_add(grad, np.ones((4, 1 << 16), np.float32), [0, 1, 0, 1], num_threads=8)
+    assert spy == [("scatter_add_rows", 2)]
+    assert np.all(grad == 2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_bad_num_threads_rejected(bad):
+    table = np.ones((4, 4), dtype=np.float32)
+    with pytest.raises((TypeError, ValueError), match="num_threads"):
+        cposembed.lookup(table, [0], num_threads=bad)
+    with pytest.raises((TypeError, ValueError), match="num_threads"):
+        cposembed.set_num_threads(bad)
+
+
+def test_results_identical_for_every_thread_count():
+    rng = np.random.RandomState(5)
+    table = rng.randn(L, D)
+    pos = rng.randint(-L, L, size=(4, N // 4))
+    g = rng.randn(4, N // 4, D)
+    ref = np.zeros_like(table)
+    np.add.at(ref, pos, g)
+    for n in (1, 2, 3, 4, 7):
+        assert np.array_equal(cposembed.lookup(table, pos, num_threads=n), table[pos])
+        assert np.array_equal(
+            cposembed.scatter_add(np.zeros_like(table), g, pos, num_threads=n), ref
+        )
