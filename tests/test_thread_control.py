@@ -49,12 +49,14 @@ def _reset_default(monkeypatch):
 def spy(monkeypatch):
     """Records the n_threads each kernel call receives."""
     seen: list[tuple[str, int]] = []
-    for name in ("lookup_rows", "add_rows", "scatter_add_rows"):
+    # Where each kernel takes n_threads (optional tuning flags may follow it).
+    n_threads_arg = {"lookup_rows": 3, "add_rows": 4, "scatter_add_rows": 5}
+    for name, index in n_threads_arg.items():
         real = getattr(_kernels, name)
 
-        def wrapper(*args, _real=real, _name=name):
-            seen.append((_name, args[-1]))
-            return _real(*args)
+        def wrapper(*args, _real=real, _name=name, _index=index, **kwargs):
+            seen.append((_name, kwargs.get("n_threads", args[_index])))
+            return _real(*args, **kwargs)
 
         monkeypatch.setattr(_kernels, name, wrapper)
     return seen
