@@ -100,9 +100,7 @@ def _env_num_threads() -> int | None:
     try:
         n = int(raw)
     except ValueError:
-        raise ValueError(
-            f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}"
-        ) from None
+        raise ValueError(f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}") from None
     if n < 1:
         raise ValueError(f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}")
     return n

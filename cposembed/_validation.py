@@ -228,9 +228,7 @@ def broadcast_positions(
     except ValueError:
         full = None
     if full != tuple(lead):
-        raise ValueError(
-            f"positions of shape {pshape} do not broadcast to {what} {tuple(lead)}"
-        )
+        raise ValueError(f"positions of shape {pshape} do not broadcast to {what} {tuple(lead)}")
     core = pshape
     while core and core[0] == 1:
         core = core[1:]

@@ -71,7 +71,9 @@ def _padding_index(value: Any, n_rows: int) -> int | None:
 
 
 def _learning_rate(lr: Any) -> float:
-    if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, (int, float, np.integer, np.floating)):
+    if isinstance(lr, (bool, np.bool_)) or not isinstance(
+        lr, (int, float, np.integer, np.floating)
+    ):
         raise TypeError(f"lr must be a real number; got {v.describe(lr)}")
     try:
         value = float(lr)
@@ -446,8 +448,9 @@ class LearnedPositionEmbedding:
             "format_version": np.array(SAVE_FORMAT_VERSION, dtype=np.int64),
             "embeddings": self._embeddings,
             "dtype": np.array(self.dtype.name),
-            "padding_idx": np.array(-1 if self.padding_idx is None else self.padding_idx,
-                                    dtype=np.int64),
+            "padding_idx": np.array(
+                -1 if self.padding_idx is None else self.padding_idx, dtype=np.int64
+            ),
         }
         if not isinstance(path, (str, bytes, os.PathLike)):
             np.savez(path, **arrays)  # an open binary file
@@ -479,8 +482,9 @@ class LearnedPositionEmbedding:
             if missing or str(archive["kind"]) != _SAVE_KIND:
                 raise ValueError(
                     f"{name} is not a file written by LearnedPositionEmbedding.save() "
-                    f"(missing {sorted(missing)})" if missing else
-                    f"{name} is not a file written by LearnedPositionEmbedding.save()"
+                    f"(missing {sorted(missing)})"
+                    if missing
+                    else f"{name} is not a file written by LearnedPositionEmbedding.save()"
                 )
             version = int(archive["format_version"])
             if version > SAVE_FORMAT_VERSION:

@@ -118,7 +118,12 @@ def heatmap(
     ax = fig.add_subplot()
     vmax = float(np.abs(table).max()) or 1.0
     im = ax.imshow(
-        table.T, aspect="auto", origin="lower", cmap=cmap, vmin=-vmax, vmax=vmax,
+        table.T,
+        aspect="auto",
+        origin="lower",
+        cmap=cmap,
+        vmin=-vmax,
+        vmax=vmax,
         interpolation="nearest",
     )
     ax.set_xlabel("Position")

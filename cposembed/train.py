@@ -41,8 +41,12 @@ from .plot import adjacent_similarity
 
 __all__ = ["TrainResult", "train"]
 
-PICTURES = ("heatmap_before.png", "heatmap_after.png",
-            "similarity_before.png", "similarity_after.png")
+PICTURES = (
+    "heatmap_before.png",
+    "heatmap_after.png",
+    "similarity_before.png",
+    "similarity_after.png",
+)
 
 
 @dataclass
@@ -191,14 +195,14 @@ def train(
         for step in range(1, steps + 1):
             tokens = rng.integers(0, n_tok, size=(batch, n_pos))
             # forward
-            x = pe.add_to(token_table[tokens])                  # (B, T, d)
+            x = pe.add_to(token_table[tokens])  # (B, T, d)
             x2 = x.reshape(n_rows, d)
-            z = x2 @ head_w + head_b                            # (B*T, L)
+            z = x2 @ head_w + head_b  # (B*T, L)
             z -= z.max(axis=1, keepdims=True)
             p = np.exp(z)
             sum_p = p.sum(axis=1, keepdims=True)
             p /= sum_p
-            z -= np.log(sum_p)                                  # log-softmax
+            z -= np.log(sum_p)  # log-softmax
             q = np.broadcast_to(targets, (batch, n_pos, n_pos)).reshape(n_rows, n_pos)
             loss = float(-(q * z).sum() / n_rows)
             if step == 1:
@@ -209,7 +213,7 @@ def train(
             grad_b = dz.sum(axis=0)
             dx = (dz @ head_w.T).reshape(batch, n_pos, d)
             pe.zero_grad()
-            pe.backward(dx)                                     # positions 0..T-1
+            pe.backward(dx)  # positions 0..T-1
             grad_tokens = scatter_add(np.zeros_like(token_table), dx, tokens)
             # SGD
             pe.sgd_step(lr)
@@ -262,18 +266,26 @@ def _matplotlib_available() -> bool:
 
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--steps", type=int, default=300, help="SGD steps (default 300)")
-    parser.add_argument("--max-seq-len", type=int, default=128,
-                        help="positions in the table (default 128)")
-    parser.add_argument("--embed-dim", type=int, default=64,
-                        help="dimensions per position (default 64)")
+    parser.add_argument(
+        "--max-seq-len", type=int, default=128, help="positions in the table (default 128)"
+    )
+    parser.add_argument(
+        "--embed-dim", type=int, default=64, help="dimensions per position (default 64)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--lr", type=float, default=5.0, help="learning rate (default 5.0)")
-    parser.add_argument("--batch-size", type=int, default=16,
-                        help="sequences per step (default 16)")
-    parser.add_argument("--out", default=".",
-                        help="folder for the pictures (default: the current folder)")
-    parser.add_argument("--save", default=None, metavar="PATH",
-                        help="also save the trained table with LearnedPositionEmbedding.save")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="sequences per step (default 16)"
+    )
+    parser.add_argument(
+        "--out", default=".", help="folder for the pictures (default: the current folder)"
+    )
+    parser.add_argument(
+        "--save",
+        default=None,
+        metavar="PATH",
+        help="also save the trained table with LearnedPositionEmbedding.save",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -297,16 +309,25 @@ def run(args: Any) -> int:
     )
     plots = _matplotlib_available()
     result = train(
-        steps=args.steps, max_seq_len=args.max_seq_len, embed_dim=args.embed_dim,
-        seed=args.seed, lr=args.lr, batch_size=args.batch_size,
-        out=None, progress=not args.no_progress,
+        steps=args.steps,
+        max_seq_len=args.max_seq_len,
+        embed_dim=args.embed_dim,
+        seed=args.seed,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        out=None,
+        progress=not args.no_progress,
     )
     before_table = result.initial_table
-    print(f"loss: {result.loss_first:.3f} -> {result.loss_last:.3f}; "
-          f"exact position predicted for {100 * result.accuracy:.1f}% of tokens "
-          f"({result.seconds:.1f} s)")
-    print(f"mean cosine similarity of adjacent positions: "
-          f"before {result.similarity_before:.3f}, after {result.similarity_after:.3f}")
+    print(
+        f"loss: {result.loss_first:.3f} -> {result.loss_last:.3f}; "
+        f"exact position predicted for {100 * result.accuracy:.1f}% of tokens "
+        f"({result.seconds:.1f} s)"
+    )
+    print(
+        f"mean cosine similarity of adjacent positions: "
+        f"before {result.similarity_before:.3f}, after {result.similarity_after:.3f}"
+    )
     if plots:
         try:
             result.pictures = write_pictures(before_table, result.pe.embeddings, args.out)
@@ -316,8 +337,7 @@ def run(args: Any) -> int:
         for path in result.pictures:
             print(f"wrote {path}")
     else:
-        print("matplotlib is not installed: skipped the pictures "
-              "(pip install cposembed[plot])")
+        print("matplotlib is not installed: skipped the pictures (pip install cposembed[plot])")
     if args.save:
         result.pe.save(args.save)
         print(f"saved the trained table to {args.save}")

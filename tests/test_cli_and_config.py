@@ -27,7 +27,12 @@ def _run(*args, env=None, cwd=None):
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "cposembed", *args],
-        capture_output=True, text=True, env=full_env, cwd=cwd, timeout=300, check=True,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=300,
+        check=True,
     )
 
 
@@ -66,11 +71,18 @@ def test_set_and_get_num_threads():
 @pytest.mark.skipif(not cposembed.openmp_enabled(), reason="serial build")
 def test_env_var_sets_default_threads():
     code = "import cposembed; print(cposembed.get_num_threads())"
-    for env, expected in (({"CPOSEMBED_NUM_THREADS": "1"}, 1),
-                          ({"OMP_NUM_THREADS": "1"}, 1),
-                          ({"CPOSEMBED_NUM_THREADS": "1", "OMP_NUM_THREADS": "2"}, 1)):
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=dict(os.environ, **env), check=True)
+    for env, expected in (
+        ({"CPOSEMBED_NUM_THREADS": "1"}, 1),
+        ({"OMP_NUM_THREADS": "1"}, 1),
+        ({"CPOSEMBED_NUM_THREADS": "1", "OMP_NUM_THREADS": "2"}, 1),
+    ):
+        res = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, **env),
+            check=True,
+        )
         assert int(res.stdout) == expected
 
 

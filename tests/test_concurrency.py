@@ -111,9 +111,7 @@ def test_scatter_add_releases_gil(num_threads):
 
     # Without the GIL released, g[n//2:] is constant during the call, so the
     # grad rows n//2.. all hold the same value.
-    attempts = _observe_gil_release(
-        call, mutate, lambda r: np.unique(r[n // 2 :, 0]).size > 1
-    )
+    attempts = _observe_gil_release(call, mutate, lambda r: np.unique(r[n // 2 :, 0]).size > 1)
     assert attempts, "Python code never ran during scatter_add: the GIL was held"
 
 

@@ -44,8 +44,13 @@ def test_constructor_dtype(bad):
 
 @pytest.mark.parametrize(
     "table, exc",
-    [(np.ones(4), ValueError), (np.ones((0, 4)), ValueError), (np.ones((2, 2, 2)), ValueError),
-     (np.ones((3, 4), complex), TypeError), (np.array([["a"]]), TypeError)],
+    [
+        (np.ones(4), ValueError),
+        (np.ones((0, 4)), ValueError),
+        (np.ones((2, 2, 2)), ValueError),
+        (np.ones((3, 4), complex), TypeError),
+        (np.array([["a"]]), TypeError),
+    ],
 )
 def test_from_pretrained_bad_tables(table, exc):
     with pytest.raises(exc):
@@ -57,9 +62,17 @@ def test_from_pretrained_bad_tables(table, exc):
 
 @pytest.mark.parametrize(
     "positions, bad",
-    [(L, L), (-L - 1, -L - 1), ([0, L], L), ([[-L - 1, 0]], -L - 1), (10**30, 10**30),
-     (np.array([0, 5, L + 3], np.int8), L + 3), (np.array([2**40], np.uint64), 2**40),
-     (np.array([2**64 - 1], np.uint64), 2**64 - 1), (np.array([-2**31], np.int32), -2**31)],
+    [
+        (L, L),
+        (-L - 1, -L - 1),
+        ([0, L], L),
+        ([[-L - 1, 0]], -L - 1),
+        (10**30, 10**30),
+        (np.array([0, 5, L + 3], np.int8), L + 3),
+        (np.array([2**40], np.uint64), 2**40),
+        (np.array([2**64 - 1], np.uint64), 2**64 - 1),
+        (np.array([-(2**31)], np.int32), -(2**31)),
+    ],
 )
 def test_out_of_range_names_value_and_range(positions, bad):
     pe = _pe()
@@ -72,8 +85,16 @@ def test_out_of_range_names_value_and_range(positions, bad):
 
 @pytest.mark.parametrize(
     "positions",
-    [1.0, np.array([1.0, 2.0]), [0.5], "3", np.array(["a"]), object(), np.array([1 + 2j]),
-     np.array([1, 2], dtype=object)],
+    [
+        1.0,
+        np.array([1.0, 2.0]),
+        [0.5],
+        "3",
+        np.array(["a"]),
+        object(),
+        np.array([1 + 2j]),
+        np.array([1, 2], dtype=object),
+    ],
     ids=repr,
 )
 def test_non_integer_positions_raise_index_error(positions):
@@ -125,8 +146,12 @@ def test_add_to_bad_tokens(tokens, exc, words):
 
 @pytest.mark.parametrize(
     "grad_output, exc",
-    [(np.ones((2, 3, D + 1)), ValueError), (np.ones((2, 3, D), complex), TypeError),
-     (np.ones((2, 3, D), object), TypeError), (np.ones(D), ValueError)],
+    [
+        (np.ones((2, 3, D + 1)), ValueError),
+        (np.ones((2, 3, D), complex), TypeError),
+        (np.ones((2, 3, D), object), TypeError),
+        (np.ones(D), ValueError),
+    ],
 )
 def test_backward_bad_grad_output(grad_output, exc):
     pe = _pe()
@@ -146,9 +171,12 @@ def test_positions_that_do_not_broadcast():
 
 @pytest.mark.parametrize(
     "kwargs, exc, words",
-    [({"offset": -1}, ValueError, "non-negative"), ({"offset": 1.5}, TypeError, "offset"),
-     ({"offset": 2, "positions": [0, 1, 2]}, ValueError, "positions=None"),
-     ({"offset": True}, TypeError, "offset")],
+    [
+        ({"offset": -1}, ValueError, "non-negative"),
+        ({"offset": 1.5}, TypeError, "offset"),
+        ({"offset": 2, "positions": [0, 1, 2]}, ValueError, "positions=None"),
+        ({"offset": True}, TypeError, "offset"),
+    ],
 )
 def test_offset_rules(kwargs, exc, words):
     pe = _pe()
@@ -207,8 +235,10 @@ def test_functional_bad_tables_and_grad_tables():
         cposembed.scatter_add(ro, g, [0, 1, 2])
 
 
-@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-2, ValueError), ("2", TypeError),
-                                      (1.5, TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "bad, exc",
+    [(0, ValueError), (-2, ValueError), ("2", TypeError), (1.5, TypeError), (True, TypeError)],
+)
 def test_bad_num_threads(bad, exc):
     table = np.ones((L, D))
     grad = np.zeros((L, D))

@@ -74,7 +74,9 @@ PRELUDE = textwrap.dedent(
 NO_PAUSE = "_threads._omp_pause = None  # force the serial fallback\n"
 
 
-def _run(body: str, timeout: float = TIMEOUT, fallback: bool = False) -> subprocess.CompletedProcess:
+def _run(
+    body: str, timeout: float = TIMEOUT, fallback: bool = False
+) -> subprocess.CompletedProcess:
     code = PRELUDE + (NO_PAUSE if fallback else "") + textwrap.dedent(body)
     env = dict(os.environ)
     env.pop("CPOSEMBED_NUM_THREADS", None)
@@ -100,7 +102,9 @@ needs_openmp = pytest.mark.skipif(
 )
 
 
-fallback = pytest.mark.parametrize("fallback", [False, True], ids=["pool-release", "serial-fallback"])
+fallback = pytest.mark.parametrize(
+    "fallback", [False, True], ids=["pool-release", "serial-fallback"]
+)
 
 # In the child: with the pool released the kernels may use threads again;
 # in the fallback they must be serial.

@@ -29,11 +29,13 @@ from cposembed import LearnedPositionEmbedding
 
 CLEAR_ERRORS = (IndexError, TypeError, ValueError)
 
-INT_DTYPES = [np.dtype(t) for t in
-              ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")]
+INT_DTYPES = [
+    np.dtype(t) for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+]
 FLOAT_DTYPES = [np.dtype(t) for t in ("float16", "float32", "float64", "longdouble")]
-OTHER_DTYPES = [np.dtype(t) for t in
-                ("complex64", "complex128", "O", "U3", "S3", "M8[s]", "m8[ms]", "V4")]
+OTHER_DTYPES = [
+    np.dtype(t) for t in ("complex64", "complex128", "O", "U3", "S3", "M8[s]", "m8[ms]", "V4")
+]
 ALL_DTYPES = [np.dtype(bool)] + INT_DTYPES + FLOAT_DTYPES + OTHER_DTYPES
 SWAPPABLE = [dt for dt in INT_DTYPES + FLOAT_DTYPES + OTHER_DTYPES[:2] if dt.itemsize > 1]
 
@@ -41,6 +43,7 @@ SPECIAL_FLOATS = [np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, 5e-324, 1e-45, 1e
 
 
 # --- strategies -------------------------------------------------------------
+
 
 @st.composite
 def any_dtype(draw) -> np.dtype:
@@ -72,8 +75,11 @@ def _cast(values: np.ndarray, dt: np.dtype) -> np.ndarray:
 @st.composite
 def layout(draw, arr: np.ndarray) -> np.ndarray:
     """The same values (or a reversed copy of them) in some memory layout."""
-    how = draw(st.sampled_from(
-        ["c", "fortran", "reversed", "strided", "readonly", "broadcast", "unaligned"]))
+    how = draw(
+        st.sampled_from(
+            ["c", "fortran", "reversed", "strided", "readonly", "broadcast", "unaligned"]
+        )
+    )
     note(f"layout {how}")
     if how == "fortran":
         return np.asfortranarray(arr)
@@ -105,8 +111,9 @@ def index_arrays(draw, n_rows: int, shape=None, dtypes=None) -> np.ndarray:
     size = int(np.prod(shape))
     lo = -n_rows - 2 if draw(st.integers(0, 9)) == 0 else -n_rows
     hi = n_rows + 1 if draw(st.integers(0, 9)) == 0 else max(n_rows - 1, 0)
-    values = np.array(draw(st.lists(st.integers(lo, hi), min_size=size, max_size=size)),
-                      dtype=np.int64).reshape(shape)
+    values = np.array(
+        draw(st.lists(st.integers(lo, hi), min_size=size, max_size=size)), dtype=np.int64
+    ).reshape(shape)
     arr = _cast(values, dt)
     return draw(layout(arr))
 
@@ -119,13 +126,33 @@ def index_like(draw, n_rows: int):
         return draw(st.integers(-n_rows - 2, n_rows + 1))
     if kind == 1:
         return draw(st.sampled_from([np.int8, np.uint16, np.int64, np.uint64, np.intp]))(
-            draw(st.integers(0, max(n_rows - 1, 0))))
+            draw(st.integers(0, max(n_rows - 1, 0)))
+        )
     if kind == 2:
         return draw(st.lists(st.integers(-n_rows, max(n_rows - 1, 0)), max_size=5))
     if kind == 3:
-        return draw(st.sampled_from([1.0, 0.5, np.float32(1), "1", b"0", None, True, False,
-                                     [1.0, 2.0], [[0], [1, 2]], [], [[]], 2**70, -(2**70),
-                                     [2**64], object()]))
+        return draw(
+            st.sampled_from(
+                [
+                    1.0,
+                    0.5,
+                    np.float32(1),
+                    "1",
+                    b"0",
+                    None,
+                    True,
+                    False,
+                    [1.0, 2.0],
+                    [[0], [1, 2]],
+                    [],
+                    [[]],
+                    2**70,
+                    -(2**70),
+                    [2**64],
+                    object(),
+                ]
+            )
+        )
     if kind == 4:
         stop = draw(st.integers(-n_rows - 1, n_rows + 1))
         return slice(None, stop, draw(st.sampled_from([None, 1, 2, -1])))
@@ -135,9 +162,13 @@ def index_like(draw, n_rows: int):
 @st.composite
 def float_values(draw, shape, dtype) -> np.ndarray:
     size = int(np.prod(shape))
-    vals = draw(st.lists(
-        st.one_of(st.floats(-1e6, 1e6, width=32), st.sampled_from(SPECIAL_FLOATS)),
-        min_size=size, max_size=size))
+    vals = draw(
+        st.lists(
+            st.one_of(st.floats(-1e6, 1e6, width=32), st.sampled_from(SPECIAL_FLOATS)),
+            min_size=size,
+            max_size=size,
+        )
+    )
     with np.errstate(over="ignore"):
         return np.array(vals, dtype=np.float64).reshape(shape).astype(dtype)
 
@@ -159,13 +190,15 @@ def row_arrays(draw, lead, d):
         arr = draw(float_values(shape, dt))
     else:
         size = int(np.prod(shape))
-        vals = np.array(draw(st.lists(st.integers(-300, 300), min_size=size, max_size=size)),
-                        dtype=np.int64).reshape(shape)
+        vals = np.array(
+            draw(st.lists(st.integers(-300, 300), min_size=size, max_size=size)), dtype=np.int64
+        ).reshape(shape)
         arr = _cast(vals, dt)
     return draw(layout(arr))
 
 
 # --- helpers ----------------------------------------------------------------
+
 
 def _bits(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a).tobytes()
@@ -186,8 +219,10 @@ def same_values(got, want) -> bool:
         return False
     if got.dtype.kind == "f" and got.dtype.itemsize > 8:
         # longdouble: 80-bit values in 16 bytes; the padding bytes are garbage.
-        return bool(np.array_equal(got, want, equal_nan=True)
-                    and np.array_equal(np.signbit(got), np.signbit(want)))
+        return bool(
+            np.array_equal(got, want, equal_nan=True)
+            and np.array_equal(np.signbit(got), np.signbit(want))
+        )
     if got.dtype.kind in "fc":
         gn, wn = np.isnan(got), np.isnan(want)
         if not np.array_equal(gn, wn):
@@ -212,6 +247,7 @@ def broadcast_positions_ok(pos_shape, lead) -> bool:
 
 
 # --- properties ---------------------------------------------------------------
+
 
 @given(table=tables(min_rows=0) | tables(), data=st.data())
 def test_lookup_any_index_matches_numpy(table, data):
@@ -256,7 +292,7 @@ def test_lookup_out_any_layout_or_overlap(table, data):
         # semantics are "read all of table[pos], then write".
         size = int(np.prod(shape))
         assume(0 < size <= work.size)
-        out = work.reshape(-1)[work.size - size:].reshape(shape)
+        out = work.reshape(-1)[work.size - size :].reshape(shape)
     else:
         out = data.draw(layout(np.full(shape, 7, dtype=table.dtype)))
         assume(out.flags.writeable)
@@ -276,7 +312,7 @@ def test_add_positions_any_tokens_matches_numpy(table, data):
     if explicit:
         pshape = tuple(data.draw(st.lists(st.integers(0, 4), max_size=3), label="pshape"))
         if data.draw(st.booleans()) and lead:
-            pshape = lead[len(lead) - data.draw(st.integers(0, len(lead))):]
+            pshape = lead[len(lead) - data.draw(st.integers(0, len(lead))) :]
         positions = data.draw(index_arrays(L, shape=pshape), label="positions")
         offset = 0
 
@@ -295,7 +331,7 @@ def test_add_positions_any_tokens_matches_numpy(table, data):
             T = lead[-1]
             if T and offset + T > L:
                 raise IndexError("out of range")
-            return tokens + table[offset:offset + T]
+            return tokens + table[offset : offset + T]
 
     want, ref_exc = numpy_or_error(reference)
     real = tokens.dtype.kind in "biuf"
@@ -317,14 +353,14 @@ def test_add_positions_out_alias_and_overlap(table, data):
     T = data.draw(st.integers(1, L))
     base = data.draw(float_values((B * T + 2, d), table.dtype))
     shift = data.draw(st.integers(0, 2))
-    tokens = base[:B * T].reshape(B, T, d)
+    tokens = base[: B * T].reshape(B, T, d)
     mode = data.draw(st.sampled_from(["inplace", "shifted", "reversed", "table", "fresh-strided"]))
     note(f"mode {mode}, shift {shift}")
     work_table = table.copy()
     if mode == "inplace":
         out = tokens
     elif mode == "shifted":
-        out = base[shift:shift + B * T].reshape(B, T, d)
+        out = base[shift : shift + B * T].reshape(B, T, d)
     elif mode == "reversed":
         out = tokens[::-1]
     elif mode == "table":
@@ -332,11 +368,14 @@ def test_add_positions_out_alias_and_overlap(table, data):
         out = work_table.reshape(-1)[: B * T * d].reshape(B, T, d)
     else:
         out = np.zeros((B, T, 2 * d), dtype=table.dtype)[..., ::2]
-    positions = data.draw(st.one_of(
-        st.none(), index_arrays(L, shape=(T,), dtypes=st.sampled_from(INT_DTYPES))))
+    positions = data.draw(
+        st.one_of(st.none(), index_arrays(L, shape=(T,), dtypes=st.sampled_from(INT_DTYPES)))
+    )
     if positions is not None:
-        assume(positions.size == 0 or (positions.astype(np.int64).min() >= -L
-                                       and positions.astype(np.int64).max() < L))
+        assume(
+            positions.size == 0
+            or (positions.astype(np.int64).min() >= -L and positions.astype(np.int64).max() < L)
+        )
     pos = np.arange(T) if positions is None else positions
     with np.errstate(all="ignore"):
         want = tokens.copy() + work_table.copy()[pos]  # inputs copied first, as NumPy does
@@ -368,7 +407,7 @@ def test_scatter_add_any_grad_output_matches_add_at(data):
     if data.draw(st.booleans()):
         pshape = tuple(data.draw(st.lists(st.integers(0, 4), max_size=2)))
         if data.draw(st.booleans()) and lead:
-            pshape = lead[len(lead) - data.draw(st.integers(0, len(lead))):]
+            pshape = lead[len(lead) - data.draw(st.integers(0, len(lead))) :]
         positions = data.draw(index_arrays(L, shape=pshape), label="positions")
     else:
         positions = None
@@ -413,10 +452,11 @@ def test_scatter_add_grad_output_overlapping_grad(data):
     lo = data.draw(st.integers(0, L - 1))
     hi = data.draw(st.integers(lo, L))
     g = grad[lo:hi] if data.draw(st.booleans()) else grad[lo:hi][::-1]
-    positions = data.draw(index_arrays(L, shape=(hi - lo,),
-                                       dtypes=st.sampled_from(INT_DTYPES)))
-    assume(positions.size == 0 or (positions.astype(np.int64).min() >= -L
-                                   and positions.astype(np.int64).max() < L))
+    positions = data.draw(index_arrays(L, shape=(hi - lo,), dtypes=st.sampled_from(INT_DTYPES)))
+    assume(
+        positions.size == 0
+        or (positions.astype(np.int64).min() >= -L and positions.astype(np.int64).max() < L)
+    )
     want = grad.copy()
     with np.errstate(all="ignore"):  # Inf + -Inf: NumPy warns, the kernel need not
         np.add.at(want, positions, g.copy())
@@ -432,7 +472,8 @@ def test_nan_inf_pass_through_unchanged(table, data):
     table = table.copy()
     flat = table.reshape(-1)
     flat[data.draw(st.integers(0, flat.size - 1))] = data.draw(
-        st.sampled_from([np.nan, np.inf, -np.inf, -0.0]))
+        st.sampled_from([np.nan, np.inf, -np.inf, -0.0])
+    )
     # A NaN with a payload, as a model checkpoint might carry one.
     bits = np.array([0x7FF8DEADBEEF0001], dtype=np.uint64).view(np.float64)
     flat[0] = bits[0].astype(table.dtype) if table.dtype == np.float64 else np.float32(np.nan)
@@ -450,9 +491,9 @@ def test_nan_inf_pass_through_unchanged(table, data):
 # --- huge shapes: a clear error, never a crash or an attempt to touch memory ---
 
 HUGE = [
-    (2**40,),            # 1 Ti positions of int8 (a zero-stride view)
-    (2**31, 2**31),      # B*T overflows int32 and B*T*d overflows int64
-    (2**62,),            # B*T*d overflows int64 for any d > 1
+    (2**40,),  # 1 Ti positions of int8 (a zero-stride view)
+    (2**31, 2**31),  # B*T overflows int32 and B*T*d overflows int64
+    (2**62,),  # B*T*d overflows int64 for any d > 1
     (3, 2**61),
 ]
 
@@ -461,7 +502,11 @@ HUGE = [
 def test_huge_shapes_raise_clear_errors(shape):
     table = np.zeros((4, 8), dtype=np.float32)
     pos = np.broadcast_to(np.int8(0), shape)
-    big_rows = np.broadcast_to(np.int8(1), shape + (8,)) if np.prod(shape, dtype=object) * 8 < 2**63 else None
+    big_rows = (
+        np.broadcast_to(np.int8(1), shape + (8,))
+        if np.prod(shape, dtype=object) * 8 < 2**63
+        else None
+    )
     with pytest.raises((ValueError, MemoryError, IndexError)):
         cposembed.lookup(table, pos)
     grad = np.zeros_like(table)

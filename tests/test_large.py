@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 D = 1024
-N_ROWS = (1 << 21) + 3          # N_ROWS * D > 2**31
+N_ROWS = (1 << 21) + 3  # N_ROWS * D > 2**31
 assert N_ROWS * D > 2**31
 CHUNK = 1 << 16
 

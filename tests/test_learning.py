@@ -185,11 +185,19 @@ def test_sgd_step_after_failed_backward_changes_nothing():
     assert same_bits(pe.embeddings, table)
 
 
-@pytest.mark.parametrize("lr, exc", [
-    (float("nan"), ValueError), (float("inf"), ValueError), (-np.inf, ValueError),
-    ("0.1", TypeError), (None, TypeError), (1 + 2j, TypeError), (True, TypeError),
-    (np.array([0.1]), TypeError),
-])
+@pytest.mark.parametrize(
+    "lr, exc",
+    [
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (-np.inf, ValueError),
+        ("0.1", TypeError),
+        (None, TypeError),
+        (1 + 2j, TypeError),
+        (True, TypeError),
+        (np.array([0.1]), TypeError),
+    ],
+)
 def test_sgd_step_rejects_bad_learning_rates(lr, exc):
     pe = LearnedPositionEmbedding(5, 3, seed=0)
     pe.backward(np.ones((5, 3)))
@@ -478,8 +486,9 @@ def test_left_and_right_padding():
 @settings(max_examples=80, deadline=None)
 @given(
     mask=st.tuples(st.integers(0, 5), st.integers(0, 6)).flatmap(
-        lambda bt: st.lists(st.integers(0, 1), min_size=bt[0] * bt[1], max_size=bt[0] * bt[1])
-        .map(lambda flat: np.array(flat, dtype=np.int64).reshape(bt))
+        lambda bt: st.lists(st.integers(0, 1), min_size=bt[0] * bt[1], max_size=bt[0] * bt[1]).map(
+            lambda flat: np.array(flat, dtype=np.int64).reshape(bt)
+        )
     ),
     offset=st.integers(0, 50),
     pad=st.integers(-3, 3),
@@ -559,8 +568,9 @@ def test_positions_from_mask_is_exported():
 def test_train_function_builds_structure():
     from cposembed.train import train
 
-    result = train(steps=80, max_seq_len=32, embed_dim=16, batch_size=8, seed=1,
-                   out=None, progress=False)
+    result = train(
+        steps=80, max_seq_len=32, embed_dim=16, batch_size=8, seed=1, out=None, progress=False
+    )
     assert abs(result.similarity_before) < 0.2
     assert result.similarity_after > result.similarity_before + 0.4
     assert result.loss_last < result.loss_first
@@ -573,8 +583,15 @@ def run_cli(args, cwd, block_matplotlib=False):
         code += "sys.modules['matplotlib'] = None\n"
     code += "from cposembed.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", code, *args], check=False, cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        check=False,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def adjacent_line(stdout):
@@ -587,9 +604,24 @@ def adjacent_line(stdout):
 def test_train_command(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "pics"
-    proc = run_cli(["train", "--steps", "60", "--max-seq-len", "32", "--embed-dim", "16",
-                    "--seed", "3", "--out", str(out), "--save", str(tmp_path / "trained")],
-                   cwd=tmp_path)
+    proc = run_cli(
+        [
+            "train",
+            "--steps",
+            "60",
+            "--max-seq-len",
+            "32",
+            "--embed-dim",
+            "16",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+            "--save",
+            str(tmp_path / "trained"),
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     before, after = adjacent_line(proc.stdout)
     assert after > before + 0.3
@@ -603,8 +635,11 @@ def test_train_command(tmp_path):
 
 
 def test_train_command_without_matplotlib(tmp_path):
-    proc = run_cli(["train", "--steps", "20", "--max-seq-len", "16", "--embed-dim", "8",
-                    "--no-progress"], cwd=tmp_path, block_matplotlib=True)
+    proc = run_cli(
+        ["train", "--steps", "20", "--max-seq-len", "16", "--embed-dim", "8", "--no-progress"],
+        cwd=tmp_path,
+        block_matplotlib=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "skipped the pictures" in proc.stdout
     assert "pip install cposembed[plot]" in proc.stdout

@@ -10,7 +10,8 @@ show.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -35,8 +36,8 @@ class Buffers(NamedTuple):
     table: np.ndarray
     grad: np.ndarray
     tokens: np.ndarray
-    out: np.ndarray      # (B, T, D) table dtype, for lookup/add_positions
-    pos: np.ndarray      # (B, T) valid positions
+    out: np.ndarray  # (B, T, D) table dtype, for lookup/add_positions
+    pos: np.ndarray  # (B, T) valid positions
     bad_pos: np.ndarray  # like pos, last entry out of range
 
 
@@ -47,8 +48,12 @@ def buf(request):
     bad = pos.copy()
     bad[-1, -1] = L
     return Buffers(
-        _pattern((L, D), dt, 1), _pattern((L, D), dt, 2), _pattern((B, T, D), dt, 3),
-        _pattern((B, T, D), dt, 4), pos, bad,
+        _pattern((L, D), dt, 1),
+        _pattern((L, D), dt, 2),
+        _pattern((B, T, D), dt, 3),
+        _pattern((B, T, D), dt, 4),
+        pos,
+        bad,
     )
 
 
@@ -73,123 +78,191 @@ def _readonly(a):
 CASES = {
     # -- lookup ------------------------------------------------------------
     "lookup/position-too-big": Case(
-        IndexError, "out of range", lambda b: cposembed.lookup(b.table, b.bad_pos, out=b.out)),
+        IndexError, "out of range", lambda b: cposembed.lookup(b.table, b.bad_pos, out=b.out)
+    ),
     "lookup/position-too-negative": Case(
-        IndexError, "out of range",
-        lambda b: cposembed.lookup(b.table, np.where(b.pos == b.pos[-1, -1], -L - 1, b.pos),
-                                   out=b.out)),
+        IndexError,
+        "out of range",
+        lambda b: cposembed.lookup(
+            b.table, np.where(b.pos == b.pos[-1, -1], -L - 1, b.pos), out=b.out
+        ),
+    ),
     "lookup/uint64-beyond-int64": Case(
-        IndexError, "out of range",
-        lambda b: cposembed.lookup(b.table, _uint64_with_huge_last(b.pos), out=b.out)),
+        IndexError,
+        "out of range",
+        lambda b: cposembed.lookup(b.table, _uint64_with_huge_last(b.pos), out=b.out),
+    ),
     "lookup/list-with-huge-int": Case(
-        IndexError, "out of range",
-        lambda b: cposembed.lookup(b.table, list(b.pos[0]) + [2**70], out=b.out[0, :1])),
+        IndexError,
+        "out of range",
+        lambda b: cposembed.lookup(b.table, list(b.pos[0]) + [2**70], out=b.out[0, :1]),
+    ),
     "lookup/float-positions": Case(
-        IndexError, "integer", lambda b: cposembed.lookup(b.table, b.pos.astype(float),
-                                                          out=b.out)),
+        IndexError, "integer", lambda b: cposembed.lookup(b.table, b.pos.astype(float), out=b.out)
+    ),
     "lookup/out-wrong-shape": Case(
-        ValueError, "shape", lambda b: cposembed.lookup(b.table, b.pos[:, 1:], out=b.out)),
+        ValueError, "shape", lambda b: cposembed.lookup(b.table, b.pos[:, 1:], out=b.out)
+    ),
     "lookup/out-wrong-dtype": Case(
-        TypeError, "dtype",
-        lambda b: cposembed.lookup(b.table.astype(np.float32 if b.table.dtype == np.float64
-                                                  else np.float64), b.pos, out=b.out)),
+        TypeError,
+        "dtype",
+        lambda b: cposembed.lookup(
+            b.table.astype(np.float32 if b.table.dtype == np.float64 else np.float64),
+            b.pos,
+            out=b.out,
+        ),
+    ),
     "lookup/out-read-only": Case(
-        ValueError, "read-only", lambda b: cposembed.lookup(b.table, b.pos, out=_readonly(b.out))),
+        ValueError, "read-only", lambda b: cposembed.lookup(b.table, b.pos, out=_readonly(b.out))
+    ),
     "lookup/out-not-ndarray": Case(
-        TypeError, "out", lambda b: cposembed.lookup(b.table, b.pos, out=b.out.tolist())),
+        TypeError, "out", lambda b: cposembed.lookup(b.table, b.pos, out=b.out.tolist())
+    ),
     "lookup/bad-num-threads": Case(
-        ValueError, "num_threads", lambda b: cposembed.lookup(b.table, b.pos, out=b.out,
-                                                              num_threads=0)),
+        ValueError,
+        "num_threads",
+        lambda b: cposembed.lookup(b.table, b.pos, out=b.out, num_threads=0),
+    ),
     "lookup/numpy-path-out-wrong-shape": Case(
-        ValueError, "shape", lambda b: cposembed.lookup(b.table, (slice(None), 0), out=b.out)),
+        ValueError, "shape", lambda b: cposembed.lookup(b.table, (slice(None), 0), out=b.out)
+    ),
     "lookup/table-wrong-dtype": Case(
-        TypeError, "dtype", lambda b: cposembed.lookup(b.table.astype(np.float16), b.pos,
-                                                       out=b.out)),
+        TypeError, "dtype", lambda b: cposembed.lookup(b.table.astype(np.float16), b.pos, out=b.out)
+    ),
     "lookup/table-not-2d": Case(
-        ValueError, "2-D", lambda b: cposembed.lookup(b.table[None], b.pos, out=b.out)),
+        ValueError, "2-D", lambda b: cposembed.lookup(b.table[None], b.pos, out=b.out)
+    ),
     # -- add_positions (out may be tokens itself) -----------------------------
     "add/position-too-big": Case(
-        IndexError, "out of range",
-        lambda b: cposembed.add_positions(b.tokens, b.table, b.bad_pos, out=b.out)),
+        IndexError,
+        "out of range",
+        lambda b: cposembed.add_positions(b.tokens, b.table, b.bad_pos, out=b.out),
+    ),
     "add/position-too-big-in-place": Case(
-        IndexError, "out of range",
-        lambda b: cposembed.add_positions(b.tokens, b.table, b.bad_pos, out=b.tokens)),
+        IndexError,
+        "out of range",
+        lambda b: cposembed.add_positions(b.tokens, b.table, b.bad_pos, out=b.tokens),
+    ),
     "add/offset-past-end-in-place": Case(
-        IndexError, "out of range",
-        lambda b: cposembed.add_positions(b.tokens, b.table, offset=L - T + 1, out=b.tokens)),
+        IndexError,
+        "out of range",
+        lambda b: cposembed.add_positions(b.tokens, b.table, offset=L - T + 1, out=b.tokens),
+    ),
     "add/negative-offset": Case(
-        ValueError, "offset", lambda b: cposembed.add_positions(b.tokens, b.table, offset=-1,
-                                                                out=b.tokens)),
+        ValueError,
+        "offset",
+        lambda b: cposembed.add_positions(b.tokens, b.table, offset=-1, out=b.tokens),
+    ),
     "add/offset-not-int": Case(
-        TypeError, "offset", lambda b: cposembed.add_positions(b.tokens, b.table, offset=1.0,
-                                                               out=b.tokens)),
+        TypeError,
+        "offset",
+        lambda b: cposembed.add_positions(b.tokens, b.table, offset=1.0, out=b.tokens),
+    ),
     "add/offset-with-positions": Case(
-        ValueError, "offset", lambda b: cposembed.add_positions(b.tokens, b.table, b.pos,
-                                                                offset=1, out=b.tokens)),
+        ValueError,
+        "offset",
+        lambda b: cposembed.add_positions(b.tokens, b.table, b.pos, offset=1, out=b.tokens),
+    ),
     "add/positions-do-not-broadcast": Case(
-        ValueError, "broadcast", lambda b: cposembed.add_positions(b.tokens, b.table,
-                                                                   b.pos[:, :-1], out=b.tokens)),
+        ValueError,
+        "broadcast",
+        lambda b: cposembed.add_positions(b.tokens, b.table, b.pos[:, :-1], out=b.tokens),
+    ),
     "add/positions-index-embedding-axis": Case(
-        IndexError, "embedding axis",
-        lambda b: cposembed.add_positions(b.tokens, b.table, (slice(None), 0), out=b.tokens)),
+        IndexError,
+        "embedding axis",
+        lambda b: cposembed.add_positions(b.tokens, b.table, (slice(None), 0), out=b.tokens),
+    ),
     "add/tokens-wrong-d": Case(
-        ValueError, "embed_dim", lambda b: cposembed.add_positions(b.tokens[..., :-1], b.table,
-                                                                   out=b.out)),
+        ValueError,
+        "embed_dim",
+        lambda b: cposembed.add_positions(b.tokens[..., :-1], b.table, out=b.out),
+    ),
     "add/tokens-complex": Case(
-        TypeError, "real", lambda b: cposembed.add_positions(b.tokens.astype(complex), b.table,
-                                                             out=b.out)),
+        TypeError,
+        "real",
+        lambda b: cposembed.add_positions(b.tokens.astype(complex), b.table, out=b.out),
+    ),
     "add/tokens-object": Case(
-        TypeError, "real", lambda b: cposembed.add_positions(b.tokens.astype(object), b.table,
-                                                             out=b.out)),
+        TypeError,
+        "real",
+        lambda b: cposembed.add_positions(b.tokens.astype(object), b.table, out=b.out),
+    ),
     "add/tokens-1d-no-positions": Case(
-        ValueError, "shape", lambda b: cposembed.add_positions(b.tokens[0, 0], b.table,
-                                                               out=b.out[0, 0])),
+        ValueError,
+        "shape",
+        lambda b: cposembed.add_positions(b.tokens[0, 0], b.table, out=b.out[0, 0]),
+    ),
     "add/out-wrong-shape": Case(
-        ValueError, "shape", lambda b: cposembed.add_positions(b.tokens[:, 1:], b.table,
-                                                               out=b.out)),
+        ValueError, "shape", lambda b: cposembed.add_positions(b.tokens[:, 1:], b.table, out=b.out)
+    ),
     "add/out-wrong-dtype": Case(
-        TypeError, "dtype", lambda b: cposembed.add_positions(b.tokens.astype(np.float16),
-                                                              b.table, out=b.out.astype(
-                                                                  np.float16))),
+        TypeError,
+        "dtype",
+        lambda b: cposembed.add_positions(
+            b.tokens.astype(np.float16), b.table, out=b.out.astype(np.float16)
+        ),
+    ),
     "add/out-read-only": Case(
-        ValueError, "read-only", lambda b: cposembed.add_positions(b.tokens, b.table,
-                                                                   out=_readonly(b.out))),
+        ValueError,
+        "read-only",
+        lambda b: cposembed.add_positions(b.tokens, b.table, out=_readonly(b.out)),
+    ),
     "add/bad-num-threads-in-place": Case(
-        TypeError, "num_threads", lambda b: cposembed.add_positions(b.tokens, b.table,
-                                                                    out=b.tokens,
-                                                                    num_threads=2.0)),
+        TypeError,
+        "num_threads",
+        lambda b: cposembed.add_positions(b.tokens, b.table, out=b.tokens, num_threads=2.0),
+    ),
     # -- scatter_add ----------------------------------------------------------
     "scatter/position-too-big": Case(
-        IndexError, "out of range", lambda b: cposembed.scatter_add(b.grad, b.tokens, b.bad_pos)),
+        IndexError, "out of range", lambda b: cposembed.scatter_add(b.grad, b.tokens, b.bad_pos)
+    ),
     "scatter/position-too-negative": Case(
-        IndexError, "out of range",
-        lambda b: cposembed.scatter_add(b.grad, b.tokens,
-                                        np.concatenate([b.pos.ravel()[:-1], [-L - 1]]).reshape(B, T))),
+        IndexError,
+        "out of range",
+        lambda b: cposembed.scatter_add(
+            b.grad, b.tokens, np.concatenate([b.pos.ravel()[:-1], [-L - 1]]).reshape(B, T)
+        ),
+    ),
     "scatter/offset-past-end": Case(
-        IndexError, "out of range", lambda b: cposembed.scatter_add(b.grad, b.tokens,
-                                                                    offset=L - T + 1)),
+        IndexError,
+        "out of range",
+        lambda b: cposembed.scatter_add(b.grad, b.tokens, offset=L - T + 1),
+    ),
     "scatter/negative-offset": Case(
-        ValueError, "offset", lambda b: cposembed.scatter_add(b.grad, b.tokens, offset=-3)),
+        ValueError, "offset", lambda b: cposembed.scatter_add(b.grad, b.tokens, offset=-3)
+    ),
     "scatter/offset-with-positions": Case(
-        ValueError, "offset", lambda b: cposembed.scatter_add(b.grad, b.tokens, b.pos, offset=2)),
+        ValueError, "offset", lambda b: cposembed.scatter_add(b.grad, b.tokens, b.pos, offset=2)
+    ),
     "scatter/positions-do-not-broadcast": Case(
-        ValueError, "broadcast", lambda b: cposembed.scatter_add(b.grad, b.tokens, b.pos.T)),
+        ValueError, "broadcast", lambda b: cposembed.scatter_add(b.grad, b.tokens, b.pos.T)
+    ),
     "scatter/grad-output-wrong-d": Case(
-        ValueError, "embed_dim", lambda b: cposembed.scatter_add(b.grad, b.tokens[..., 1:])),
+        ValueError, "embed_dim", lambda b: cposembed.scatter_add(b.grad, b.tokens[..., 1:])
+    ),
     "scatter/grad-output-strings": Case(
-        TypeError, "real", lambda b: cposembed.scatter_add(b.grad, b.tokens.astype("U8"))),
+        TypeError, "real", lambda b: cposembed.scatter_add(b.grad, b.tokens.astype("U8"))
+    ),
     "scatter/grad-read-only": Case(
-        ValueError, "read-only", lambda b: cposembed.scatter_add(_readonly(b.grad), b.tokens)),
+        ValueError, "read-only", lambda b: cposembed.scatter_add(_readonly(b.grad), b.tokens)
+    ),
     "scatter/grad-wrong-dtype": Case(
-        TypeError, "dtype", lambda b: cposembed.scatter_add(b.grad.view(np.uint8), b.tokens)),
+        TypeError, "dtype", lambda b: cposembed.scatter_add(b.grad.view(np.uint8), b.tokens)
+    ),
     "scatter/grad-not-ndarray": Case(
-        TypeError, "ndarray", lambda b: cposembed.scatter_add(b.grad.tolist(), b.tokens)),
+        TypeError, "ndarray", lambda b: cposembed.scatter_add(b.grad.tolist(), b.tokens)
+    ),
     "scatter/bad-num-threads": Case(
-        ValueError, "num_threads", lambda b: cposembed.scatter_add(b.grad, b.tokens, b.pos,
-                                                                   num_threads=-1)),
+        ValueError,
+        "num_threads",
+        lambda b: cposembed.scatter_add(b.grad, b.tokens, b.pos, num_threads=-1),
+    ),
     "scatter/positions-index-embedding-axis": Case(
-        IndexError, "embedding axis",
-        lambda b: cposembed.scatter_add(b.grad, b.tokens, (slice(None), 0))),
+        IndexError,
+        "embedding axis",
+        lambda b: cposembed.scatter_add(b.grad, b.tokens, (slice(None), 0)),
+    ),
 }
 
 
@@ -205,10 +278,12 @@ def test_error_path_writes_nothing(name, buf):
 
 # -- the class: table, grad and out ------------------------------------------------
 
+
 @pytest.fixture(params=[np.float32, np.float64])
 def pe(request):
-    pe = LearnedPositionEmbedding.from_pretrained(_pattern((L, D), request.param, 5),
-                                                  dtype=request.param)
+    pe = LearnedPositionEmbedding.from_pretrained(
+        _pattern((L, D), request.param, 5), dtype=request.param
+    )
     return pe
 
 
@@ -226,8 +301,7 @@ CLASS_CASES = {
     "backward/wrong-d": lambda pe, b: pe.backward(b.tokens[..., :-1]),
     "backward/complex": lambda pe, b: pe.backward(b.tokens * 1j),
     "embeddings-setter/wrong-shape": lambda pe, b: setattr(pe, "embeddings", b.table[:-1]),
-    "embeddings-setter/strings": lambda pe, b: setattr(pe, "embeddings",
-                                                       b.table.astype("U4")),
+    "embeddings-setter/strings": lambda pe, b: setattr(pe, "embeddings", b.table.astype("U4")),
 }
 
 
@@ -235,8 +309,12 @@ CLASS_CASES = {
 @pytest.mark.parametrize("name", list(CLASS_CASES))
 def test_class_error_path_writes_nothing(name, warm, pe):
     b = Buffers(
-        pe.embeddings, None, _pattern((B, T, D), pe.dtype, 6), _pattern((B, T, D), pe.dtype, 7),
-        np.random.RandomState(3).randint(0, L, size=(B, T)), None,
+        pe.embeddings,
+        None,
+        _pattern((B, T, D), pe.dtype, 6),
+        _pattern((B, T, D), pe.dtype, 7),
+        np.random.RandomState(3).randint(0, L, size=(B, T)),
+        None,
     )
     bad = b.pos.copy()
     bad[-1, -1] = -L - 1

@@ -47,8 +47,7 @@ def test_cosine_similarity_matches_a_loop():
     table[4] = 0  # a padding row: similarity 0
     np.testing.assert_allclose(plot.cosine_similarity(table), naive_cosine(table), atol=1e-12)
     pe = LearnedPositionEmbedding(7, 3, seed=0)
-    np.testing.assert_allclose(plot.cosine_similarity(pe), naive_cosine(pe.embeddings),
-                               atol=1e-12)
+    np.testing.assert_allclose(plot.cosine_similarity(pe), naive_cosine(pe.embeddings), atol=1e-12)
 
 
 def test_adjacent_similarity_matches_a_loop():
@@ -61,10 +60,16 @@ def test_adjacent_similarity_matches_a_loop():
     assert np.isnan(plot.adjacent_similarity(np.ones((1, 3))))
 
 
-@pytest.mark.parametrize("bad, exc", [
-    (np.ones(5), ValueError), (np.ones((2, 3, 4)), ValueError), (np.ones((0, 3)), ValueError),
-    (np.array([["a"]]), TypeError), (np.ones((2, 2), dtype=complex), TypeError),
-])
+@pytest.mark.parametrize(
+    "bad, exc",
+    [
+        (np.ones(5), ValueError),
+        (np.ones((2, 3, 4)), ValueError),
+        (np.ones((0, 3)), ValueError),
+        (np.array([["a"]]), TypeError),
+        (np.ones((2, 2), dtype=complex), TypeError),
+    ],
+)
 def test_bad_tables_are_rejected(bad, exc):
     with pytest.raises(exc):
         plot.cosine_similarity(bad)
@@ -141,8 +146,14 @@ def test_import_error_in_a_fresh_interpreter():
         "    print('ImportError:', e)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "ImportError:" in proc.stdout and "pip install cposembed[plot]" in proc.stdout
 
@@ -167,8 +178,15 @@ def run_demo(cwd, block_matplotlib):
         code += "sys.modules['matplotlib'] = None\n"
     code += "from cposembed.__main__ import main\nsys.exit(main(['demo']))\n"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", code], check=False, cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_demo_writes_the_heatmap(mpl, tmp_path):

@@ -85,12 +85,18 @@ def _threads_used(spy, num_threads=None) -> set[int]:
 
 
 def _in_subprocess(env_updates: dict, code: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "CPOSEMBED_NUM_THREADS")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "CPOSEMBED_NUM_THREADS")
+    }
     env.update(env_updates)
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -109,6 +115,7 @@ PROBE = """
 
 
 # --- OMP_NUM_THREADS and CPOSEMBED_NUM_THREADS (fresh interpreters) -------------
+
 
 @needs_openmp
 @needs_2_cpus
@@ -168,6 +175,7 @@ def test_cposembed_num_threads_env_read_at_call_time(monkeypatch, spy):
 
 
 # --- threadpoolctl ---------------------------------------------------------------
+
 
 def _openmp_libs():
     return [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "openmp"]
@@ -253,6 +261,7 @@ def test_set_num_threads_wins_over_threadpool_limits(spy):
 
 
 # --- the rest of the rules -------------------------------------------------------
+
 
 @needs_openmp
 def test_explicit_num_threads_may_exceed_cpus(spy):
