@@ -26,6 +26,11 @@ if [ ! -e "$libasan" ] || [ "$libasan" = libasan.so ]; then
     exit 2
 fi
 libasan=$(readlink -f "$libasan")
+# C++ extensions loaded later (matplotlib's ft2font, via pybind11) throw
+# exceptions; ASan's __cxa_throw interceptor needs the real one resolved at
+# start-up, so libstdc++ is preloaded right after the ASan runtime.
+libstdcxx=$(readlink -f "$("$CC" -print-file-name=libstdc++.so)")
+[ -e "$libstdcxx" ] && libasan="$libasan:$libstdcxx"
 
 work=$(mktemp -d /tmp/cposembed-sanitize.XXXXXX)
 if [ "${KEEP:-0}" != 1 ]; then trap 'rm -rf "$work"' EXIT; fi
