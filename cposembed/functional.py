@@ -10,6 +10,7 @@ is written before every check has passed.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -69,7 +70,11 @@ def _run_threads(num_threads: int | None, work: int, chunks: int) -> int:
 # blocks: a new mmap'ed array pays a page fault and a kernel zeroing per page,
 # more than the lookup that fills it; a block freed by a previous call's
 # result is handed out again instead (at most 4 blocks, 1 GiB, are kept).
+# CPOSEMBED_REUSE_OUTPUTS=0 turns the reuse off (nothing is kept after the
+# last result is freed), for processes that must give memory back at once.
 POOL_MIN_BYTES = 1 << 22
+if os.environ.get("CPOSEMBED_REUSE_OUTPUTS", "").strip() == "0":
+    _alloc.set_pool(False)
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

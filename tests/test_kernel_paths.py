@@ -8,6 +8,9 @@ reusable output blocks, and the machine-limit probes of the benchmark.
 """
 
 import gc
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -444,3 +447,20 @@ def test_scatter_explicit_repeated_positions_take_one_period(shape, same_rows):
     for threads in THREADS:
         got = cposembed.scatter_add(np.zeros((L, d), np.float32), g, pos, num_threads=threads)
         assert np.array_equal(_bits(got), _bits(expect))
+
+
+def test_reuse_can_be_turned_off_by_environment():
+    code = (
+        "import numpy as np, cposembed\n"
+        "from cposembed import _alloc\n"
+        "t = np.ones((2048, 768), np.float32)\n"
+        "for _ in range(3):\n"
+        "    r = cposembed.lookup(t, np.zeros((8, 1024), np.int64)); del r\n"
+        "print(_alloc.pool_info()[0], _alloc.pool_info()[3])\n"
+    )
+    for value, expected in (("0", "0 False"), ("1", "1 True")):
+        env = dict(os.environ, CPOSEMBED_REUSE_OUTPUTS=value)
+        res = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+        )
+        assert res.stdout.split() == expected.split()
