@@ -12,7 +12,7 @@ import numpy as np
 from . import _optim, _threads
 from . import _validation as v
 from .functional import SMALL_TAKE_ELEMENTS as _SMALL_TAKE_ELEMENTS
-from .functional import add_positions, lookup, scatter_add, small_take
+from .functional import add_positions, lookup, scatter_add_rows_of, small_take
 
 # Token arrays up to this many elements are added by NumPy directly when
 # positions=None (a decode step): the full path's fixed costs would dominate.
@@ -299,31 +299,24 @@ class LearnedPositionEmbedding:
         existing = self.grad
         fresh = existing is None
         grad = np.zeros_like(self._embeddings) if existing is None else existing
-        scatter_add(grad, grad_output, positions, offset=offset)
+        rows = scatter_add_rows_of(grad, grad_output, positions, offset, None)
         self.grad = grad
-        self._mark_touched(grad, fresh, grad_output, positions, offset)
+        self._mark_touched(grad, fresh, rows)
         if self.padding_idx is not None:
             # The row was zero before this call (it never keeps gradient), so
             # resetting it is the same as never having added to it.
             grad[self.padding_idx] = 0
         return grad
 
-    def _mark_touched(
-        self, grad: np.ndarray, fresh: bool, grad_output: Any, positions: Any, offset: int
-    ) -> None:
-        # scatter_add has accepted these arguments, so they are valid here.
+    def _mark_touched(self, grad: np.ndarray, fresh: bool, rows: np.ndarray) -> None:
+        # `rows`: the positions scatter_add validated and used (in [-L, L)).
         # Marking a row too many is harmless (its gradient is zero, and
         # x - lr * 0 == x bitwise); missing one is not.
         if self._touched is None or self._touched_grad is not grad:
             # A grad array the user assigned may hold anything: all rows count.
             self._touched = np.full(self.max_seq_len, not fresh, dtype=bool)
             self._touched_grad = grad
-        if positions is None:
-            n_tokens = np.shape(grad_output)[-2]
-            self._touched[offset : offset + n_tokens] = True
-        else:
-            flat = v.as_positions(positions, self.max_seq_len).flat
-            self._touched[flat] = True
+        self._touched[rows] = True
         if self.padding_idx is not None:
             self._touched[self.padding_idx] = False
 

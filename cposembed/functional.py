@@ -319,6 +319,23 @@ def scatter_add(
     ndarray
         ``grad_table``.
     """
+    scatter_add_rows_of(grad_table, grad_output, positions, offset, num_threads)
+    return grad_table
+
+
+def scatter_add_rows_of(
+    grad_table: np.ndarray,
+    grad_output: Any,
+    positions: Any,
+    offset: int,
+    num_threads: int | None,
+) -> np.ndarray:
+    """:func:`scatter_add`, returning the validated positions it used.
+
+    Every row that received a contribution is in the returned integer array
+    (values in ``[-L, L)``), so callers that track touched rows need not
+    validate ``positions`` a second time.
+    """
     if not isinstance(grad_table, np.ndarray):
         raise TypeError(f"grad_table must be a numpy.ndarray; got {v.describe(grad_table)}")
     native = v.native_dtype(grad_table.dtype)
@@ -334,7 +351,7 @@ def scatter_add(
     flat, _ = _row_positions(positions, offset, lead, n_rows, "grad_output")
     n = int(np.prod(lead))
     if n == 0 or d == 0 or flat.size == 0:
-        return grad_table
+        return flat
     flat = _shortest_period(flat, lead)
     g_c = np.ascontiguousarray(g, dtype=native).reshape(n, d)
     if v.overlaps(g_c, grad_table):
@@ -348,4 +365,4 @@ def scatter_add(
         work = np.ascontiguousarray(grad_table, dtype=native)
         _kernels.scatter_add_rows(work, g_c, flat, row_start, order, threads)
         np.copyto(grad_table, work)
-    return grad_table
+    return flat
