@@ -47,6 +47,6 @@ def scatter_add_rows(
     order: npt.NDArray[np.int64],  # int64_t[::1]  (m,) scratch
     n_threads: int,  # int
     allow_distinct: bool = True,  # bint: blocked path for distinct positions
-    general_mode: int = 0,  # int: 0 auto, 1 scan, 2 sorted rows, 3 column bands
+    general_mode: int = 0,  # int: 0 auto, 1 scan by owner, 2 sorted rows, 3 column bands
     scan_block_bytes: int = 8388608,  # Py_ssize_t: per-thread cache budget
 ) -> None: ...

@@ -1,9 +1,11 @@
 """``python -m cposembed bench``: cposembed side by side with the machine and its peers.
 
 Every comparison runs in this one process on the same arrays with the same
-threads: warm-up first, then rounds in which each contender runs once, in an
-order that rotates from round to round (so drifting machine load hits all
-alike); the median per contender is reported, and ratios are
+threads: warm-up first, then rounds in which each contender runs once, in a
+fresh shuffled order each round (so drifting machine load hits all alike,
+and no contender always follows the same other one: a peer whose OpenMP
+threads still spin after its call would otherwise always slow down the same
+contender); the median per contender is reported, and ratios are
 ``time(cposembed) / time(other)`` (below 1: cposembed is faster).
 
 The machine's own limits are measured in the same run on the same number of
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import sys
 import time
 import timeit
@@ -91,17 +94,33 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _round_orders(n: int, rounds: int) -> list[list[int]]:
+    """A shuffled order of the n contenders per round (seeded: repeatable).
+
+    A rotating order keeps the cyclic sequence, so each contender would
+    always run right after the same other one; shuffling spreads whatever a
+    contender leaves behind (spinning OpenMP workers of another runtime,
+    dirty cache lines) over all of them.
+    """
+    rng = random.Random(n * 1000 + rounds)
+    orders = []
+    for _ in range(rounds):
+        order = list(range(n))
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
 def _time_group(group: Group, repeats: int, slow_s: float = 0.3) -> None:
-    """Warm-up, then alternating rounds in rotating order; fills ``.times``."""
+    """Warm-up, then alternating rounds in shuffled order; fills ``.times``."""
     for c in group.contenders:
         t0 = time.perf_counter()
         c.fn()
         c.times = []
         c._warm = time.perf_counter() - t0  # type: ignore[attr-defined]
-    n = len(group.contenders)
-    for r in range(repeats):
-        for k in range(n):
-            c = group.contenders[(r + k) % n]
+    for order in _round_orders(len(group.contenders), repeats):
+        for k in order:
+            c = group.contenders[k]
             # A contender taking seconds (np.add.at) gets 3 runs, not all.
             if c._warm > slow_s and len(c.times) >= 3:  # type: ignore[attr-defined]
                 continue
@@ -117,10 +136,9 @@ def _time_tiny(group: Group, repeats: int, budget_s: float = 0.005) -> None:
         per_call = timeit.Timer(c.fn).timeit(50) / 50
         c._number = max(1, int(budget_s / max(per_call, 1e-8)))  # type: ignore[attr-defined]
         c.times = []
-    n = len(group.contenders)
-    for r in range(repeats * 3):
-        for k in range(n):
-            c = group.contenders[(r + k) % n]
+    for order in _round_orders(len(group.contenders), repeats * 3):
+        for k in order:
+            c = group.contenders[k]
             t = timeit.Timer(c.fn).timeit(c._number)  # type: ignore[attr-defined]
             c.times.append(t / c._number)  # type: ignore[attr-defined]
     for c in group.contenders:

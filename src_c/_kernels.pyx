@@ -18,6 +18,7 @@
 
 from cython.parallel cimport prange
 from libc.stdint cimport int32_t, int64_t
+from libc.stdlib cimport free, malloc
 
 from _openmp cimport CPOSEMBED_OPENMP_ENABLED, omp_get_max_threads
 
@@ -32,6 +33,10 @@ cdef extern from "_stream.h" nogil:
     void cpe_add_f32(float* out, const float* a, const float* b, Py_ssize_t n, int stream)
     void cpe_add_f64(double* out, const double* a, const double* b, Py_ssize_t n,
                      int stream)
+    void cpe_acc_f32(float* acc, const float* src, const float* nxt, const float* far,
+                     Py_ssize_t n)
+    void cpe_acc_f64(double* acc, const double* src, const double* nxt, const double* far,
+                     Py_ssize_t n)
 
 ctypedef fused real_t:
     float
@@ -104,36 +109,19 @@ cdef inline void _add_row(const real_t* a, const real_t* b, real_t* out,
         cpe_add_f64(out, a, b, d, stream)
 
 
-cdef inline void _acc_row(real_t* acc, const real_t* src,
-                          Py_ssize_t d) noexcept nogil:
-    cdef Py_ssize_t k
-    for k in range(d):
-        acc[k] += src[k]
-
-
-cdef inline void _acc_row_pf(real_t* acc, const real_t* src, const real_t* nxt,
-                             Py_ssize_t d) noexcept nogil:
-    # acc += src, asking for the matching cache line of the next row (`nxt`,
-    # may be NULL) as each line is summed: the prefetches trickle out at the
-    # pace of the work instead of all at once.
-    cdef Py_ssize_t k = 0, j
-    cdef Py_ssize_t step = 64 // sizeof(real_t)
-    if nxt != NULL:
-        while k + step <= d:
-            cpe_prefetch(nxt + k)
-            for j in range(k, k + step):
-                acc[j] += src[j]
-            k += step
-        if k < d:
-            cpe_prefetch(nxt + k)
-    while k < d:
-        acc[k] += src[k]
-        k += 1
+cdef inline void _acc_row(real_t* acc, const real_t* src, const real_t* nxt,
+                          const real_t* far, Py_ssize_t d) noexcept nogil:
+    # acc += src; asks for the lines of `nxt` (next row, L1) and `far` (a
+    # row further ahead, L2) as it goes; either may be NULL (see _stream.h).
+    if real_t is float:
+        cpe_acc_f32(acc, src, nxt, far, d)
+    else:
+        cpe_acc_f64(acc, src, nxt, far, d)
 
 
 cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
     # The next row of a random gather: ask for all its cache lines now, so
-    # they arrive while the current row is summed.
+    # they arrive while the current row is copied.
     cdef Py_ssize_t k = 0
     cdef Py_ssize_t step = 64 // sizeof(real_t)
     while k < d:
@@ -148,18 +136,6 @@ cdef inline void _prefetch_once(const real_t* src, Py_ssize_t d) noexcept nogil:
     cdef Py_ssize_t step = 64 // sizeof(real_t)
     while k < d:
         cpe_prefetch_nta(src + k)
-        k += step
-
-
-cdef inline void _prefetch_pair(real_t* acc, const real_t* src,
-                                Py_ssize_t n) noexcept nogil:
-    # A gradient-table row about to be updated at random (write intent) and
-    # the gradient row to add into it.
-    cdef Py_ssize_t k = 0
-    cdef Py_ssize_t step = 64 // sizeof(real_t)
-    while k < n:
-        cpe_prefetch_w(acc + k)
-        cpe_prefetch(src + k)
         k += step
 
 
@@ -354,7 +330,7 @@ cdef void _sum_rows(real_t* grad, const real_t* g,
                     nxt = g + order[e] * d_
                 else:
                     nxt = NULL
-                _acc_row_pf(acc, g + (k * m + order[t]) * d_, nxt, d_)
+                _acc_row(acc, g + (k * m + order[t]) * d_, nxt, NULL, d_)
 
 
 cdef void _sum_distinct(real_t* grad, const real_t* g, const index_t* positions,
@@ -363,9 +339,11 @@ cdef void _sum_distinct(real_t* grad, const real_t* g, const index_t* positions,
     # Positions j_lo..j_hi-1 hit distinct rows, so row positions[j] receives
     # exactly g[k*m + j] for k = 0..nb-1, summed in that order (np.add.at's).
     # Blocked: a block of table rows small enough to stay in cache takes the
-    # whole batch, reading each block of g (contiguous rows) once.
+    # whole batch, reading each block of g (contiguous rows) once; the next
+    # row of g is prefetched line by line (a jump at each block's end).
     cdef Py_ssize_t rows_per_block = _BLOCK_BYTES // (d * sizeof(real_t))
     cdef Py_ssize_t b0, b1, j, k
+    cdef const real_t* nxt
     if rows_per_block < 1:
         rows_per_block = 1
     b0 = j_lo
@@ -375,31 +353,36 @@ cdef void _sum_distinct(real_t* grad, const real_t* g, const index_t* positions,
             b1 = j_hi
         for k in range(nb):
             for j in range(b0, b1):
-                _acc_row(grad + _wrap(positions[j], L) * d, g + (k * m + j) * d, d)
+                if j + 1 < b1:
+                    nxt = g + (k * m + j + 1) * d
+                elif k + 1 < nb:
+                    nxt = g + ((k + 1) * m + b0) * d
+                else:
+                    nxt = NULL
+                _acc_row(grad + _wrap(positions[j], L) * d, g + (k * m + j) * d, nxt, NULL, d)
         b0 = b1
 
 
-cdef inline void _acc_cols(real_t* acc, const real_t* src, Py_ssize_t c0,
-                           Py_ssize_t c1) noexcept nogil:
-    cdef Py_ssize_t k
-    for k in range(c0, c1):
-        acc[k] += src[k]
-
-
 cdef void _scan_rows(real_t* grad, const real_t* g, const index_t* positions,
-                     Py_ssize_t r_lo, Py_ssize_t r_hi, Py_ssize_t nb,
-                     Py_ssize_t m, Py_ssize_t L, Py_ssize_t d,
-                     Py_ssize_t block_bytes, Py_ssize_t col_lo,
+                     const int64_t* order, Py_ssize_t q_lo, Py_ssize_t q_hi,
+                     Py_ssize_t n_rows, Py_ssize_t nb, Py_ssize_t m, Py_ssize_t L,
+                     Py_ssize_t d, Py_ssize_t block_bytes, Py_ssize_t col_lo,
                      Py_ssize_t col_hi) noexcept nogil:
-    # Rows r_lo..r_hi-1 of grad, taking contributions in input order i (so
-    # bitwise np.add.at's order) while reading g front to back; the rows it
-    # skips belong to other threads. The owned rows are updated at random,
-    # so they must stay in cache: columns are done in blocks small enough
-    # for that (one block, the whole row, for GPT-2-size tables). A thread
-    # may also own only the columns col_lo..col_hi-1 of all rows.
-    cdef Py_ssize_t k, j, r, c0, c1, bd
+    # Takes the contributions j = order[q] (j = q if order is NULL) for q in
+    # q_lo..q_hi-1, ascending, for every batch k: input order i = k*m + j,
+    # so bitwise np.add.at's, while reading g front to back. The caller
+    # hands each thread only the j that fall in its own rows (at most
+    # n_rows of them), so no two threads write the same row. Those rows are
+    # updated at random, so they must stay in cache: columns are done in
+    # blocks small enough for that (one block, the whole row, for GPT-2-size
+    # tables). A thread may also own only the columns col_lo..col_hi-1.
+    cdef Py_ssize_t k, q, j, c0, c1, bd
     cdef Py_ssize_t esz = sizeof(real_t)
-    bd = block_bytes // ((r_hi - r_lo) * esz) if r_hi > r_lo else d
+    cdef const real_t* nxt
+    cdef const real_t* far
+    if q_hi <= q_lo:
+        return
+    bd = block_bytes // (n_rows * esz) if n_rows > 0 else d
     bd = (bd // 16) * 16
     if bd < 16:
         bd = 16
@@ -409,23 +392,66 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const index_t* positions,
         if c1 > col_hi:
             c1 = col_hi
         for k in range(nb):
-            for j in range(m):
-                if j + _AHEAD < m:
-                    r = _wrap(positions[j + _AHEAD], L)
-                    if r >= r_lo and r < r_hi:
-                        _prefetch_pair(grad + r * d + c0, g + (k * m + j + _AHEAD) * d + c0,
-                                       c1 - c0)
-                r = _wrap(positions[j], L)
-                if r >= r_lo and r < r_hi:
-                    _acc_cols(grad + r * d, g + (k * m + j) * d, c0, c1)
+            for q in range(q_lo, q_hi):
+                j = order[q] if order != NULL else q
+                # The rows read next are at random distances: the next one
+                # line by line into L1, the one _AHEAD further into L2.
+                nxt = NULL
+                far = NULL
+                if q + 1 < q_hi:
+                    nxt = g + (k * m + (order[q + 1] if order != NULL else q + 1)) * d + c0
+                if q + _AHEAD < q_hi:
+                    far = g + (k * m + (order[q + _AHEAD] if order != NULL else q + _AHEAD)) * d + c0
+                _acc_row(grad + _wrap(positions[j], L) * d + c0, g + (k * m + j) * d + c0,
+                         nxt, far, c1 - c0)
         c0 = c1
+
+
+cdef bint _split_by_owner(const index_t* positions, Py_ssize_t m, Py_ssize_t L,
+                          const int64_t* row_start, int n_threads, int64_t* order,
+                          Py_ssize_t* bounds, int64_t* q_start) noexcept nogil:
+    # Thread t owns rows bounds[t]..bounds[t+1]-1, holding about the t-th
+    # 1/n of the contributions (row_start: prefixed counts). Fills `order`
+    # with each thread's j in ascending order, thread after thread, and
+    # q_start[t] with where thread t's run begins (q_start[n] = m).
+    # Returns False (nothing usable) if the small work array cannot be had.
+    cdef int t, lo, hi, mid
+    cdef Py_ssize_t j, r
+    cdef int64_t* cursor = <int64_t*>malloc(n_threads * sizeof(int64_t))
+    if cursor == NULL:
+        return False
+    for t in range(n_threads):
+        bounds[t] = _first_row_at(row_start, L, (t * <int64_t>m) // n_threads)
+    bounds[n_threads] = L
+    for t in range(n_threads + 1):
+        q_start[t] = row_start[bounds[t]]
+    for t in range(n_threads):
+        cursor[t] = q_start[t]
+    for j in range(m):
+        r = _wrap(positions[j], L)
+        # The owner: the last t with bounds[t] <= r.
+        lo = 0
+        hi = n_threads - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if bounds[mid] <= r:
+                lo = mid
+            else:
+                hi = mid - 1
+        order[cursor[lo]] = j
+        cursor[lo] += 1
+    free(cursor)
+    return True
 
 
 cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t* rs,
                        int64_t* od, Py_ssize_t L, Py_ssize_t d, Py_ssize_t m,
                        Py_ssize_t nb, int n_threads, bint allow_distinct,
                        int general_mode, Py_ssize_t scan_block_bytes) noexcept nogil:
-    cdef Py_ssize_t r_lo, r_hi
+    cdef Py_ssize_t r_lo, r_hi, owned, t_rows
+    cdef Py_ssize_t esz = sizeof(real_t)
+    cdef Py_ssize_t* bounds = NULL
+    cdef int64_t* q_start = NULL
     cdef int t
     cdef bint distinct
     distinct = _count_rows(pp, m, L, rs) and allow_distinct
@@ -437,46 +463,61 @@ cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t*
                 _sum_distinct(gp, sp, pp, _block_lo(m, t, n_threads),
                               _block_lo(m, t + 1, n_threads), nb, m, L, d)
         return
-    if general_mode == 0:
-        # One thread: scan (reads the gradient in order), unless even
-        # 16-column blocks of the table overflow the cache budget. Several
-        # threads: the sorted path, where each thread reads only its own
-        # rows' gradient rows; a scan would have each thread read every
-        # other row, which measured slower (as did column bands, mode 3,
-        # kept as an option).
-        if n_threads <= 1 and L * 16 * <Py_ssize_t>sizeof(real_t) <= scan_block_bytes:
-            general_mode = 1
-        else:
+    _prefix_rows(L, rs)
+    if n_threads > 1 and (general_mode == 0 or general_mode == 1):
+        bounds = <Py_ssize_t*>malloc((n_threads + 1) * sizeof(Py_ssize_t))
+        q_start = <int64_t*>malloc((n_threads + 1) * sizeof(int64_t))
+        if (bounds == NULL or q_start == NULL
+                or not _split_by_owner(pp, m, L, rs, n_threads, od, bounds, q_start)):
             general_mode = 2
+    if general_mode == 0:
+        # The scan (mode 1) reads the gradient in order, each thread only
+        # the rows of its own table rows, which must then stay in cache.
+        # One thread: column blocks keep them there, unless even 16-column
+        # blocks overflow the budget. Several threads: whole rows, if each
+        # thread's rows fit. Otherwise the counting sort (mode 2): each
+        # output row sums its contributions at once, read at random.
+        # (Column bands per thread, mode 3, measured slower; kept as an option.)
+        if n_threads <= 1:
+            general_mode = 1 if L * 16 * esz <= scan_block_bytes else 2
+        else:
+            owned = 0
+            for t in range(n_threads):
+                t_rows = bounds[t + 1] - bounds[t]
+                if t_rows > owned:
+                    owned = t_rows
+            general_mode = 1 if owned * d * esz <= scan_block_bytes else 2
     if general_mode == 3 and n_threads <= 1:
         general_mode = 1
-    _prefix_rows(L, rs)
     if general_mode == 2:
         _sort_by_row(pp, m, L, rs, od)
     if n_threads <= 1:
         if general_mode == 1:
-            _scan_rows(gp, sp, pp, 0, L, nb, m, L, d, scan_block_bytes, 0, d)
+            _scan_rows(gp, sp, pp, NULL, 0, m, L, nb, m, L, d, scan_block_bytes, 0, d)
         else:
             _sum_rows(gp, sp, rs, od, 0, L, nb, m, d)
+    elif general_mode == 1:
+        # Thread t scans its own contributions (split_by_owner), in order.
+        for t in prange(n_threads, schedule="static", num_threads=n_threads):
+            _scan_rows(gp, sp, pp, od, q_start[t], q_start[t + 1],
+                       bounds[t + 1] - bounds[t], nb, m, L, d, scan_block_bytes, 0, d)
+    elif general_mode == 3:
+        # Thread t owns a band of columns of every row (64-byte aligned
+        # edges): it reads its part of every gradient row, front to back.
+        for t in prange(n_threads, schedule="static", num_threads=n_threads):
+            _scan_rows(gp, sp, pp, NULL, 0, m, L, nb, m, L, d, scan_block_bytes,
+                       _col_edge(d, t, n_threads, sizeof(real_t)),
+                       _col_edge(d, t + 1, n_threads, sizeof(real_t)))
     else:
-        if general_mode == 3:
-            # Thread t owns a band of columns of every row (64-byte aligned
-            # edges): it reads its part of every gradient row, front to back.
-            for t in prange(n_threads, schedule="static", num_threads=n_threads):
-                _scan_rows(gp, sp, pp, 0, L, nb, m, L, d, scan_block_bytes,
-                           _col_edge(d, t, n_threads, sizeof(real_t)),
-                           _col_edge(d, t + 1, n_threads, sizeof(real_t)))
-            return
         # Thread t owns the rows holding about the t-th 1/n of the contributions.
         for t in prange(n_threads, schedule="static", num_threads=n_threads):
             r_lo = _first_row_at(rs, L, (t * m) // n_threads)
             r_hi = _first_row_at(rs, L, ((t + 1) * m) // n_threads)
             if t == n_threads - 1:
                 r_hi = L
-            if general_mode == 1:
-                _scan_rows(gp, sp, pp, r_lo, r_hi, nb, m, L, d, scan_block_bytes, 0, d)
-            else:
-                _sum_rows(gp, sp, rs, od, r_lo, r_hi, nb, m, d)
+            _sum_rows(gp, sp, rs, od, r_lo, r_hi, nb, m, d)
+    free(bounds)
+    free(q_start)
 
 
 def scatter_add_rows(real_t[:, ::1] grad,            # IN/OUT (L, d)
@@ -494,12 +535,14 @@ def scatter_add_rows(real_t[:, ::1] grad,            # IN/OUT (L, d)
     so there are no races and no atomics, and each row's sum has one fixed
     order (input order, as np.add.at). Positions that are distinct within
     the period (arange, the usual case) take a blocked path that reads the
-    gradient once in long contiguous runs. Others (general_mode 0 = auto)
-    either scan the gradient front to back while each thread updates its own
-    rows in cache, in column blocks of about `scan_block_bytes` per thread
-    (mode 1), or, when even 16-column blocks would not stay in cache, visit
-    rows one by one through a counting sort (mode 2); with threads and wide
-    rows, each thread scans a band of columns of all rows (mode 3). `allow_distinct=False`
+    gradient once in long contiguous runs. Others (general_mode 0 = auto):
+    mode 1, the scan: each thread reads the gradient rows of its own table
+    rows front to back (a stable split of the positions by owner) and
+    updates those rows in cache, in column blocks of about
+    `scan_block_bytes` per thread; mode 2, when the rows would not stay in
+    cache: a counting sort, then each row sums all its contributions at once,
+    read at random; mode 3: each thread scans a band of columns of all rows.
+    `allow_distinct=False`
     and `general_mode` force a path (for tests); all paths give the same bits.
     """
     cdef Py_ssize_t L = grad.shape[0], d = grad.shape[1]

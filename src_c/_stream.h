@@ -180,6 +180,68 @@ static inline void cpe_add_f64(double *out, const double *a, const double *b, pt
     for (; k < n; k++) out[k] = a[k] + b[k];
 }
 
+/* ---- accumulate: acc += src (scatter-add) ----------------------------
+ * Explicit vectors: acc and src may not be proven apart, so the compiler's
+ * own vectorisation adds a run-time overlap check and scalar fallback per
+ * call, which measured 1.2-1.5x slower on 3 KB rows. While summing each
+ * 64-byte line it asks for the matching line of `nxt` (the next row, into
+ * L1) and of `far` (a row further ahead, into L2); either may be NULL. The
+ * prefetches so trickle out at the pace of the work: a whole row requested
+ * at once overflows the core's miss buffers (measured slower). Element k
+ * only ever computes acc[k] + src[k], so the bits are the scalar loop's. */
+static inline void cpe_prefetch_l2(const void *p) {
+#if CPE_HAVE_STREAM
+    _mm_prefetch((const char *)p, _MM_HINT_T1);
+#elif defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p, 0, 2);
+#else
+    (void)p;
+#endif
+}
+static inline void cpe_acc_f32(float *acc, const float *src, const float *nxt,
+                               const float *far, ptrdiff_t n) {
+    ptrdiff_t k = 0;
+#if CPE_HAVE_STREAM
+    for (; k + 16 <= n; k += 16) {
+        if (nxt) cpe_prefetch(nxt + k);
+        if (far) cpe_prefetch_l2(far + k);
+        __m128 x0 = _mm_add_ps(_mm_loadu_ps(acc + k), _mm_loadu_ps(src + k));
+        __m128 x1 = _mm_add_ps(_mm_loadu_ps(acc + k + 4), _mm_loadu_ps(src + k + 4));
+        __m128 x2 = _mm_add_ps(_mm_loadu_ps(acc + k + 8), _mm_loadu_ps(src + k + 8));
+        __m128 x3 = _mm_add_ps(_mm_loadu_ps(acc + k + 12), _mm_loadu_ps(src + k + 12));
+        _mm_storeu_ps(acc + k, x0);
+        _mm_storeu_ps(acc + k + 4, x1);
+        _mm_storeu_ps(acc + k + 8, x2);
+        _mm_storeu_ps(acc + k + 12, x3);
+    }
+#else
+    (void)nxt;
+    (void)far;
+#endif
+    for (; k < n; k++) acc[k] += src[k];
+}
+static inline void cpe_acc_f64(double *acc, const double *src, const double *nxt,
+                               const double *far, ptrdiff_t n) {
+    ptrdiff_t k = 0;
+#if CPE_HAVE_STREAM
+    for (; k + 8 <= n; k += 8) {
+        if (nxt) cpe_prefetch(nxt + k);
+        if (far) cpe_prefetch_l2(far + k);
+        __m128d x0 = _mm_add_pd(_mm_loadu_pd(acc + k), _mm_loadu_pd(src + k));
+        __m128d x1 = _mm_add_pd(_mm_loadu_pd(acc + k + 2), _mm_loadu_pd(src + k + 2));
+        __m128d x2 = _mm_add_pd(_mm_loadu_pd(acc + k + 4), _mm_loadu_pd(src + k + 4));
+        __m128d x3 = _mm_add_pd(_mm_loadu_pd(acc + k + 6), _mm_loadu_pd(src + k + 6));
+        _mm_storeu_pd(acc + k, x0);
+        _mm_storeu_pd(acc + k + 2, x1);
+        _mm_storeu_pd(acc + k + 4, x2);
+        _mm_storeu_pd(acc + k + 6, x3);
+    }
+#else
+    (void)nxt;
+    (void)far;
+#endif
+    for (; k < n; k++) acc[k] += src[k];
+}
 /* ---- machine-limit probes (cposembed._membench) ----------------------- */
 static inline void cpe_fill_f32(float *dst, ptrdiff_t n, float value, int stream) {
     ptrdiff_t k = 0;
