@@ -34,9 +34,9 @@ cdef extern from "_stream.h" nogil:
     void cpe_add_f64(double* out, const double* a, const double* b, Py_ssize_t n,
                      int stream)
     void cpe_acc_f32(float* acc, const float* src, const float* nxt, const float* far,
-                     Py_ssize_t n)
+                     float* nacc, Py_ssize_t n)
     void cpe_acc_f64(double* acc, const double* src, const double* nxt, const double* far,
-                     Py_ssize_t n)
+                     double* nacc, Py_ssize_t n)
 
 ctypedef fused real_t:
     float
@@ -110,13 +110,14 @@ cdef inline void _add_row(const real_t* a, const real_t* b, real_t* out,
 
 
 cdef inline void _acc_row(real_t* acc, const real_t* src, const real_t* nxt,
-                          const real_t* far, Py_ssize_t d) noexcept nogil:
-    # acc += src; asks for the lines of `nxt` (next row, L1) and `far` (a
-    # row further ahead, L2) as it goes; either may be NULL (see _stream.h).
+                          const real_t* far, real_t* nacc, Py_ssize_t d) noexcept nogil:
+    # acc += src; asks for the lines of `nxt` (next source row, L1), `far`
+    # (a source row further ahead, L2) and `nacc` (the next row to add
+    # into) as it goes; any may be NULL (see _stream.h).
     if real_t is float:
-        cpe_acc_f32(acc, src, nxt, far, d)
+        cpe_acc_f32(acc, src, nxt, far, nacc, d)
     else:
-        cpe_acc_f64(acc, src, nxt, far, d)
+        cpe_acc_f64(acc, src, nxt, far, nacc, d)
 
 
 cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
@@ -330,7 +331,7 @@ cdef void _sum_rows(real_t* grad, const real_t* g,
                     nxt = g + order[e] * d_
                 else:
                     nxt = NULL
-                _acc_row(acc, g + (k * m + order[t]) * d_, nxt, NULL, d_)
+                _acc_row(acc, g + (k * m + order[t]) * d_, nxt, NULL, NULL, d_)
 
 
 cdef void _sum_distinct(real_t* grad, const real_t* g, const index_t* positions,
@@ -359,7 +360,8 @@ cdef void _sum_distinct(real_t* grad, const real_t* g, const index_t* positions,
                     nxt = g + ((k + 1) * m + b0) * d
                 else:
                     nxt = NULL
-                _acc_row(grad + _wrap(positions[j], L) * d, g + (k * m + j) * d, nxt, NULL, d)
+                _acc_row(grad + _wrap(positions[j], L) * d, g + (k * m + j) * d,
+                         nxt, NULL, NULL, d)
         b0 = b1
 
 
@@ -376,10 +378,11 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const index_t* positions,
     # updated at random, so they must stay in cache: columns are done in
     # blocks small enough for that (one block, the whole row, for GPT-2-size
     # tables). A thread may also own only the columns col_lo..col_hi-1.
-    cdef Py_ssize_t k, q, j, c0, c1, bd
+    cdef Py_ssize_t k, q, j, j1, c0, c1, bd
     cdef Py_ssize_t esz = sizeof(real_t)
     cdef const real_t* nxt
     cdef const real_t* far
+    cdef real_t* nacc
     if q_hi <= q_lo:
         return
     bd = block_bytes // (n_rows * esz) if n_rows > 0 else d
@@ -395,15 +398,20 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const index_t* positions,
             for q in range(q_lo, q_hi):
                 j = order[q] if order != NULL else q
                 # The rows read next are at random distances: the next one
-                # line by line into L1, the one _AHEAD further into L2.
+                # line by line into L1, the one _AHEAD further into L2; the
+                # row added into next is at random in the cache.
                 nxt = NULL
                 far = NULL
+                nacc = NULL
                 if q + 1 < q_hi:
-                    nxt = g + (k * m + (order[q + 1] if order != NULL else q + 1)) * d + c0
+                    j1 = order[q + 1] if order != NULL else q + 1
+                    nxt = g + (k * m + j1) * d + c0
+                    nacc = grad + _wrap(positions[j1], L) * d + c0
                 if q + _AHEAD < q_hi:
-                    far = g + (k * m + (order[q + _AHEAD] if order != NULL else q + _AHEAD)) * d + c0
+                    j1 = order[q + _AHEAD] if order != NULL else q + _AHEAD
+                    far = g + (k * m + j1) * d + c0
                 _acc_row(grad + _wrap(positions[j], L) * d + c0, g + (k * m + j) * d + c0,
-                         nxt, far, c1 - c0)
+                         nxt, far, nacc, c1 - c0)
         c0 = c1
 
 

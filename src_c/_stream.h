@@ -184,8 +184,9 @@ static inline void cpe_add_f64(double *out, const double *a, const double *b, pt
  * Explicit vectors: acc and src may not be proven apart, so the compiler's
  * own vectorisation adds a run-time overlap check and scalar fallback per
  * call, which measured 1.2-1.5x slower on 3 KB rows. While summing each
- * 64-byte line it asks for the matching line of `nxt` (the next row, into
- * L1) and of `far` (a row further ahead, into L2); either may be NULL. The
+ * 64-byte line it asks for the matching line of `nxt` (the next source row,
+ * into L1), of `far` (a source row further ahead, into L2) and of `nacc`
+ * (the next row to be added into, with intent to write); any may be NULL. The
  * prefetches so trickle out at the pace of the work: a whole row requested
  * at once overflows the core's miss buffers (measured slower). Element k
  * only ever computes acc[k] + src[k], so the bits are the scalar loop's. */
@@ -199,12 +200,13 @@ static inline void cpe_prefetch_l2(const void *p) {
 #endif
 }
 static inline void cpe_acc_f32(float *acc, const float *src, const float *nxt,
-                               const float *far, ptrdiff_t n) {
+                               const float *far, float *nacc, ptrdiff_t n) {
     ptrdiff_t k = 0;
 #if CPE_HAVE_STREAM
     for (; k + 16 <= n; k += 16) {
         if (nxt) cpe_prefetch(nxt + k);
         if (far) cpe_prefetch_l2(far + k);
+        if (nacc) cpe_prefetch_w(nacc + k);
         __m128 x0 = _mm_add_ps(_mm_loadu_ps(acc + k), _mm_loadu_ps(src + k));
         __m128 x1 = _mm_add_ps(_mm_loadu_ps(acc + k + 4), _mm_loadu_ps(src + k + 4));
         __m128 x2 = _mm_add_ps(_mm_loadu_ps(acc + k + 8), _mm_loadu_ps(src + k + 8));
@@ -217,16 +219,18 @@ static inline void cpe_acc_f32(float *acc, const float *src, const float *nxt,
 #else
     (void)nxt;
     (void)far;
+    (void)nacc;
 #endif
     for (; k < n; k++) acc[k] += src[k];
 }
 static inline void cpe_acc_f64(double *acc, const double *src, const double *nxt,
-                               const double *far, ptrdiff_t n) {
+                               const double *far, double *nacc, ptrdiff_t n) {
     ptrdiff_t k = 0;
 #if CPE_HAVE_STREAM
     for (; k + 8 <= n; k += 8) {
         if (nxt) cpe_prefetch(nxt + k);
         if (far) cpe_prefetch_l2(far + k);
+        if (nacc) cpe_prefetch_w(nacc + k);
         __m128d x0 = _mm_add_pd(_mm_loadu_pd(acc + k), _mm_loadu_pd(src + k));
         __m128d x1 = _mm_add_pd(_mm_loadu_pd(acc + k + 2), _mm_loadu_pd(src + k + 2));
         __m128d x2 = _mm_add_pd(_mm_loadu_pd(acc + k + 4), _mm_loadu_pd(src + k + 4));
@@ -239,6 +243,7 @@ static inline void cpe_acc_f64(double *acc, const double *src, const double *nxt
 #else
     (void)nxt;
     (void)far;
+    (void)nacc;
 #endif
     for (; k < n; k++) acc[k] += src[k];
 }
