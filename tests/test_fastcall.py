@@ -249,6 +249,16 @@ def test_take_table_edge_sizes():
     _check_take(no_cols, 4, served=False)
 
 
+@pytest.mark.parametrize("idt", [np.int16, np.int32, np.int64, np.uint32, np.uint64])
+def test_take_unaligned_positions(idt):
+    pos = np.array([3, 0, 11, 7, 1, 2], idt)
+    raw = np.frombuffer(b"\0" + pos.tobytes(), idt, offset=1)
+    assert not raw.flags.aligned
+    table = _table(np.float64)
+    _check_take(table, raw, served=True)
+    _check_take(table, raw.reshape(2, 3)[:, ::2], served=True)
+
+
 def test_take_uint64_beyond_int64():
     table = _table(np.float32)
     _check_take(table, np.array([2**63, 1], np.uint64), served=False)
