@@ -11,6 +11,7 @@ import numpy as np
 
 from . import _optim, _threads
 from . import _validation as v
+from ._fastcall import SMALL_ADD_ELEMENTS as _SMALL_ADD_ELEMENTS
 from ._fastcall import add_row_small as _add_row_small
 from ._fastcall import take_small as _take_small
 from .functional import add_positions, lookup, scatter_add_rows_of
@@ -246,14 +247,27 @@ class LearnedPositionEmbedding:
         ``token_embeddings`` (shape ``(..., T, d)``). ``out`` may be
         ``token_embeddings`` itself. See :func:`cposembed.add_positions`.
         """
+        table = self._embeddings
         if positions is None and out is None:
-            # A decode step in C (None unless tokens have the table's dtype,
-            # are small and C-contiguous, and the rows fit): the fixed costs
-            # of the full path would dominate.
-            result = _add_row_small(token_embeddings, self._embeddings, offset)
+            # A decode step: the fixed costs of the full path would dominate.
+            # In C when the tokens have the table's dtype, are small and
+            # C-contiguous and the rows fit; other small float tokens (e.g.
+            # float64 tokens on a float32 table) by NumPy's own promoting add.
+            result = _add_row_small(token_embeddings, table, offset)
             if result is not None:
                 return result
-        return add_positions(token_embeddings, self._embeddings, positions, offset=offset, out=out)
+            tok = token_embeddings
+            if (
+                type(tok) is np.ndarray
+                and type(offset) is int
+                and tok.dtype.kind == "f"
+                and tok.ndim >= 2
+                and tok.shape[-1] == table.shape[1]
+                and 0 <= offset <= table.shape[0] - tok.shape[-2]
+                and tok.size <= _SMALL_ADD_ELEMENTS
+            ):
+                return tok + table[offset : offset + tok.shape[-2]]
+        return add_positions(token_embeddings, table, positions, offset=offset, out=out)
 
     # -- backward ----------------------------------------------------------
     def backward(self, grad_output: Any, positions: Any = None, *, offset: int = 0) -> np.ndarray:

@@ -388,8 +388,17 @@ def test_class_uses_the_fast_paths(monkeypatch):
     for other in (lambda: pe(128), lambda: pe(True), lambda: pe(5, out=np.empty(64, np.float32))):
         with pytest.raises(AssertionError, match="full path"):
             other()
-    with pytest.raises(AssertionError, match="full path"):
-        pe.add_to(tok.astype(np.float64), offset=0)
+    # Other small float tokens: NumPy's promoting add, not the full path either.
+    tok64 = tok.astype(np.float64)
+    got = pe.add_to(tok64, offset=3)
+    assert got.dtype == np.float64 and np.array_equal(got, tok64 + table[3])
+    for other in (
+        lambda: pe.add_to(tok.astype(np.int64), offset=0),
+        lambda: pe.add_to(tok, offset=128),
+        lambda: pe.add_to(tok, [[0]]),
+    ):
+        with pytest.raises(AssertionError, match="full path"):
+            other()
 
 
 def test_lookup_uses_the_fast_path(monkeypatch):
