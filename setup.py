@@ -26,6 +26,7 @@ import tempfile
 import textwrap
 import warnings
 
+import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -259,6 +260,17 @@ EXTENSIONS = [
         "cposembed._optim",
         ["src_c/_optim.pyx"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
+    # Tiny calls on NumPy's C API (the only module that needs NumPy's headers):
+    # built against NumPy 2.x, it runs on NumPy >= 1.24 (NPY_TARGET_VERSION).
+    Extension(
+        "cposembed._fastcall",
+        ["src_c/_fastcall.pyx"],
+        include_dirs=[numpy.get_include()],
+        define_macros=[
+            ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+            ("NPY_TARGET_VERSION", "NPY_1_24_API_VERSION"),
+        ],
     ),
 ]
 

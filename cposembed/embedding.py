@@ -11,13 +11,10 @@ import numpy as np
 
 from . import _optim, _threads
 from . import _validation as v
-from .functional import SMALL_TAKE_ELEMENTS as _SMALL_TAKE_ELEMENTS
-from .functional import add_positions, lookup, scatter_add_rows_of, small_take
-
-# Token arrays up to this many elements are added by NumPy directly when
-# positions=None (a decode step): the full path's fixed costs would dominate.
-_SMALL_ADD_ELEMENTS = 1 << 14
-_ndarray = np.ndarray
+from ._fastcall import SMALL_ADD_ELEMENTS as _SMALL_ADD_ELEMENTS
+from ._fastcall import add_row_small as _add_row_small
+from ._fastcall import take_small as _take_small
+from .functional import add_positions, lookup, scatter_add_rows_of
 
 # Version of the .npz layout written by save(); load() refuses newer ones.
 SAVE_FORMAT_VERSION = 1
@@ -228,30 +225,13 @@ class LearnedPositionEmbedding:
     # -- forward -----------------------------------------------------------
     def __call__(self, positions: Any, *, out: np.ndarray | None = None) -> np.ndarray:
         """Look up position embeddings: ``embeddings[positions]`` (a new array, or ``out``)."""
-        table = self._embeddings
         if out is None:
-            # Tiny calls: NumPy directly; anything unusual or invalid (whose
-            # error message is ours) takes the full path below.
-            kind = type(positions)
-            if kind is int:
-                try:
-                    return table[positions].copy()
-                except IndexError:
-                    pass
-            elif kind is _ndarray:
-                if (
-                    positions.dtype.kind == "i"
-                    and positions.size * table.shape[1] <= _SMALL_TAKE_ELEMENTS
-                ):
-                    try:
-                        return table.take(positions, 0)
-                    except IndexError:
-                        pass
-            else:
-                result = small_take(table, positions)
-                if result is not None:
-                    return result
-        return lookup(table, positions, out=out)
+            # Tiny calls in C; None for anything unusual or invalid, whose
+            # error message the full path words.
+            result = _take_small(self._embeddings, positions)
+            if result is not None:
+                return result
+        return lookup(self._embeddings, positions, out=out)
 
     def add_to(
         self,
@@ -267,24 +247,27 @@ class LearnedPositionEmbedding:
         ``token_embeddings`` (shape ``(..., T, d)``). ``out`` may be
         ``token_embeddings`` itself. See :func:`cposembed.add_positions`.
         """
-        tok = token_embeddings
-        if positions is None and out is None and type(tok) is _ndarray and type(offset) is int:
-            # A decode step: NumPy's own broadcast add of the rows in use
-            # (the fixed costs of the full path would dominate).
-            table = self._embeddings
-            shape = tok.shape
+        table = self._embeddings
+        if positions is None and out is None:
+            # A decode step: the fixed costs of the full path would dominate.
+            # In C when the tokens have the table's dtype, are small and
+            # C-contiguous and the rows fit; other small float tokens (e.g.
+            # float64 tokens on a float32 table) by NumPy's own promoting add.
+            result = _add_row_small(token_embeddings, table, offset)
+            if result is not None:
+                return result
+            tok = token_embeddings
             if (
-                len(shape) >= 2
-                and shape[-1] == table.shape[1]
-                and 0 <= offset
-                and offset + shape[-2] <= table.shape[0]
+                type(tok) is np.ndarray
+                and type(offset) is int
+                and tok.dtype.kind == "f"
+                and tok.ndim >= 2
+                and tok.shape[-1] == table.shape[1]
+                and 0 <= offset <= table.shape[0] - tok.shape[-2]
                 and tok.size <= _SMALL_ADD_ELEMENTS
-                and (tok.dtype is table.dtype or tok.dtype.kind == "f")
             ):
-                if shape[-2] == 1:
-                    return tok + table[offset]
-                return tok + table[offset : offset + shape[-2]]
-        return add_positions(token_embeddings, self._embeddings, positions, offset=offset, out=out)
+                return tok + table[offset : offset + tok.shape[-2]]
+        return add_positions(token_embeddings, table, positions, offset=offset, out=out)
 
     # -- backward ----------------------------------------------------------
     def backward(self, grad_output: Any, positions: Any = None, *, offset: int = 0) -> np.ndarray:

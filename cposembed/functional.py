@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _alloc, _kernels, _threads
+from . import _alloc, _fastcall, _kernels, _threads
 from . import _validation as v
 
 __all__ = ["lookup", "add_positions", "scatter_add"]
@@ -31,33 +31,11 @@ def _stream(nbytes: int) -> bool:
     return nbytes >= STREAM_THRESHOLD_BYTES
 
 
-# Up to this many output elements, a lookup of plain integer positions is
-# served by ndarray.take: for tiny calls the fixed cost of validating and
-# entering the kernel (typed-memoryview acquisition, fused-type dispatch:
-# several microseconds) exceeds the copy itself.
-SMALL_TAKE_ELEMENTS = 1 << 15
-
-
-def small_take(table: np.ndarray, positions: Any) -> np.ndarray | None:
-    """``table.take(positions, axis=0)`` for a small signed-integer index, else None.
-
-    None means "use the full path": positions that are not a list or an
-    array of signed integers (bool lists are masks to NumPy), too large, or
-    that NumPy rejects (out of range), whose error the full path words.
-    """
-    if type(positions) is list:
-        try:
-            positions = np.asarray(positions)
-        except (ValueError, TypeError, OverflowError):
-            return None
-    elif type(positions) is not np.ndarray:
-        return None
-    if positions.dtype.kind != "i" or positions.size * table.shape[1] > SMALL_TAKE_ELEMENTS:
-        return None
-    try:
-        return table.take(positions, 0)
-    except (IndexError, TypeError):
-        return None
+# Tiny lookups (up to _fastcall.SMALL_TAKE_ELEMENTS output elements of plain
+# integer positions) are served by _fastcall.take_small in C: for them the
+# fixed cost of validating and entering the kernel (typed-memoryview
+# acquisition, fused-type dispatch: several microseconds) exceeds the copy.
+_take_small = _fastcall.take_small
 
 
 def _run_threads(num_threads: int | None, work: int, chunks: int) -> int:
@@ -134,14 +112,9 @@ def lookup(
     TypeError, ValueError
         Wrong table dtype or shape, or an ``out`` that does not fit.
     """
-    if (
-        out is None
-        and num_threads is None
-        and type(table) is np.ndarray
-        and table.ndim == 2
-        and table.dtype in v.FLOAT_DTYPES
-    ):
-        result = small_take(table, positions)
+    if out is None and num_threads is None:
+        # None unless a plain valid tiny case (the checks below word the errors).
+        result = _take_small(table, positions)
         if result is not None:
             return result
     table = v.as_table(table)

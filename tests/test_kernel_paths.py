@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cposembed
-from cposembed import _alloc, _kernels, _membench, _threads
+from cposembed import _alloc, _fastcall, _kernels, _membench, _threads
 from cposembed import functional as F
 
 FLOATS = [np.float32, np.float64]
@@ -247,7 +247,7 @@ def test_lookup_both_sides_of_serial_threshold(factor, threads):
 @pytest.mark.parametrize("delta", [-64, 0, 64])
 def test_small_take_both_sides_of_its_threshold(delta):
     d = 64
-    n = (F.SMALL_TAKE_ELEMENTS + delta) // d
+    n = (_fastcall.SMALL_TAKE_ELEMENTS + delta) // d
     pe = cposembed.LearnedPositionEmbedding(300, d, seed=1)
     pos = np.random.default_rng(2).integers(-300, 300, size=n)
     expect = pe.embeddings[pos]
@@ -327,11 +327,9 @@ def test_add_to_decode_fast_path_errors_are_the_full_paths():
 
 
 def test_add_to_both_sides_of_small_threshold():
-    from cposembed import embedding
-
     d = 64
     pe = cposembed.LearnedPositionEmbedding(4096, d, seed=0)
-    for n_tok in (embedding._SMALL_ADD_ELEMENTS // d, embedding._SMALL_ADD_ELEMENTS // d + 1):
+    for n_tok in (_fastcall.SMALL_ADD_ELEMENTS // d, _fastcall.SMALL_ADD_ELEMENTS // d + 1):
         tok = np.random.default_rng(0).standard_normal((1, n_tok, d)).astype(np.float32)
         assert np.array_equal(pe.add_to(tok, offset=5), tok + pe.embeddings[5 : 5 + n_tok])
 
