@@ -415,51 +415,54 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const index_t* positions,
         c0 = c1
 
 
-cdef bint _split_by_owner(const index_t* positions, Py_ssize_t m, Py_ssize_t L,
-                          const int64_t* row_start, int n_threads, int64_t* order,
-                          Py_ssize_t* bounds, int64_t* q_start) noexcept nogil:
+cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, Py_ssize_t m,
+                        int n_threads, int64_t* bounds) noexcept nogil:
     # Thread t owns rows bounds[t]..bounds[t+1]-1, holding about the t-th
-    # 1/n of the contributions (row_start: prefixed counts). Fills `order`
-    # with each thread's j in ascending order, thread after thread, and
-    # q_start[t] with where thread t's run begins (q_start[n] = m).
-    # Returns False (nothing usable) if the small work array cannot be had.
-    cdef int t, lo, hi, mid
-    cdef Py_ssize_t j, r
-    cdef int64_t* cursor = <int64_t*>malloc(n_threads * sizeof(int64_t))
-    if cursor == NULL:
-        return False
+    # 1/n of the contributions (row_start: prefixed counts).
+    cdef int t
     for t in range(n_threads):
         bounds[t] = _first_row_at(row_start, L, (t * <int64_t>m) // n_threads)
     bounds[n_threads] = L
+
+
+cdef void _mark_owners(int64_t* row_start, Py_ssize_t L, int n_threads,
+                       const int64_t* bounds, int64_t* q_start) noexcept nogil:
+    # q_start[t]: where thread t's contributions begin in `order` (q_start[n]
+    # = m); then row_start[:L] is overwritten with each row's owner, so that
+    # finding the owner of a position is one load.
+    cdef int t
+    cdef Py_ssize_t r
     for t in range(n_threads + 1):
         q_start[t] = row_start[bounds[t]]
     for t in range(n_threads):
-        cursor[t] = q_start[t]
+        for r in range(bounds[t], bounds[t + 1]):
+            row_start[r] = t
+
+
+cdef Py_ssize_t _collect_own(const index_t* positions, Py_ssize_t m, Py_ssize_t L,
+                             const int64_t* owner, int64_t t, Py_ssize_t n_own,
+                             int64_t* out) noexcept nogil:
+    # out[:n_own] = the j (ascending) whose row thread t owns. Branch-free
+    # but for the end test: a branch on the owner would be a coin flip for
+    # random positions (10 ns per position measured). Every thread runs this
+    # at once over all positions, each writing only its own out[:n_own].
+    cdef Py_ssize_t j, n = 0
     for j in range(m):
-        r = _wrap(positions[j], L)
-        # The owner: the last t with bounds[t] <= r.
-        lo = 0
-        hi = n_threads - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if bounds[mid] <= r:
-                lo = mid
-            else:
-                hi = mid - 1
-        order[cursor[lo]] = j
-        cursor[lo] += 1
-    free(cursor)
-    return True
+        if n == n_own:
+            break
+        out[n] = j
+        n += owner[_wrap(positions[j], L)] == t
+    return n
 
 
 cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t* rs,
                        int64_t* od, Py_ssize_t L, Py_ssize_t d, Py_ssize_t m,
                        Py_ssize_t nb, int n_threads, bint allow_distinct,
                        int general_mode, Py_ssize_t scan_block_bytes) noexcept nogil:
-    cdef Py_ssize_t r_lo, r_hi, owned, t_rows
+    cdef Py_ssize_t r_lo, r_hi, owned, t_rows, q_lo, q_hi
     cdef Py_ssize_t esz = sizeof(real_t)
-    cdef Py_ssize_t* bounds = NULL
-    cdef int64_t* q_start = NULL
+    # bounds and q_start, n+1 each (the scan with threads, mode 1)
+    cdef int64_t* work = NULL
     cdef int t
     cdef bint distinct
     distinct = _count_rows(pp, m, L, rs) and allow_distinct
@@ -473,11 +476,11 @@ cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t*
         return
     _prefix_rows(L, rs)
     if n_threads > 1 and (general_mode == 0 or general_mode == 1):
-        bounds = <Py_ssize_t*>malloc((n_threads + 1) * sizeof(Py_ssize_t))
-        q_start = <int64_t*>malloc((n_threads + 1) * sizeof(int64_t))
-        if (bounds == NULL or q_start == NULL
-                or not _split_by_owner(pp, m, L, rs, n_threads, od, bounds, q_start)):
+        work = <int64_t*>malloc(2 * (n_threads + 1) * sizeof(int64_t))
+        if work == NULL:
             general_mode = 2
+        else:
+            _owner_bounds(rs, L, m, n_threads, work)
     if general_mode == 0:
         # The scan (mode 1) reads the gradient in order, each thread only
         # the rows of its own table rows, which must then stay in cache.
@@ -491,10 +494,12 @@ cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t*
         else:
             owned = 0
             for t in range(n_threads):
-                t_rows = bounds[t + 1] - bounds[t]
+                t_rows = work[t + 1] - work[t]
                 if t_rows > owned:
                     owned = t_rows
             general_mode = 1 if owned * d * esz <= scan_block_bytes else 2
+    if general_mode == 1 and n_threads > 1:
+        _mark_owners(rs, L, n_threads, work, work + (n_threads + 1))
     if general_mode == 3 and n_threads <= 1:
         general_mode = 1
     if general_mode == 2:
@@ -505,10 +510,13 @@ cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t*
         else:
             _sum_rows(gp, sp, rs, od, 0, L, nb, m, d)
     elif general_mode == 1:
-        # Thread t scans its own contributions (split_by_owner), in order.
+        # Thread t lists its own contributions, then scans them in order.
         for t in prange(n_threads, schedule="static", num_threads=n_threads):
-            _scan_rows(gp, sp, pp, od, q_start[t], q_start[t + 1],
-                       bounds[t + 1] - bounds[t], nb, m, L, d, scan_block_bytes, 0, d)
+            q_lo = work[n_threads + 1 + t]
+            q_hi = work[n_threads + 2 + t]
+            _collect_own(pp, m, L, rs, t, q_hi - q_lo, od + q_lo)
+            _scan_rows(gp, sp, pp, od, q_lo, q_hi, work[t + 1] - work[t], nb, m, L, d,
+                       scan_block_bytes, 0, d)
     elif general_mode == 3:
         # Thread t owns a band of columns of every row (64-byte aligned
         # edges): it reads its part of every gradient row, front to back.
@@ -524,8 +532,7 @@ cdef void _scatter_add(real_t* gp, const real_t* sp, const index_t* pp, int64_t*
             if t == n_threads - 1:
                 r_hi = L
             _sum_rows(gp, sp, rs, od, r_lo, r_hi, nb, m, d)
-    free(bounds)
-    free(q_start)
+    free(work)
 
 
 def scatter_add_rows(real_t[:, ::1] grad,            # IN/OUT (L, d)
