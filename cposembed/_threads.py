@@ -21,6 +21,8 @@ from . import _kernels
 # team costs a few microseconds, about what copying this much memory takes.
 SERIAL_THRESHOLD = 1 << 16
 
+_OPENMP = _kernels.openmp_enabled()
+
 _lock = threading.Lock()
 _user_num_threads: int | None = None
 
@@ -68,9 +70,10 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _in_forked_child
+    global _in_forked_child, _cpus
     if _went_parallel and not _pool_released:
         _in_forked_child = True
+    _cpus = _cpu_limit()
 
 
 if hasattr(os, "register_at_fork"):
@@ -82,6 +85,12 @@ def _cpu_limit() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+# The CPUs this process may run on, read once (and again in a forked
+# child): a system call on every kernel call is not worth it for a limit
+# that practically never changes while a process runs.
+_cpus = _cpu_limit()
 
 
 def _check_positive_int(value: object, name: str) -> int:
@@ -113,14 +122,16 @@ def get_num_threads() -> int:
     else ``omp_get_max_threads()``; capped by the CPUs available to this
     process. Always 1 in a build without OpenMP.
     """
-    if not _kernels.openmp_enabled():
+    if not _OPENMP:
         return 1
     n = _user_num_threads
     if n is None:
-        n = _env_num_threads()
-    if n is None:
-        n = _kernels.omp_max_threads()
-    return max(1, min(n, _cpu_limit()))
+        # CPOSEMBED_NUM_THREADS, else omp_get_max_threads(), in one C call;
+        # -1: a value only Python parses (or rejects with our message).
+        n = _kernels.default_num_threads()
+        if n < 0:
+            n = _env_num_threads() or _kernels.omp_max_threads()
+    return max(1, min(n, _cpus))
 
 
 def set_num_threads(n: int | None) -> None:
@@ -141,7 +152,7 @@ def effective_num_threads(num_threads: int | None, work: int, chunks: int) -> in
         # An explicit request is honoured as given (oversubscription is the
         # caller's choice); only the default is capped by the CPU count.
         n = _check_positive_int(num_threads, "num_threads")
-        if not _kernels.openmp_enabled():
+        if not _OPENMP:
             n = 1
     else:
         n = get_num_threads()
