@@ -245,7 +245,7 @@ EXTENSIONS = [
         ["src_c/_kernels.pyx"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         include_dirs=["src_c"],
-        depends=["src_c/_stream.h", "src_c/_openmp.pxd"],
+        depends=["src_c/_stream.h", "src_c/_openmp.pxd", "src_c/_kernels_impl.pxi"],
     ),
     # Reused large output buffers (no page faults on every call).
     Extension("cposembed._alloc", ["src_c/_alloc.pyx"]),
@@ -266,7 +266,8 @@ EXTENSIONS = [
     Extension(
         "cposembed._fastcall",
         ["src_c/_fastcall.pyx"],
-        include_dirs=[numpy.get_include()],
+        include_dirs=["src_c", numpy.get_include()],
+        depends=["src_c/_stream.h", "src_c/_openmp.pxd", "src_c/_kernels_impl.pxi"],
         define_macros=[
             ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
             ("NPY_TARGET_VERSION", "NPY_1_24_API_VERSION"),

@@ -18,6 +18,7 @@ _Index = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 
 def openmp_enabled() -> bool: ...
 def omp_max_threads() -> int: ...  # int omp_get_max_threads(), 1 if serial
+def default_num_threads() -> int: ...  # CPOSEMBED_NUM_THREADS, else omp_max_threads; -1
 def streaming_stores_available() -> bool: ...  # SSE2 non-temporal stores built in
 def index_bounds(
     positions: _Index,  # const index_t[::1], non-empty

@@ -142,11 +142,11 @@ def set_num_threads(n: int | None) -> None:
         _user_num_threads = value
 
 
-def effective_num_threads(num_threads: int | None, work: int, chunks: int) -> int:
-    """Threads for one call doing ``work`` element operations in ``chunks`` pieces.
+def requested_threads(num_threads: int | None) -> int:
+    """The threads a call asks for, before the rules for its size.
 
-    Validates ``num_threads`` (a per-call override). Small work, a serial
-    build and a child forked after the parent used threads run on one thread.
+    Validates ``num_threads`` (a per-call override). 1 in a serial build and
+    in a child forked after the parent used threads.
     """
     if num_threads is not None:
         # An explicit request is honoured as given (oversubscription is the
@@ -156,7 +156,18 @@ def effective_num_threads(num_threads: int | None, work: int, chunks: int) -> in
             n = 1
     else:
         n = get_num_threads()
-    if n <= 1 or work < SERIAL_THRESHOLD or _in_forked_child:
+    return 1 if _in_forked_child else n
+
+
+def effective_num_threads(num_threads: int | None, work: int, chunks: int) -> int:
+    """Threads for one call doing ``work`` element operations in ``chunks`` pieces.
+
+    :func:`requested_threads`, then small work runs on one thread, and no
+    more threads than chunks. (``_fastcall``'s large-call entries apply the
+    same two rules in C.)
+    """
+    n = requested_threads(num_threads)
+    if n <= 1 or work < SERIAL_THRESHOLD:
         return 1
     return min(n, max(1, chunks))
 

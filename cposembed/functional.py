@@ -6,6 +6,11 @@ Inputs in any other layout or dtype are converted first; outputs that the
 kernel cannot write directly (non-contiguous, or overlapping an input) are
 computed into a scratch buffer and copied in at the end. Either way nothing
 is written before every check has passed.
+
+The plain, common cases skip this Python layer: tiny lookups and, with
+``out=`` (or in place, or a scatter-add), large calls on C-contiguous native
+arrays are checked and run in C by ``_fastcall``, which hands everything else
+back to the full path here (its checks, its error messages).
 """
 
 from __future__ import annotations
@@ -36,6 +41,19 @@ def _stream(nbytes: int) -> bool:
 # fixed cost of validating and entering the kernel (typed-memoryview
 # acquisition, fused-type dispatch: several microseconds) exceeds the copy.
 _take_small = _fastcall.take_small
+
+
+def _fast_threads(num_threads: Any) -> int:
+    """Threads asked for, for _fastcall's large-call entries; 0: take the full path.
+
+    Only None or a plain positive int: any other num_threads is checked (and
+    its error worded) by the full path, after the other arguments, as always.
+    """
+    if num_threads is None or (type(num_threads) is int and num_threads >= 1):
+        n = _threads.requested_threads(num_threads)
+        _threads.note_parallel(n)  # before any parallel region (may run serially)
+        return n
+    return 0
 
 
 def _run_threads(num_threads: int | None, work: int, chunks: int) -> int:
@@ -112,11 +130,18 @@ def lookup(
     TypeError, ValueError
         Wrong table dtype or shape, or an ``out`` that does not fit.
     """
-    if out is None and num_threads is None:
-        # None unless a plain valid tiny case (the checks below word the errors).
-        result = _take_small(table, positions)
-        if result is not None:
-            return result
+    if out is None:
+        if num_threads is None:
+            # None unless a plain valid tiny case (the checks below word the errors).
+            result = _take_small(table, positions)
+            if result is not None:
+                return result
+    else:
+        n = _fast_threads(num_threads)
+        if n and _fastcall.lookup_into(
+            table, positions, out, n, _threads.SERIAL_THRESHOLD, STREAM_THRESHOLD_BYTES
+        ):
+            return out  # the plain case, checked and run in C
     table = v.as_table(table)
     n_rows, d = table.shape
     pos = v.as_positions(positions, n_rows)
@@ -199,6 +224,12 @@ def add_positions(
     -------
     ndarray
     """
+    if out is not None and positions is None:
+        n = _fast_threads(num_threads)
+        if n and _fastcall.add_into(
+            tokens, table, offset, out, n, _threads.SERIAL_THRESHOLD, STREAM_THRESHOLD_BYTES
+        ):
+            return out  # the plain case, checked and run in C
     table = v.as_table(table)
     n_rows, d = table.shape
     tok = v.as_rows(tokens, d, "token_embeddings")
@@ -296,6 +327,11 @@ def scatter_add(
     ndarray
         ``grad_table``.
     """
+    n = _fast_threads(num_threads)
+    if n and _fastcall.scatter_into(
+        grad_table, grad_output, positions, offset, n, _threads.SERIAL_THRESHOLD
+    ):
+        return grad_table  # the plain case, checked and run in C
     scatter_add_rows_of(grad_table, grad_output, positions, offset, num_threads)
     return grad_table
 
