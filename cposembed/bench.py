@@ -594,7 +594,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="threads for cposembed, the limits and torch (default: all)",
     )
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 21)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
@@ -614,7 +614,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.repeats = args.repeats or 3
     args.table = args.table or [2048, 768]
     args.batch = args.batch or [32, 1024]
-    args.repeats = args.repeats or 11
+    args.repeats = args.repeats or 21
     args.threads = args.threads or _threads.get_num_threads()
     for name, vals in (("--table", args.table), ("--batch", args.batch)):
         if min(vals) < 1:
