@@ -36,7 +36,7 @@ def _rng(seed):
 # ------------------------------------------------------------------ lookup
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(
     dtype=st.sampled_from(FLOATS),
     index=st.sampled_from([np.int32, np.int64]),
@@ -119,7 +119,7 @@ def test_lookup_out_of_range_still_raises_ours_and_writes_nothing():
 # -------------------------------------------------------------------- add
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(
     dtype=st.sampled_from(FLOATS),
     lead=st.lists(st.integers(1, 6), min_size=0, max_size=2),
@@ -203,7 +203,7 @@ def test_add_in_place_through_the_fast_path(dtype):
 # ------------------------------------------------------------- scatter-add
 
 
-@settings(max_examples=80, deadline=None)
+@settings(deadline=None)
 @given(
     dtype=st.sampled_from(FLOATS),
     index=st.sampled_from([np.int32, np.int64]),
