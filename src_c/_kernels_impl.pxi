@@ -324,8 +324,8 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const index_t* positions,
     # Takes the contributions j = order[q] (j = q if order is NULL) for q in
     # q_lo..q_hi-1, ascending, for every batch k: input order i = k*m + j,
     # so bitwise np.add.at's, while reading g front to back. The caller
-    # hands each thread only the j that fall in its own rows (at most
-    # n_rows of them), so no two threads write the same row. Those rows are
+    # hands each thread only the j that fall in its own n_rows rows, so no
+    # two threads write the same row. Those rows are
     # updated at random, so they must stay in cache: columns are done in
     # blocks small enough for that (one block, the whole row, for GPT-2-size
     # tables). A thread may also own only the columns col_lo..col_hi-1.
