@@ -261,8 +261,9 @@ EXTENSIONS = [
         ["src_c/_optim.pyx"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
-    # Tiny calls on NumPy's C API (the only module that needs NumPy's headers):
-    # built against NumPy 2.x, it runs on NumPy >= 1.24 (NPY_TARGET_VERSION).
+    # Plain calls (tiny ones, and large ones into the shared kernels) checked in
+    # C on NumPy's C API, the only module that needs NumPy's headers: built
+    # against NumPy 2.x, it runs on NumPy >= 1.24 (NPY_TARGET_VERSION).
     Extension(
         "cposembed._fastcall",
         ["src_c/_fastcall.pyx"],
