@@ -47,6 +47,16 @@ cdef Py_ssize_t _ADD_LIMIT = SMALL_ADD_ELEMENTS
 cdef enum:
     _MAX_POS_DIMS = 31
 
+cdef bint _plain_as(cnp.ndarray a, int typenum) noexcept:
+    """Of dtype `typenum` in native byte order, C-contiguous and aligned."""
+    return (
+        cnp.PyArray_TYPE(a) == typenum
+        and cnp.PyArray_ISNOTSWAPPED(a)
+        and cnp.PyArray_IS_C_CONTIGUOUS(a)
+        and cnp.PyArray_ISALIGNED(a)
+    )
+
+
 cdef bint _plain_table(object table) noexcept:
     """An exact ndarray: C-contiguous, aligned, native float32/float64, 2-D."""
     if not cnp.PyArray_CheckExact(table):
@@ -56,9 +66,7 @@ cdef bint _plain_table(object table) noexcept:
     return (
         cnp.PyArray_NDIM(t) == 2
         and (typenum == cnp.NPY_FLOAT or typenum == cnp.NPY_DOUBLE)
-        and cnp.PyArray_ISNOTSWAPPED(t)
-        and cnp.PyArray_IS_C_CONTIGUOUS(t)
-        and cnp.PyArray_ISALIGNED(t)
+        and _plain_as(t, typenum)
     )
 
 
@@ -316,10 +324,7 @@ def add_row_small(tok, table, offset):
     cdef int typenum = cnp.PyArray_TYPE(t)
     if (
         nd < 2
-        or cnp.PyArray_TYPE(a) != typenum
-        or not cnp.PyArray_ISNOTSWAPPED(a)
-        or not cnp.PyArray_IS_C_CONTIGUOUS(a)
-        or not cnp.PyArray_ISALIGNED(a)
+        or not _plain_as(a, typenum)
         or cnp.PyArray_SIZE(a) > _ADD_LIMIT
     ):
         return None
@@ -362,15 +367,6 @@ def add_row_small(tok, table, offset):
 # before the size rules (_threads.requested_threads), `serial_below` is
 # _threads.SERIAL_THRESHOLD and `stream_bytes` functional.STREAM_THRESHOLD_BYTES,
 # so both paths make the same choices.
-
-cdef bint _plain_as(cnp.ndarray a, int typenum) noexcept:
-    return (
-        cnp.PyArray_TYPE(a) == typenum
-        and cnp.PyArray_ISNOTSWAPPED(a)
-        and cnp.PyArray_IS_C_CONTIGUOUS(a)
-        and cnp.PyArray_ISALIGNED(a)
-    )
-
 
 cdef int _plain_index(object positions) noexcept:
     """8 or 4: an exact, non-empty ndarray of native int64/int32, C-contiguous
@@ -420,12 +416,8 @@ cdef int _team(int n_threads, Py_ssize_t work, Py_ssize_t chunks,
 
 
 cdef bint _in_range(const index_t* p, Py_ssize_t n, Py_ssize_t n_rows) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef int64_t lo = p[0], hi = p[0], v
-    for i in range(1, n):
-        v = p[i]
-        lo = v if v < lo else lo
-        hi = v if v > hi else hi
+    cdef int64_t lo, hi
+    _min_max(p, n, &lo, &hi)
     return lo >= -n_rows and hi < n_rows
 
 

@@ -53,15 +53,9 @@ def streaming_stores_available():
 
 def index_bounds(const index_t[::1] positions):  # IN
     """(min, max) of a non-empty index array, in one pass without the GIL."""
-    cdef Py_ssize_t i, n = positions.shape[0]
-    cdef int64_t lo = positions[0], hi = positions[0], v
+    cdef int64_t lo, hi
     with nogil:
-        for i in range(1, n):
-            v = positions[i]
-            if v < lo:
-                lo = v
-            if v > hi:
-                hi = v
+        _min_max(&positions[0], positions.shape[0], &lo, &hi)
     return lo, hi
 
 

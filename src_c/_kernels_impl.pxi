@@ -64,6 +64,20 @@ cdef enum:
     _SCAN_BLOCK_BYTES = 8388608
 
 
+cdef void _min_max(const index_t* p, Py_ssize_t n, int64_t* lo,
+                   int64_t* hi) noexcept nogil:
+    # The smallest and largest of p[0..n-1], n >= 1 (the bounds check of
+    # the Python layer, _kernels.index_bounds, and of _fastcall's entries).
+    cdef Py_ssize_t i
+    cdef int64_t a = p[0], b = p[0], v
+    for i in range(1, n):
+        v = p[i]
+        a = v if v < a else a
+        b = v if v > b else b
+    lo[0] = a
+    hi[0] = b
+
+
 cdef inline Py_ssize_t _wrap(int64_t p, Py_ssize_t n_rows) noexcept nogil:
     # Positions were checked to lie in [-n_rows, n_rows).
     return <Py_ssize_t>(p + n_rows if p < 0 else p)
