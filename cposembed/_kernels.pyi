@@ -23,6 +23,10 @@ def streaming_stores_available() -> bool: ...  # SSE2 non-temporal stores built 
 def index_bounds(
     positions: _Index,  # const index_t[::1], non-empty
 ) -> tuple[int, int]: ...  # (int64_t min, int64_t max)
+def repeats_every(
+    positions: _Index,  # const index_t[::1]
+    period: int,  # Py_ssize_t: positions[i] == positions[i - period] for all i >= period
+) -> bool: ...
 def lookup_rows(
     table: _Real,  # const real_t[:, ::1]  (L, d)
     positions: _Index,  # const index_t[::1]  (n,)

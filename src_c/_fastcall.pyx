@@ -568,15 +568,6 @@ def add_into(tokens, table, offset, out, int n_threads, Py_ssize_t serial_below,
     return nt if pos != NULL else 0
 
 
-cdef bint _repeats(const index_t* p, Py_ssize_t n, Py_ssize_t period) noexcept nogil:
-    # p[i] == p[i % period] for all i (n a multiple of period).
-    cdef Py_ssize_t i
-    for i in range(period, n):
-        if p[i] != p[i - period]:
-            return False
-    return True
-
-
 def scatter_into(grad, g, positions, offset, int n_threads, Py_ssize_t serial_below):
     """``grad[positions] += g`` (np.add.at's order) for the plain case,
     returning the threads it ran on; 0 (nothing written) for anything else.

@@ -59,6 +59,16 @@ def index_bounds(const index_t[::1] positions):  # IN
     return lo, hi
 
 
+def repeats_every(const index_t[::1] positions, Py_ssize_t period):  # IN
+    """True if positions[i] == positions[i - period] for every i >= period."""
+    cdef bint same = True
+    if positions.shape[0] == 0:
+        return same
+    with nogil:
+        same = _repeats(&positions[0], positions.shape[0], period)
+    return same
+
+
 # ---- lookup ------------------------------------------------------------------
 
 

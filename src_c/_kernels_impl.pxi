@@ -78,6 +78,18 @@ cdef void _min_max(const index_t* p, Py_ssize_t n, int64_t* lo,
     hi[0] = b
 
 
+cdef bint _repeats(const index_t* p, Py_ssize_t n, Py_ssize_t period) noexcept nogil:
+    # p[i] == p[i - period] for all i >= period (n a multiple of period):
+    # explicit (B, T) positions that are one period of T (arange expanded,
+    # typically), which scatter-add's blocked path can take. Stops at the
+    # first difference, which random positions show at once.
+    cdef Py_ssize_t i
+    for i in range(period, n):
+        if p[i] != p[i - period]:
+            return False
+    return True
+
+
 cdef inline Py_ssize_t _wrap(int64_t p, Py_ssize_t n_rows) noexcept nogil:
     # Positions were checked to lie in [-n_rows, n_rows).
     return <Py_ssize_t>(p + n_rows if p < 0 else p)

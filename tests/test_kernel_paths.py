@@ -462,3 +462,17 @@ def test_reuse_can_be_turned_off_by_environment():
             [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
         )
         assert res.stdout.split() == expected.split()
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_repeats_every_finds_exact_periods(index_dtype):
+    row = np.array([3, -1, 7, 7, 0], dtype=index_dtype)
+    tiled = np.tile(row, 4)
+    assert _kernels.repeats_every(tiled, 5)
+    assert _kernels.repeats_every(row, 5)  # one period
+    assert _kernels.repeats_every(tiled[:0], 5)
+    for where in (5, 12, tiled.size - 1):  # a difference anywhere after the first period
+        other = tiled.copy()
+        other[where] += 1
+        assert not _kernels.repeats_every(other, 5)
+    assert not _kernels.repeats_every(tiled, 4)
