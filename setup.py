@@ -240,39 +240,32 @@ def _directives_changed():
 
 
 EXTENSIONS = [
+    # The one checked C entry per operation and the kernels behind them, on
+    # NumPy's C API: built against NumPy 2.x headers, it runs on NumPy >= 1.24
+    # (NPY_TARGET_VERSION).
     Extension(
-        "cposembed._kernels",
-        ["src_c/_kernels.pyx"],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-        include_dirs=["src_c"],
-        depends=["src_c/_stream.h", "src_c/_openmp.pxd", "src_c/_kernels_impl.pxi"],
+        "cposembed._core",
+        ["src_c/_core.pyx"],
+        include_dirs=["src_c", numpy.get_include()],
+        depends=[
+            "src_c/_stream.h",
+            "src_c/_openmp.pxd",
+            "src_c/_kernels.pxi",
+            "src_c/_pool.pxi",
+            "src_c/_index.pxi",
+            "src_c/_team.pxi",
+        ],
+        define_macros=[
+            ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+            ("NPY_TARGET_VERSION", "NPY_1_24_API_VERSION"),
+        ],
     ),
-    # Reused large output buffers (no page faults on every call).
-    Extension("cposembed._alloc", ["src_c/_alloc.pyx"]),
     # Machine-limit probes (streaming fill/copy, read-only sum) for the bench.
     Extension(
         "cposembed._membench",
         ["src_c/_membench.pyx"],
         include_dirs=["src_c"],
         depends=["src_c/_stream.h", "src_c/_openmp.pxd"],
-    ),
-    Extension(
-        "cposembed._optim",
-        ["src_c/_optim.pyx"],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    ),
-    # Plain calls (tiny ones, and large ones into the shared kernels) checked in
-    # C on NumPy's C API, the only module that needs NumPy's headers: built
-    # against NumPy 2.x, it runs on NumPy >= 1.24 (NPY_TARGET_VERSION).
-    Extension(
-        "cposembed._fastcall",
-        ["src_c/_fastcall.pyx"],
-        include_dirs=["src_c", numpy.get_include()],
-        depends=["src_c/_stream.h", "src_c/_openmp.pxd", "src_c/_kernels_impl.pxi"],
-        define_macros=[
-            ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
-            ("NPY_TARGET_VERSION", "NPY_1_24_API_VERSION"),
-        ],
     ),
 ]
 

@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _kernels, _threads
+from . import _core, _threads
 from ._version import __version__
 
 
 def openmp_enabled() -> bool:
     """True if the kernels were compiled with OpenMP (False: serial build)."""
-    return bool(_kernels.openmp_enabled())
+    return bool(_core.openmp_enabled())
 
 
 def _build_info() -> dict[str, Any]:
@@ -55,8 +55,11 @@ def _num_threads_source() -> str:
     """Which rule of get_num_threads() gives the default thread count."""
     if not openmp_enabled():
         return "serial build"
-    if _threads._user_num_threads is not None:
+    if _core.user_threads():
         return "set_num_threads()"
+    problem = _threads.env_num_threads_error()
+    if problem:
+        return f"omp_get_max_threads() ({problem}; ignored)"
     if os.environ.get("CPOSEMBED_NUM_THREADS", "").strip():
         return "CPOSEMBED_NUM_THREADS"
     return "omp_get_max_threads()"
@@ -72,11 +75,12 @@ def config() -> dict[str, Any]:
         "platform": platform.platform(),
         "openmp_enabled": openmp_enabled(),
         "openmp_runtime": _openmp_runtime(),
-        "num_threads": _threads.get_num_threads(),
+        "num_threads": int(_core.default_threads()),
         "num_threads_from": _num_threads_source(),
-        "omp_get_max_threads": _kernels.omp_max_threads(),
+        "omp_get_max_threads": _core.omp_max_threads(),
         "cpus_available": _threads._cpu_limit(),
-        "serial_threshold_elements": _threads.SERIAL_THRESHOLD,
+        "serial_threshold_elements": _core.SERIAL_THRESHOLD,
+        "stream_threshold_bytes": _core.STREAM_THRESHOLD_BYTES,
         "env": {
             k: os.environ[k]
             for k in ("CPOSEMBED_NUM_THREADS", "OMP_NUM_THREADS")

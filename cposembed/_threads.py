@@ -1,10 +1,9 @@
-"""How many OpenMP threads a kernel call uses.
+"""Thread settings: ``get_num_threads``, ``set_num_threads``, and the fork guard.
 
-The rules follow scikit-learn's ``_openmp_effective_n_threads``: an explicit
-request wins, then the package setting, then ``CPOSEMBED_NUM_THREADS``, then
-OpenMP's own default (``omp_get_max_threads()``, which honours
-``OMP_NUM_THREADS`` and threadpoolctl's ``threadpool_limits``), and the
-result never exceeds the CPUs this process may run on.
+The rules themselves (defaults, caps, serial threshold) live in C, in
+``src_c/_team.pxi``, where every entry applies them; this module sets what
+only Python knows (the CPUs this process may run on, a forked child's
+state) and words the errors for what the C side declines.
 """
 
 from __future__ import annotations
@@ -12,36 +11,43 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import threading
+import warnings
 from typing import Any
 
-from . import _kernels
+from . import _core
+from ._validation import check_int
 
-# Below this many output elements a call runs on one thread: waking an OpenMP
-# team costs a few microseconds, about what copying this much memory takes.
-SERIAL_THRESHOLD = 1 << 16
+SERIAL_THRESHOLD: int = _core.SERIAL_THRESHOLD
 
-_OPENMP = _kernels.openmp_enabled()
+_OPENMP = _core.openmp_enabled()
 
-_lock = threading.Lock()
-_user_num_threads: int | None = None
+
+def _cpu_limit() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+# The CPUs this process may run on, read once (and again in a forked child):
+# a system call on every kernel call is not worth it for a limit that
+# practically never changes while a process runs.
+_core.set_cpu_limit(_cpu_limit())
 
 # GNU libgomp is not fork-safe: a child forked by a thread that has led a
 # parallel region (ours, or any other library's on the same libgomp) hangs in
 # its first parallel region, waiting for pool threads that did not survive the
 # fork. Before each fork we release the forking thread's pool with OpenMP 5's
 # omp_pause_resource_all (libgomp frees exactly that thread's pool), so the
-# child starts a fresh one and keeps its threads. Where that is unavailable we
-# fall back to running serially in a child whose parent used our threads.
-_went_parallel = False
-_in_forked_child = False
-_pool_released = False
+# child starts a fresh one and keeps its threads. Where that is unavailable
+# the child runs serially if the parent used our threads.
 _OMP_PAUSE_HARD = 2
+_pool_released = False
 
 
 def _find_omp_pause() -> Any:
     """libgomp's omp_pause_resource_all, or None (other runtime, or too old)."""
-    if not _kernels.openmp_enabled() or not sys.platform.startswith("linux"):
+    if not _OPENMP or not sys.platform.startswith("linux"):
         return None
     try:
         with open("/proc/self/maps") as maps:
@@ -70,49 +76,24 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _in_forked_child, _cpus
-    if _went_parallel and not _pool_released:
-        _in_forked_child = True
-    _cpus = _cpu_limit()
+    if _core.went_parallel() and not _pool_released:
+        _core.set_serial_child(True)
+    _core.set_cpu_limit(_cpu_limit())
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
-def _cpu_limit() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-# The CPUs this process may run on, read once (and again in a forked
-# child): a system call on every kernel call is not worth it for a limit
-# that practically never changes while a process runs.
-_cpus = _cpu_limit()
-
-
-def _check_positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be a positive integer; got {value!r}")
-    n = int(value.__index__())
-    if n < 1:
-        raise ValueError(f"{name} must be a positive integer; got {n}")
-    return n
-
-
-def _env_num_threads() -> int | None:
-    raw = os.environ.get("CPOSEMBED_NUM_THREADS", "").strip()
-    if not raw:
+def env_num_threads_error() -> str | None:
+    """What is wrong with ``CPOSEMBED_NUM_THREADS``, or None if it is unset or valid."""
+    raw = os.environ.get("CPOSEMBED_NUM_THREADS", "")
+    if not raw.strip():
         return None
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}") from None
-    if n < 1:
-        raise ValueError(f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}")
-    return n
+    digits = raw.strip()
+    if digits.isascii() and digits.isdigit() and int(digits) >= 1:
+        return None
+    return f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}"
 
 
 def get_num_threads() -> int:
@@ -120,60 +101,40 @@ def get_num_threads() -> int:
 
     ``set_num_threads(n)`` if it was called, else ``CPOSEMBED_NUM_THREADS``,
     else ``omp_get_max_threads()``; capped by the CPUs available to this
-    process. Always 1 in a build without OpenMP.
+    process. Always 1 in a build without OpenMP. An invalid
+    ``CPOSEMBED_NUM_THREADS`` (not a positive integer) is ignored, with a
+    ``RuntimeWarning`` here and a line in :func:`cposembed.show_config`.
     """
-    if not _OPENMP:
-        return 1
-    n = _user_num_threads
-    if n is None:
-        # CPOSEMBED_NUM_THREADS, else omp_get_max_threads(), in one C call;
-        # -1: a value only Python parses (or rejects with our message).
-        n = _kernels.default_num_threads()
-        if n < 0:
-            n = _env_num_threads() or _kernels.omp_max_threads()
-    return max(1, min(n, _cpus))
+    problem = env_num_threads_error()
+    if problem and _OPENMP:
+        warnings.warn(f"{problem}; ignored", RuntimeWarning, stacklevel=2)
+    return int(_core.default_threads())
 
 
 def set_num_threads(n: int | None) -> None:
-    """Set the default thread count for all kernels; ``None`` restores the default."""
-    global _user_num_threads
-    value = None if n is None else _check_positive_int(n, "num_threads")
-    with _lock:
-        _user_num_threads = value
+    """Set the default thread count for all kernels; ``None`` restores the default.
 
-
-def requested_threads(num_threads: int | None) -> int:
-    """The threads a call asks for, before the rules for its size.
-
-    Validates ``num_threads`` (a per-call override). 1 in a serial build and
-    in a child forked after the parent used threads.
+    Parameters
+    ----------
+    n : int or None
+        A positive integer. Values above the CPUs this process may run on
+        are capped when a call runs.
     """
-    if num_threads is not None:
-        # An explicit request is honoured as given (oversubscription is the
-        # caller's choice); only the default is capped by the CPU count.
-        n = _check_positive_int(num_threads, "num_threads")
-        if not _OPENMP:
-            n = 1
-    else:
-        n = get_num_threads()
-    return 1 if _in_forked_child else n
+    _core.set_user_threads(0 if n is None else check_int(n, "num_threads", min_value=1))
+
+
+def check_num_threads(num_threads: Any) -> int | None:
+    """A call's ``num_threads`` as None or a positive int (worded errors)."""
+    if num_threads is None:
+        return None
+    return check_int(num_threads, "num_threads", min_value=1)
 
 
 def effective_num_threads(num_threads: int | None, work: int, chunks: int) -> int:
-    """Threads for one call doing ``work`` element operations in ``chunks`` pieces.
+    """Threads one call doing ``work`` element operations in ``chunks`` pieces runs on.
 
-    :func:`requested_threads`, then small work runs on one thread, and no
-    more threads than chunks. (``_fastcall``'s large-call entries apply the
-    same two rules in C.)
+    The rules every entry applies: ``num_threads`` (or the default), capped
+    (an explicit request at four times the CPUs), one thread for small work,
+    and no more threads than chunks.
     """
-    n = requested_threads(num_threads)
-    if n <= 1 or work < SERIAL_THRESHOLD:
-        return 1
-    return min(n, max(1, chunks))
-
-
-def note_parallel(n_threads: int) -> None:
-    """Record that a parallel region is about to run (for the fork guard)."""
-    global _went_parallel
-    if n_threads > 1:
-        _went_parallel = True
+    return int(_core.team(check_num_threads(num_threads), work, chunks))

@@ -1,99 +1,137 @@
-"""Every check the kernels rely on, in one place, before anything is written.
+"""The checks behind every worded error, in one place.
 
-The kernels in ``src_c/`` trust their inputs. This module turns what users
-pass into exactly what the kernels expect (C-contiguous float32/float64 rows,
-int32/int64 positions known to lie in ``[-L, L)``) or raises a ``TypeError``,
-``ValueError`` or ``IndexError`` that says what was expected and what came.
-As in pandas' ``validate_indices``, bounds are checked with the minimum and
-maximum of the whole index array, so ``L`` and ``-L - 1`` cannot slip through.
+The C entries (``cposembed._core``) accept the plain cases and decline the
+rest with nothing written. For what they decline, these functions either
+normalise the argument into a form the entry accepts (a native C-contiguous
+table, an owned int64 position array, a plain ``int``) or raise a
+``TypeError``, ``ValueError`` or ``IndexError`` that says what was expected
+and what came. As in pandas' ``validate_indices``, positions are checked
+with the minimum and maximum of the whole index array, so ``L`` and
+``-L - 1`` cannot slip through.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from . import _kernels
-
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_INT32 = np.dtype(np.int32)
 _INT64 = np.dtype(np.int64)
+_INT64_MAX = np.iinfo(np.int64).max
 # Element kinds NumPy can add to a float table: bool, signed, unsigned, float.
 _REAL_KINDS = "biuf"
 
 
-class Positions(NamedTuple):
-    """Positions ready for a kernel.
+class NotAnIntegerError(TypeError, ValueError):
+    """An integer argument that is not an integer (``1.5``, ``"3"``, ``True``).
 
-    ``flat`` is a 1-D C-contiguous int32/int64 array with every value in
-    ``[-L, L)``; ``shape`` is the shape of the index (the result has
-    ``shape + (d,)``). ``flat is None`` means the index also reaches into the
-    embedding axis (a tuple such as ``(slice(None), 0)``): only NumPy's own
-    indexing can serve it.
+    A ``TypeError``, and a ``ValueError`` too: the constructor's contract
+    promises ``ValueError`` for sizes that are not positive integers.
     """
-
-    flat: np.ndarray | None
-    shape: tuple[int, ...] | None
 
 
 def describe(value: Any) -> str:
-    """Short description of a value for error messages."""
+    """Short description of a value for error messages (NumPy scalars as Python values)."""
     if isinstance(value, np.ndarray):
         return f"array of shape {value.shape} and dtype {value.dtype}"
+    if isinstance(value, np.generic):
+        value = value.item()
     text = repr(value)
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{type(value).__name__} {text}"
 
 
-def _range_error(bad: int, n_rows: int) -> IndexError:
+def check_int(
+    value: Any, name: str, *, min_value: int | None = None, max_value: int | None = None
+) -> int:
+    """``value`` as a Python int, in the manner of ``sklearn.utils.check_scalar``.
+
+    Anything with ``__index__`` counts (Python and NumPy integers, 0-d integer
+    arrays), except bools. Not an integer: :class:`NotAnIntegerError`; outside
+    ``[min_value, max_value]``: ``ValueError``. The message names the argument.
+    """
+    expected = _int_range_text(min_value, max_value)
+    if (
+        isinstance(value, (bool, np.bool_))
+        or (isinstance(value, np.ndarray) and value.ndim != 0)
+        or not hasattr(value, "__index__")
+    ):
+        raise NotAnIntegerError(f"{name} must be {expected}; got {describe(value)}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise NotAnIntegerError(f"{name} must be {expected}; got {describe(value)}") from None
+    if (min_value is not None and n < min_value) or (max_value is not None and n > max_value):
+        raise ValueError(f"{name} must be {expected}; got {n}")
+    return n
+
+
+def _int_range_text(lo: int | None, hi: int | None) -> str:
+    if lo == 1 and hi is None:
+        return "a positive integer"
+    if lo == 0 and hi is None:
+        return "a non-negative integer"
+    if lo is not None and hi is not None:
+        return f"an integer in [{lo}, {hi}]"
+    return "an integer"
+
+
+def refuse_masked(value: Any, name: str) -> None:
+    """Masked arrays are refused: the kernels cannot keep a mask, and dropping it
+    would turn padding into data."""
+    if isinstance(value, np.ma.MaskedArray):
+        raise TypeError(
+            f"{name} is a masked array; cposembed does not propagate masks. Pass "
+            f"{name}.filled(...) or {name}.data, and apply the mask to the result"
+        )
+
+
+def native_dtype(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order (``>f4`` is float32 too)."""
+    return dtype.newbyteorder("=")
+
+
+def as_table(table: Any, name: str = "table") -> np.ndarray:
+    """A 2-D float32/float64 ndarray, native byte order, C-contiguous (copied only if not)."""
+    refuse_masked(table, name)
+    arr = np.asarray(table)
+    if not arr.dtype.isnative and native_dtype(arr.dtype) in FLOAT_DTYPES:
+        arr = arr.astype(native_dtype(arr.dtype))  # e.g. a big-endian checkpoint
+    if arr.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32 or float64; got {arr.dtype}")
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (max_seq_len, embed_dim); got shape {arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+def range_error(bad: int, n_rows: int) -> IndexError:
     return IndexError(
         f"position {bad} is out of range for a table of {n_rows} positions "
         f"(expected {-n_rows} <= position < {n_rows})"
     )
 
 
-def _from_int_array(arr: np.ndarray, n_rows: int) -> Positions:
-    shape = arr.shape
-    dt = arr.dtype
-    if arr.size and dt.kind == "u" and dt.itemsize >= 8:
-        # uint64 values above int64's range would wrap when converted.
-        hi = int(arr.max())
-        if hi >= n_rows:
-            raise _range_error(hi, n_rows)
-    if dt == _INT32 or dt == _INT64:
-        target = dt
-    elif dt.itemsize < 4 or (dt.kind == "i" and dt.itemsize == 4):
-        target = _INT32  # int8/16, uint8/16, non-native int32: fit in int32
-    else:
-        target = _INT64  # uint32, uint64, non-native int64
-    flat = np.ascontiguousarray(arr, dtype=target).reshape(-1)
-    if flat.size:
-        lo, hi = _kernels.index_bounds(flat)
-        if hi >= n_rows:
-            raise _range_error(hi, n_rows)
-        if lo < -n_rows:
-            raise _range_error(lo, n_rows)
-    return Positions(flat, shape)
+def as_positions(positions: Any, n_rows: int) -> np.ndarray | None:
+    """Any NumPy-style index into the rows of an ``(n_rows, d)`` table, checked.
 
-
-def as_positions(positions: Any, n_rows: int) -> Positions:
-    """Validate any NumPy-style index into the rows of an ``(n_rows, d)`` table.
-
-    Integers and integer arrays (any integer dtype, any shape) are checked
-    against ``[-n_rows, n_rows)``. Everything else NumPy accepts along the
-    first axis (boolean masks, slices, ``None``, ``...``) is translated into
-    the equivalent integer positions. Floats, strings and other non-indices
-    raise ``IndexError`` as NumPy does.
+    Returns an int64 array that this call owns (the shape of the index), with
+    every value in ``[-n_rows, n_rows)``. Integers and integer arrays of any
+    dtype are checked against that range; everything else NumPy accepts along
+    the first axis (boolean masks, slices, ``None``, ``...``) becomes the
+    equivalent integer positions. ``None`` is returned for an index that also
+    reaches into the embedding axis (a tuple such as ``(slice(None), 0)``),
+    which only NumPy's own indexing serves. Floats, strings and other
+    non-indices raise ``IndexError`` as NumPy does.
     """
+    refuse_masked(positions, "positions")
     if isinstance(positions, (int, np.integer)) and not isinstance(positions, bool):
         p = int(positions)
         if not -n_rows <= p < n_rows:
-            raise _range_error(p, n_rows)
-        return Positions(np.array([p], dtype=_INT64), ())
-
+            raise range_error(p, n_rows)
+        return np.array(p, dtype=_INT64)
     arr = None
     if isinstance(positions, np.ndarray):
         arr = positions
@@ -104,12 +142,27 @@ def as_positions(positions: Any, n_rows: int) -> Positions:
             arr = None  # ragged or huge: NumPy's own indexing gives the error
         else:
             if arr.size == 0 and arr.dtype.kind == "f":
-                arr = arr.astype(np.intp)  # NumPy reads [] as an empty index
+                arr = arr.astype(_INT64)  # NumPy reads [] as an empty index
             elif arr.dtype.kind in "fO":
                 _check_huge_ints(positions, n_rows)
     if arr is not None and arr.dtype.kind in "iu":
         return _from_int_array(arr, n_rows)
     return _from_general(positions, n_rows)
+
+
+def _from_int_array(arr: np.ndarray, n_rows: int) -> np.ndarray:
+    if arr.size and arr.dtype.kind == "u" and arr.dtype.itemsize >= 8:
+        hi = int(arr.max())  # uint64 values above int64's range would wrap
+        if hi >= n_rows:
+            raise range_error(hi, n_rows)
+    owned = np.array(arr, dtype=_INT64, order="C", copy=True)
+    if owned.size:
+        lo, hi = int(owned.min()), int(owned.max())
+        if hi >= n_rows:
+            raise range_error(hi, n_rows)
+        if lo < -n_rows:
+            raise range_error(lo, n_rows)
+    return owned
 
 
 def _check_huge_ints(positions: list, n_rows: int) -> None:
@@ -122,61 +175,41 @@ def _check_huge_ints(positions: list, n_rows: int) -> None:
     if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items):
         for x in items:
             if not -n_rows <= int(x) < n_rows:
-                raise _range_error(int(x), n_rows)
+                raise range_error(int(x), n_rows)
 
 
-def _from_general(positions: Any, n_rows: int) -> Positions:
+def _from_general(positions: Any, n_rows: int) -> np.ndarray | None:
     # An index that may also address the embedding axis: a tuple (one index
-    # per axis) or a boolean mask of more than one dimension. Only NumPy's own
-    # indexing serves it (lookup does; add and scatter-add reject it).
-    if isinstance(positions, tuple) or (
+    # per axis) or a boolean mask of more than one dimension.
+    multi_axis = isinstance(positions, tuple) or (
         isinstance(positions, np.ndarray) and positions.dtype == bool and positions.ndim > 1
-    ):
-        multi_axis = True
-        if isinstance(positions, tuple) and any(p is Ellipsis for p in positions):
-            return Positions(None, None)  # "..." means other axes for a 1-D arange
-    else:
-        multi_axis = False
+    )
+    if isinstance(positions, tuple) and any(p is Ellipsis for p in positions):
+        return None  # "..." means other axes for a 1-D arange
     # Indexing arange(n_rows) the same way yields the row numbers the index
     # selects, in the shape it selects them (masks, slices, newaxis).
     try:
-        rows = np.arange(n_rows, dtype=np.intp)[positions]
+        rows = np.arange(n_rows, dtype=_INT64)[positions]
     except IndexError as exc:
         if multi_axis:
-            return Positions(None, None)
+            return None
         raise IndexError(f"invalid positions ({exc}); got {describe(positions)}") from None
-    rows = np.asarray(rows)
-    return Positions(np.ascontiguousarray(rows).reshape(-1), rows.shape)
+    return np.array(rows, dtype=_INT64, order="C", copy=True)
 
 
 def as_offset(offset: Any) -> int:
-    if isinstance(offset, bool) or not hasattr(offset, "__index__"):
-        raise TypeError(f"offset must be a non-negative integer; got {describe(offset)}")
-    value = operator.index(offset)
-    if value < 0:
-        raise ValueError(f"offset must be a non-negative integer; got {value}")
-    return value
-
-
-def native_dtype(dtype: np.dtype) -> np.dtype:
-    """``dtype`` in this machine's byte order (``>f4`` is float32 too)."""
-    return dtype.newbyteorder("=")
-
-
-def as_table(table: Any, name: str = "table") -> np.ndarray:
-    """A 2-D float32/float64 array, C-contiguous (copied only if it is not)."""
-    arr = np.asarray(table)
-    if not arr.dtype.isnative and native_dtype(arr.dtype) in FLOAT_DTYPES:
-        arr = arr.astype(native_dtype(arr.dtype))  # e.g. a big-endian checkpoint
-    if arr.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must have dtype float32 or float64; got {arr.dtype}")
-    if arr.ndim != 2:
-        raise ValueError(f"{name} must be 2-D (max_seq_len, embed_dim); got shape {arr.shape}")
-    return np.ascontiguousarray(arr)
+    """``offset`` as a non-negative Python int; one value for the whole call."""
+    if isinstance(offset, np.ndarray) and offset.ndim != 0:
+        raise NotAnIntegerError(
+            f"offset must be a single non-negative integer; got {describe(offset)} "
+            "(for per-row positions pass positions=, e.g. from positions_from_mask)"
+        )
+    return check_int(offset, "offset", min_value=0)
 
 
 def as_rows(values: Any, d: int, name: str) -> np.ndarray:
-    """An array of real numbers whose last axis has length ``d``."""
+    """An ndarray of real numbers whose last axis has length ``d``."""
+    refuse_masked(values, name)
     arr = np.asarray(values)
     if arr.dtype.kind not in _REAL_KINDS:
         raise TypeError(
@@ -194,6 +227,7 @@ def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``out`` must be a writable ndarray of exactly ``shape`` and ``dtype``."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy.ndarray; got {describe(out)}")
+    refuse_masked(out, "out")
     if out.shape != tuple(shape):
         raise ValueError(f"out must have shape {tuple(shape)}; got {out.shape}")
     if out.dtype != dtype:
@@ -203,53 +237,48 @@ def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return out
 
 
-def broadcast_positions(
-    pos: Positions, lead: tuple[int, ...], what: str
-) -> tuple[np.ndarray, tuple[int, ...]]:
+def broadcast_positions(pos: np.ndarray, lead: tuple[int, ...], what: str) -> np.ndarray:
     """Positions for rows laid out as ``lead`` (e.g. ``(B, T)``).
 
-    Returns ``(flat, core)`` such that row ``i`` of the ``prod(lead)`` rows
-    uses ``flat[i % flat.size]`` and ``core`` is the shape the positions
-    broadcast as. When the positions only repeat along leading axes (the
-    usual ``(T,)`` against ``(B, T)``) ``flat`` is the validated array itself;
-    otherwise the broadcast is materialised (positions are ``d`` times smaller
-    than the rows they index).
+    Positions that only repeat along leading axes (``(T,)`` against
+    ``(B, T)``) come back as they are (the C entries take them as a period);
+    any other shape that broadcasts is materialised to ``lead`` (positions
+    are ``d`` times smaller than the rows they index).
     """
-    if pos.flat is None:
-        raise IndexError(
-            "positions must select rows of the table (integers, integer arrays, "
-            "boolean masks or slices); an index into the embedding axis only works "
-            "with lookup"
-        )
-    pshape = pos.shape
-    assert pshape is not None  # set whenever flat is (for mypy)
     try:
-        full = np.broadcast_shapes(pshape, lead)
+        full = np.broadcast_shapes(pos.shape, lead)
     except ValueError:
         full = None
     if full != tuple(lead):
-        raise ValueError(f"positions of shape {pshape} do not broadcast to {what} {tuple(lead)}")
-    core = pshape
+        raise ValueError(f"positions of shape {pos.shape} do not broadcast to {what} {lead}")
+    core = pos.shape
     while core and core[0] == 1:
         core = core[1:]
     if core == tuple(lead[len(lead) - len(core) :]):
-        return pos.flat, core
-    expanded = np.broadcast_to(pos.flat.reshape(pshape), lead)
-    return np.ascontiguousarray(expanded).reshape(-1), tuple(lead)
+        return pos
+    return np.ascontiguousarray(np.broadcast_to(pos, lead))
 
 
-def default_positions(offset: int, n_tokens: int, n_rows: int) -> np.ndarray:
-    """``offset + arange(T)``, checked against the table length."""
+def check_default_positions(offset: int, n_tokens: int, n_rows: int) -> None:
+    """``offset + arange(T)`` must fit in the table."""
     if n_tokens and offset + n_tokens > n_rows:
         raise IndexError(
             f"position {offset + n_tokens - 1} (offset {offset} + {n_tokens} tokens) is "
             f"out of range for a table of {n_rows} positions "
             f"(expected 0 <= position < {n_rows})"
         )
-    dtype = _INT32 if offset + n_tokens < 2**31 else _INT64
-    return np.arange(offset, offset + n_tokens, dtype=dtype)
 
 
 def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether writing ``a`` could change ``b`` (a cheap, conservative test)."""
     return bool(np.may_share_memory(a, b))
+
+
+def plain(arr: np.ndarray) -> bool:
+    """An exact ndarray, C-contiguous, aligned, native byte order (what the C entries take)."""
+    return (
+        type(arr) is np.ndarray
+        and arr.flags.c_contiguous
+        and arr.flags.aligned
+        and arr.dtype.isnative
+    )

@@ -9,12 +9,12 @@ from typing import IO, Any, Union
 
 import numpy as np
 
-from . import _optim, _threads
+from . import _core
 from . import _validation as v
-from ._fastcall import SMALL_ADD_ELEMENTS as _SMALL_ADD_ELEMENTS
-from ._fastcall import add_row_small as _add_row_small
-from ._fastcall import take_small as _take_small
-from .functional import add_positions, lookup, scatter_add_rows_of
+from .functional import add_positions, lookup_normalised, scatter_add_marking
+
+# The C entry of lookup (one global lookup per call instead of two).
+_lookup_entry = _core.lookup
 
 # Version of the .npz layout written by save(); load() refuses newer ones.
 SAVE_FORMAT_VERSION = 1
@@ -25,15 +25,6 @@ _PICKLE_VERSION = 1
 PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 
 __all__ = ["LearnedPositionEmbedding"]
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name} must be a positive integer; got {v.describe(value)}")
-    n = operator.index(value)
-    if n < 1:
-        raise ValueError(f"{name} must be a positive integer; got {n}")
-    return n
 
 
 def _table_dtype(dtype: Any) -> np.dtype:
@@ -53,17 +44,7 @@ def _padding_index(value: Any, n_rows: int) -> int | None:
     """``padding_idx`` normalised to ``[0, L)`` (negatives count from the end)."""
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
-        raise ValueError(
-            f"padding_idx must be None or an integer in [{-n_rows}, {n_rows}); "
-            f"got {v.describe(value)}"
-        )
-    p = operator.index(value)
-    if not -n_rows <= p < n_rows:
-        raise ValueError(
-            f"padding_idx must be in [{-n_rows}, {n_rows}) for a table of {n_rows} "
-            f"positions; got {p}"
-        )
+    p = v.check_int(value, "padding_idx", min_value=-n_rows, max_value=n_rows - 1)
     return p + n_rows if p < 0 else p
 
 
@@ -134,8 +115,8 @@ class LearnedPositionEmbedding:
         dtype: Any = np.float32,
         padding_idx: int | None = None,
     ) -> None:
-        n_rows = _positive_int(max_seq_len, "max_seq_len")
-        d = _positive_int(embed_dim, "embed_dim")
+        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1)
+        d = v.check_int(embed_dim, "embed_dim", min_value=1)
         dt = _table_dtype(dtype)
         pad = _padding_index(padding_idx, n_rows)
         self._embeddings = np.ascontiguousarray(draw_table(n_rows, d, seed), dtype=dt)
@@ -224,14 +205,28 @@ class LearnedPositionEmbedding:
 
     # -- forward -----------------------------------------------------------
     def __call__(self, positions: Any, *, out: np.ndarray | None = None) -> np.ndarray:
-        """Look up position embeddings: ``embeddings[positions]`` (a new array, or ``out``)."""
-        if out is None:
-            # Tiny calls in C; None for anything unusual or invalid, whose
-            # error message the full path words.
-            result = _take_small(self._embeddings, positions)
-            if result is not None:
-                return result
-        return lookup(self._embeddings, positions, out=out)
+        """Look up position embeddings: ``embeddings[positions]``.
+
+        Parameters
+        ----------
+        positions : int, array_like of int, or any NumPy index
+            ``-L <= p < L`` (negatives wrap), as :func:`cposembed.lookup`.
+        out : ndarray, optional
+            Destination of shape ``positions.shape + (embed_dim,)`` and the
+            table's dtype.
+
+        Returns
+        -------
+        ndarray
+            A new array (a scalar position gives a ``(embed_dim,)`` copy of its
+            row), or ``out``.
+        """
+        # lookup()'s route, entered directly: a tiny call costs about as
+        # much as one Python frame.
+        result = _lookup_entry(self._embeddings, positions, out, None)
+        if result is None:
+            result = lookup_normalised(self._embeddings, positions, out, None)
+        return result
 
     def add_to(
         self,
@@ -243,65 +238,88 @@ class LearnedPositionEmbedding:
     ) -> np.ndarray:
         """``token_embeddings + embeddings[positions]``, fused.
 
-        ``positions=None`` means ``offset + arange(T)`` for each sequence of
-        ``token_embeddings`` (shape ``(..., T, d)``). ``out`` may be
-        ``token_embeddings`` itself. See :func:`cposembed.add_positions`.
+        Parameters
+        ----------
+        token_embeddings : array_like of shape (..., T, embed_dim)
+            Token embeddings of any real dtype (NumPy's promotion decides the
+            result dtype).
+        positions : array_like of int, optional
+            Must broadcast to ``token_embeddings.shape[:-1]``; ``None`` means
+            ``offset + arange(T)`` for each sequence.
+        offset : int, default 0
+            Tokens already seen (incremental decoding); only with
+            ``positions=None``.
+        out : ndarray, optional
+            Destination; may be ``token_embeddings`` itself (in place).
+
+        Returns
+        -------
+        ndarray
+            See :func:`cposembed.add_positions`.
         """
-        table = self._embeddings
-        if positions is None and out is None:
-            # A decode step: the fixed costs of the full path would dominate.
-            # In C when the tokens have the table's dtype, are small and
-            # C-contiguous and the rows fit; other small float tokens (e.g.
-            # float64 tokens on a float32 table) by NumPy's own promoting add.
-            result = _add_row_small(token_embeddings, table, offset)
-            if result is not None:
-                return result
-            tok = token_embeddings
-            if (
-                type(tok) is np.ndarray
-                and type(offset) is int
-                and tok.dtype.kind == "f"
-                and tok.ndim >= 2
-                and tok.shape[-1] == table.shape[1]
-                and 0 <= offset <= table.shape[0] - tok.shape[-2]
-                and tok.size <= _SMALL_ADD_ELEMENTS
-            ):
-                return tok + table[offset : offset + tok.shape[-2]]
-        return add_positions(token_embeddings, table, positions, offset=offset, out=out)
+        return add_positions(token_embeddings, self._embeddings, positions, offset=offset, out=out)
 
     # -- backward ----------------------------------------------------------
     def backward(self, grad_output: Any, positions: Any = None, *, offset: int = 0) -> np.ndarray:
         """Accumulate the table gradient of :meth:`add_to` / ``__call__`` into :attr:`grad`.
 
-        ``grad[positions[i]] += grad_output[i]`` for every ``i``; deterministic
-        (bitwise the same for any thread count). The ``padding_idx`` row gets
-        no gradient. Returns :attr:`grad`.
+        ``grad[positions[i]] += grad_output[i]`` for every ``i``, as
+        :func:`cposembed.scatter_add`: deterministic (bitwise the same for any
+        thread count). The ``padding_idx`` row gets no gradient.
+
+        Parameters
+        ----------
+        grad_output : array_like of shape (..., embed_dim)
+            Gradient of the loss with respect to the output; converted to the
+            gradient's dtype.
+        positions : array_like of int, optional
+            The positions of the forward call; ``None`` means
+            ``offset + arange(T)``.
+        offset : int, default 0
+            Only with ``positions=None``.
+
+        Returns
+        -------
+        ndarray
+            :attr:`grad`.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A :attr:`grad` assigned by the user that is not a writable float
+            array of the table's shape, or bad arguments (as
+            :func:`cposembed.scatter_add`); nothing is written then.
         """
-        # A fresh gradient is only kept once the call has succeeded, so an
-        # invalid first call leaves ``grad`` as None.
-        existing = self.grad
-        fresh = existing is None
-        grad = np.zeros_like(self._embeddings) if existing is None else existing
-        rows = scatter_add_rows_of(grad, grad_output, positions, offset, None)
+        grad = self.grad
+        fresh = grad is None
+        if grad is None:
+            # Kept only once the call has succeeded, so an invalid first
+            # call leaves ``grad`` as None.
+            grad = np.zeros_like(self._embeddings)
+        if grad is not self._touched_grad or self._touched is None:
+            self._check_grad(grad)
+            # A grad array the user assigned may hold anything: all rows count.
+            touched = np.full(self.max_seq_len, not fresh, dtype=bool)
+        else:
+            touched = self._touched
+        pad = -1 if self._padding_idx is None else self._padding_idx
+        scatter_add_marking(grad, grad_output, positions, offset, None, touched, pad)
         self.grad = grad
-        self._mark_touched(grad, fresh, rows)
-        if self.padding_idx is not None:
-            # The row was zero before this call (it never keeps gradient), so
-            # resetting it is the same as never having added to it.
-            grad[self.padding_idx] = 0
+        self._touched = touched
+        self._touched_grad = grad
         return grad
 
-    def _mark_touched(self, grad: np.ndarray, fresh: bool, rows: np.ndarray) -> None:
-        # `rows`: the positions scatter_add validated and used (in [-L, L)).
-        # Marking a row too many is harmless (its gradient is zero, and
-        # x - lr * 0 == x bitwise); missing one is not.
-        if self._touched is None or self._touched_grad is not grad:
-            # A grad array the user assigned may hold anything: all rows count.
-            self._touched = np.full(self.max_seq_len, not fresh, dtype=bool)
-            self._touched_grad = grad
-        self._touched[rows] = True
-        if self.padding_idx is not None:
-            self._touched[self.padding_idx] = False
+    def _check_grad(self, grad: Any) -> None:
+        table = self._embeddings
+        if not isinstance(grad, np.ndarray) or grad.dtype.kind != "f":
+            raise TypeError(
+                f"grad must be a float numpy.ndarray of the table's shape {table.shape}; "
+                f"got {v.describe(grad)}"
+            )
+        if grad.shape != table.shape:
+            raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
+        if not grad.flags.writeable:
+            raise ValueError("grad is read-only; assign a writable array (or None)")
 
     def zero_grad(self) -> None:
         """Reset the accumulated gradient to zeros (keeping its buffer)."""
@@ -347,22 +365,16 @@ class LearnedPositionEmbedding:
             raise TypeError(f"grad must be a real-valued numpy.ndarray; got {v.describe(grad)}")
         if grad.shape != table.shape:
             raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
-        if grad is self._touched_grad and self._touched is not None:
-            rows = np.flatnonzero(self._touched).astype(np.int64, copy=False)
-        else:
-            rows = np.arange(self.max_seq_len, dtype=np.int64)
-            if self.padding_idx is not None:
-                rows = rows[rows != self.padding_idx]
-        if rows.size == 0:
-            return
-        if grad.dtype != table.dtype or not grad.flags.c_contiguous or v.overlaps(grad, table):
+        touched = self._touched if grad is self._touched_grad else None
+        pad = -1 if self._padding_idx is None else self._padding_idx
+        if _core.sgd_step(table, grad, touched, step, pad) is None:
             # Not the layout the kernel takes: NumPy's own arithmetic, same rule.
+            if touched is not None:
+                rows = np.flatnonzero(touched)
+            else:
+                rows = np.arange(self.max_seq_len)
+            rows = rows[rows != pad]
             table[rows] -= step * grad[rows]
-            return
-        d = table.shape[1]
-        n_threads = _threads.effective_num_threads(None, rows.size * d, rows.size)
-        _threads.note_parallel(n_threads)
-        _optim.sgd_rows(table, grad, rows, step, n_threads)
 
     def resized(self, new_max_len: int, method: str = "linear") -> LearnedPositionEmbedding:
         """A new instance whose table has ``new_max_len`` rows (for longer or shorter contexts).
@@ -390,7 +402,7 @@ class LearnedPositionEmbedding:
             ``new_max_len`` not a positive integer, an unknown ``method``, or a
             ``padding_idx`` that does not fit in the new length.
         """
-        new_len = _positive_int(new_max_len, "new_max_len")
+        new_len = v.check_int(new_max_len, "new_max_len", min_value=1)
         if method not in ("linear", "repeat"):
             raise ValueError(f'method must be "linear" or "repeat"; got {method!r}')
         pad = self.padding_idx

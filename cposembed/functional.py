@@ -1,16 +1,14 @@
-"""The functional kernels: lookup, add_positions, scatter_add.
+"""The functional API: lookup, add_positions, scatter_add.
 
-Each function validates everything first (``_validation``), then picks the
-threads (``_threads``), then calls one Cython kernel on C-contiguous buffers.
-Inputs in any other layout or dtype are converted first; outputs that the
-kernel cannot write directly (non-contiguous, or overlapping an input) are
-computed into a scratch buffer and copied in at the end. Either way nothing
-is written before every check has passed.
-
-The plain, common cases skip this Python layer: tiny lookups and, with
-``out=`` (or in place, or a scatter-add), large calls on C-contiguous native
-arrays are checked and run in C by ``_fastcall``, which hands everything else
-back to the full path here (its checks, its error messages).
+Each operation has one route to its kernel. The function calls the
+operation's C entry (``cposembed._core``) with the arguments as given; the
+entry checks them and runs the kernel, or declines (returns None, nothing
+written). For what it declines, the arguments are normalised here (any
+layout, dtype or byte order, lists, NumPy's other index forms, positions
+that broadcast) or the worded error is raised (``_validation``), and the
+same entry is called again. Outputs the kernel cannot write directly (an
+``out`` in another layout, or one sharing memory with an input) are
+computed into a scratch array and copied in at the end, as NumPy does.
 """
 
 from __future__ import annotations
@@ -20,85 +18,43 @@ from typing import Any
 
 import numpy as np
 
-from . import _alloc, _fastcall, _kernels, _threads
+from . import _core, _threads
 from . import _validation as v
 
 __all__ = ["lookup", "add_positions", "scatter_add"]
 
-# Outputs at least this large are written with streaming (non-temporal)
-# stores: far beyond what the caches keep, so reading each line in before
-# overwriting it (what an ordinary store does) would only double the memory
-# traffic. Below it, ordinary stores leave the result in cache for the next op.
-STREAM_THRESHOLD_BYTES = 1 << 23
-
-
-def _stream(nbytes: int) -> bool:
-    return nbytes >= STREAM_THRESHOLD_BYTES
-
-
-# Tiny lookups (up to _fastcall.SMALL_TAKE_ELEMENTS output elements of plain
-# integer positions) are served by _fastcall.take_small in C: for them the
-# fixed cost of validating and entering the kernel (typed-memoryview
-# acquisition, fused-type dispatch: several microseconds) exceeds the copy.
-_take_small = _fastcall.take_small
-
-
-def _fast_threads(num_threads: Any) -> int:
-    """Threads asked for, for _fastcall's large-call entries; 0: take the full path.
-
-    Only None or a plain positive int: any other num_threads is checked (and
-    its error worded) by the full path, after the other arguments, as always.
-    """
-    if num_threads is None or (type(num_threads) is int and num_threads >= 1):
-        n = _threads.requested_threads(num_threads)
-        _threads.note_parallel(n)  # before any parallel region (may run serially)
-        return n
-    return 0
-
-
-def _run_threads(num_threads: int | None, work: int, chunks: int) -> int:
-    n = _threads.effective_num_threads(num_threads, work, chunks)
-    _threads.note_parallel(n)
-    return n
-
-
-# Fresh outputs at least this large come from cposembed._alloc's reusable
-# blocks: a new mmap'ed array pays a page fault and a kernel zeroing per page,
-# more than the lookup that fills it; a block freed by a previous call's
-# result is handed out again instead (at most 4 blocks, 1 GiB, are kept).
+# Fresh outputs of at least _core.POOL_MIN_BYTES come from reusable blocks:
+# a new mmap'ed array pays a page fault and a kernel zeroing per page, more
+# than the lookup that fills it; a block freed by a previous call's result is
+# handed out again instead (at most 4 blocks, 1 GiB, are kept).
 # CPOSEMBED_REUSE_OUTPUTS=0 turns the reuse off (nothing is kept after the
 # last result is freed), for processes that must give memory back at once.
-POOL_MIN_BYTES = 1 << 22
 if os.environ.get("CPOSEMBED_REUSE_OUTPUTS", "").strip() == "0":
-    _alloc.set_pool(False)
+    _core.set_pool(False)
+
+# Positions of more dimensions than this are served by NumPy's own indexing
+# (the C entries take up to 31, the most NumPy 1.x allows with one more axis).
+_MAX_POSITION_DIMS = 31
 
 
-def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """``np.empty(shape, dtype)``, from the reusable blocks when it is large."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < POOL_MIN_BYTES:
-        return np.empty(shape, dtype=dtype)
-    block: Any = _alloc.block(nbytes)  # a writable buffer (C-level protocol)
-    return np.frombuffer(block, dtype=dtype).reshape(shape)
+def _accepted(result: Any) -> Any:
+    # Normalised arguments are exactly what the entries take.
+    if result is None:
+        raise RuntimeError("cposembed internal error: a C entry declined checked arguments")
+    return result
 
 
-def _writable_target(
-    out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, *reads: np.ndarray
-) -> np.ndarray:
-    """Where the kernel writes: ``out`` itself when it safely can, else scratch."""
-    if out is None:
-        return empty(shape, dtype)
-    if out.flags.c_contiguous and not any(v.overlaps(out, r) for r in reads):
-        return out
-    return empty(shape, dtype)
+def _base(arr: np.ndarray) -> np.ndarray:
+    """``arr`` as an exact ndarray over the same memory (subclasses viewed as ndarray)."""
+    return arr if type(arr) is np.ndarray else arr.view(np.ndarray)
 
 
-def _finish(target: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    if out is None:
-        return target
-    if target is not out:
-        np.copyto(out, target)
-    return out
+def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.shape == b.shape
+        and a.strides == b.strides
+    )
 
 
 def lookup(
@@ -115,6 +71,8 @@ def lookup(
         slices work as in NumPy.
     out : ndarray, optional
         Destination of shape ``positions.shape + (d,)`` and the table's dtype.
+        It may share memory with ``positions`` (they are read first) or with
+        the table (the result is computed aside, then copied in).
     num_threads : int, optional
         Threads for this call (default: :func:`cposembed.get_num_threads`).
 
@@ -129,36 +87,43 @@ def lookup(
         A position outside ``[-L, L)``, or an index NumPy rejects.
     TypeError, ValueError
         Wrong table dtype or shape, or an ``out`` that does not fit.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cposembed
+    >>> table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    >>> cposembed.lookup(table, [0, -1])
+    array([[ 0.,  1.,  2.],
+           [ 9., 10., 11.]], dtype=float32)
     """
-    if out is None:
-        if num_threads is None:
-            # None unless a plain valid tiny case (the checks below word the errors).
-            result = _take_small(table, positions)
-            if result is not None:
-                return result
-    else:
-        n = _fast_threads(num_threads)
-        if n and _fastcall.lookup_into(
-            table, positions, out, n, _threads.SERIAL_THRESHOLD, STREAM_THRESHOLD_BYTES
-        ):
-            return out  # the plain case, checked and run in C
-    table = v.as_table(table)
-    n_rows, d = table.shape
+    result = _core.lookup(table, positions, out, num_threads)
+    if result is None:
+        result = lookup_normalised(table, positions, out, num_threads)
+    return result
+
+
+def lookup_normalised(table: Any, positions: Any, out: Any, num_threads: Any) -> Any:
+    """:func:`lookup` for what its C entry declined: normalise or word the error,
+    then the same entry again."""
+    t = v.as_table(table)
+    n_rows, d = t.shape
+    nt = _threads.check_num_threads(num_threads)
     pos = v.as_positions(positions, n_rows)
-    if pos.flat is None:
-        return _lookup_numpy(table, positions, out)
-    assert pos.shape is not None  # set whenever flat is
-    shape = pos.shape + (d,)
-    if out is not None:
-        v.check_out(out, shape, table.dtype)
-    n = pos.flat.size
-    threads = _run_threads(num_threads, n * d, n)
-    target = _writable_target(out, shape, table.dtype, table)
-    _kernels.lookup_rows(table, pos.flat, target.reshape(n, d), threads, _stream(target.nbytes))
-    return _finish(target, out)
+    if pos is None or pos.ndim > _MAX_POSITION_DIMS:
+        return _lookup_numpy(t, positions, out)
+    if out is None:
+        return _accepted(_core.lookup(t, pos, None, nt))
+    v.check_out(out, pos.shape + (d,), t.dtype)
+    o = _base(out)
+    if v.plain(o) and not v.overlaps(o, t):
+        _accepted(_core.lookup(t, pos, o, nt))
+        return out
+    np.copyto(out, _accepted(_core.lookup(t, pos, None, nt)))
+    return out
 
 
-def _lookup_numpy(table: np.ndarray, positions: Any, out: np.ndarray | None) -> Any:
+def _lookup_numpy(table: np.ndarray, positions: Any, out: Any) -> Any:
     # Indices that also reach into the embedding axis (e.g. ``(slice(None), 0)``)
     # are served by NumPy itself, as the reference does.
     result = table[positions]
@@ -173,23 +138,29 @@ def _lookup_numpy(table: np.ndarray, positions: Any, out: np.ndarray | None) -> 
 
 def _row_positions(
     positions: Any, offset: Any, lead: tuple[int, ...], n_rows: int, what: str
-) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Positions for rows laid out as ``lead``: ``(flat, core)`` as in broadcast_positions."""
-    offset = v.as_offset(offset)
+) -> tuple[np.ndarray | None, int]:
+    """``(positions, offset)`` for rows laid out as ``lead``, as the C entries take them."""
+    off = v.as_offset(offset)
     if positions is None:
         if not lead:
             raise ValueError(
                 f"{what} must have shape (..., T, d) when positions is None; got a 1-D array"
             )
-        n_tokens = lead[-1]
-        return v.default_positions(offset, n_tokens, n_rows), (n_tokens,)
-    if offset:
+        v.check_default_positions(off, lead[-1], n_rows)
+        return None, off if lead[-1] else 0
+    if off:
         raise ValueError(
-            f"offset={offset} only applies with positions=None; "
+            f"offset={off} only applies with positions=None; "
             "add it to the explicit positions instead"
         )
     pos = v.as_positions(positions, n_rows)
-    return v.broadcast_positions(pos, lead, f"{what}.shape[:-1]")
+    if pos is None:
+        raise IndexError(
+            "positions must select rows of the table (integers, integer arrays, "
+            "boolean masks or slices); an index into the embedding axis only works "
+            "with lookup"
+        )
+    return v.broadcast_positions(pos, lead, f"{what}.shape[:-1]"), 0
 
 
 def add_positions(
@@ -209,11 +180,14 @@ def add_positions(
         Token embeddings (any real dtype; the result dtype is NumPy's
         ``result_type(tokens, table)``).
     table : array_like of shape (L, d), float32 or float64
+        The position embedding table.
     positions : array_like of int, optional
         Must broadcast to ``tokens.shape[:-1]``. ``None`` means
         ``offset + arange(T)`` for every sequence.
     offset : int, default 0
-        Tokens already seen (incremental decoding); only with ``positions=None``.
+        Tokens already seen (incremental decoding); one integer for the whole
+        call, only with ``positions=None``. For per-row offsets pass explicit
+        positions (see :func:`cposembed.positions_from_mask`).
     out : ndarray, optional
         Destination of ``tokens``' shape and the result dtype; may be
         ``tokens`` itself for an in-place add.
@@ -223,72 +197,60 @@ def add_positions(
     Returns
     -------
     ndarray
+        ``out`` if given, else a new array.
+
+    Raises
+    ------
+    IndexError
+        A position outside ``[-L, L)``, or ``offset + T > L``.
+    TypeError, ValueError
+        Wrong dtypes or shapes, positions that do not broadcast, a negative
+        or non-integer ``offset``, or an ``out`` that does not fit.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cposembed
+    >>> table = np.arange(8, dtype=np.float32).reshape(4, 2)
+    >>> tokens = np.ones((1, 2, 2), dtype=np.float32)
+    >>> cposembed.add_positions(tokens, table, offset=1)
+    array([[[3., 4.],
+            [5., 6.]]], dtype=float32)
     """
-    if out is not None and positions is None:
-        n = _fast_threads(num_threads)
-        if n and _fastcall.add_into(
-            tokens, table, offset, out, n, _threads.SERIAL_THRESHOLD, STREAM_THRESHOLD_BYTES
-        ):
-            return out  # the plain case, checked and run in C
-    table = v.as_table(table)
-    n_rows, d = table.shape
+    result = _core.add(tokens, table, positions, offset, out, num_threads)
+    if result is None:
+        result = _add_normalised(tokens, table, positions, offset, out, num_threads)
+    return result
+
+
+def _add_normalised(
+    tokens: Any, table: Any, positions: Any, offset: Any, out: Any, num_threads: Any
+) -> Any:
+    t = v.as_table(table)
+    n_rows, d = t.shape
     tok = v.as_rows(tokens, d, "token_embeddings")
-    lead = tok.shape[:-1]
-    flat, core = _row_positions(positions, offset, lead, n_rows, "token_embeddings")
-    dtype = np.result_type(tok.dtype, table.dtype)
+    nt = _threads.check_num_threads(num_threads)
+    pos, off = _row_positions(positions, offset, tok.shape[:-1], n_rows, "token_embeddings")
+    dtype = np.result_type(tok.dtype, t.dtype)
     if out is not None:
         v.check_out(out, tok.shape, dtype)
-    n = tok.size // d if d else int(np.prod(lead))
-
-    if dtype != table.dtype:
+    if dtype != t.dtype:
         # e.g. float64 tokens + float32 table: NumPy's own promotion decides.
-        rows = table[flat.reshape(core)]
+        rows = t[np.arange(off, off + tok.shape[-2])] if pos is None else t[pos]
         return np.add(tok, rows, out=out)
-
     tok_c = np.ascontiguousarray(tok, dtype=dtype)
-    threads = _run_threads(num_threads, n * d, n)
-    if (
-        out is not None
-        and out.flags.c_contiguous
-        and _same_buffer(out, tok_c)
-        and not v.overlaps(out, table)
-    ):
-        target = out  # in place: each element reads only itself first
-    else:
-        target = _writable_target(out, tok.shape, dtype, tok_c, table)
-    if n:
-        # In place the lines are read anyway, so ordinary stores cost nothing
-        # extra; there the token rows are prefetched with a non-temporal hint.
-        in_place = target is tok_c
-        stream = not in_place and _stream(target.nbytes)
-        _kernels.add_rows(
-            tok_c.reshape(n, d), table, flat, target.reshape(n, d), threads, stream, in_place
-        )
-    return _finish(target, out)
-
-
-def _shortest_period(flat: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
-    """``flat[:T]`` when explicit ``(..., T)`` positions repeat every sequence.
-
-    Training code often passes ``arange(T)`` expanded to ``(B, T)``; seen as
-    one period the kernel can take its distinct-positions path (a blocked
-    sum over the batch). Same contributions, same order: same bits.
-    """
-    if len(lead) < 2 or flat.size != int(np.prod(lead)) or flat.size == lead[-1]:
-        return flat
-    # One pass in C that stops at the first difference (the same test as
-    # _fastcall.scatter_into's).
-    if _kernels.repeats_every(flat, lead[-1]):
-        return np.ascontiguousarray(flat[: lead[-1]])
-    return flat
-
-
-def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
-    return (
-        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-        and a.shape == b.shape
-        and a.strides == b.strides
-    )
+    if out is None:
+        return _accepted(_core.add(tok_c, t, pos, off, None, nt))
+    o = _base(out)
+    if v.plain(o) and not v.overlaps(o, t):
+        if _same_buffer(o, tok_c):
+            _accepted(_core.add(tok_c, t, pos, off, tok_c, nt))  # in place
+            return out
+        if not v.overlaps(o, tok_c):
+            _accepted(_core.add(tok_c, t, pos, off, o, nt))
+            return out
+    np.copyto(out, _accepted(_core.add(tok_c, t, pos, off, None, nt)))
+    return out
 
 
 def scatter_add(
@@ -323,31 +285,64 @@ def scatter_add(
     -------
     ndarray
         ``grad_table``.
+
+    Raises
+    ------
+    IndexError
+        A position outside ``[-L, L)``.
+    TypeError, ValueError
+        A ``grad_table`` that is not a writable 2-D float array, or
+        ``grad_output`` or positions of the wrong shape or kind.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cposembed
+    >>> grad = np.zeros((3, 2), dtype=np.float32)
+    >>> cposembed.scatter_add(grad, np.ones((3, 2), dtype=np.float32), [0, 2, 0])
+    array([[2., 2.],
+           [0., 0.],
+           [1., 1.]], dtype=float32)
     """
-    n = _fast_threads(num_threads)
-    if n and _fastcall.scatter_into(
-        grad_table, grad_output, positions, offset, n, _threads.SERIAL_THRESHOLD
-    ):
-        return grad_table  # the plain case, checked and run in C
-    scatter_add_rows_of(grad_table, grad_output, positions, offset, num_threads)
+    scatter_add_marking(grad_table, grad_output, positions, offset, num_threads, None, -1)
     return grad_table
 
 
-def scatter_add_rows_of(
-    grad_table: np.ndarray,
+def scatter_add_marking(
+    grad_table: Any,
     grad_output: Any,
     positions: Any,
-    offset: int,
-    num_threads: int | None,
-) -> np.ndarray:
-    """:func:`scatter_add`, returning the validated positions it used.
+    offset: Any,
+    num_threads: Any,
+    touched: np.ndarray | None,
+    skip_row: int,
+) -> None:
+    """:func:`scatter_add` that also marks the rows it touched and skips one.
 
-    Every row that received a contribution is in the returned integer array
-    (values in ``[-L, L)``), so callers that track touched rows need not
-    validate ``positions`` a second time.
+    ``touched``: a C-contiguous bool array of length L (or None) whose rows
+    that received a contribution are set True; ``skip_row``: a row that gets
+    no gradient (zeroed after the sum; ``padding_idx``), or -1.
     """
+    if _core.scatter_add(
+        grad_table, grad_output, positions, offset, num_threads, touched, skip_row
+    ) is None:
+        _scatter_normalised(
+            grad_table, grad_output, positions, offset, num_threads, touched, skip_row
+        )
+
+
+def _scatter_normalised(
+    grad_table: Any,
+    grad_output: Any,
+    positions: Any,
+    offset: Any,
+    num_threads: Any,
+    touched: np.ndarray | None,
+    skip_row: int,
+) -> None:
     if not isinstance(grad_table, np.ndarray):
         raise TypeError(f"grad_table must be a numpy.ndarray; got {v.describe(grad_table)}")
+    v.refuse_masked(grad_table, "grad_table")
     native = v.native_dtype(grad_table.dtype)
     if native not in v.FLOAT_DTYPES:
         raise TypeError(f"grad_table must have dtype float32 or float64; got {grad_table.dtype}")
@@ -357,22 +352,13 @@ def scatter_add_rows_of(
         raise ValueError("grad_table is read-only; pass a writable array")
     n_rows, d = grad_table.shape
     g = v.as_rows(grad_output, d, "grad_output")
-    lead = g.shape[:-1]
-    flat, _ = _row_positions(positions, offset, lead, n_rows, "grad_output")
-    n = int(np.prod(lead))
-    if n == 0 or d == 0 or flat.size == 0:
-        return flat
-    flat = _shortest_period(flat, lead)
-    g_c = np.ascontiguousarray(g, dtype=native).reshape(n, d)
+    nt = _threads.check_num_threads(num_threads)
+    pos, off = _row_positions(positions, offset, g.shape[:-1], n_rows, "grad_output")
+    g_c = np.ascontiguousarray(g, dtype=native)
     if v.overlaps(g_c, grad_table):
         g_c = g_c.copy()
-    threads = _run_threads(num_threads, n * d, min(n_rows, flat.size))
-    row_start = np.empty(n_rows + 1, dtype=np.int64)
-    order = np.empty(flat.size, dtype=np.int64)
-    if grad_table.flags.c_contiguous and grad_table.dtype.isnative:
-        _kernels.scatter_add_rows(grad_table, g_c, flat, row_start, order, threads)
-    else:
-        work = np.ascontiguousarray(grad_table, dtype=native)
-        _kernels.scatter_add_rows(work, g_c, flat, row_start, order, threads)
+    base = _base(grad_table)
+    work = base if v.plain(base) else np.ascontiguousarray(base, dtype=native)
+    _accepted(_core.scatter_add(work, g_c, pos, off, nt, touched, skip_row))
+    if work is not base:
         np.copyto(grad_table, work)
-    return flat

@@ -41,7 +41,7 @@ PRELUDE = textwrap.dedent(
     import numpy as np
 
     import cposembed
-    from cposembed import _threads
+    from cposembed import _core, _threads
 
     L, d, B, T = 512, 256, 4, 512
     assert B * T * d > 4 * _threads.SERIAL_THRESHOLD
@@ -112,8 +112,8 @@ CHILD_THREADS = """
 def child_threads_ok():
     n = _threads.effective_num_threads(2, 1 << 20, 100)
     if _threads._omp_pause is None:
-        return _threads._in_forked_child and n == 1
-    return not _threads._in_forked_child and n == 2
+        return _core.serial_child() and n == 1
+    return not _core.serial_child() and n == 2
 """
 
 
@@ -125,7 +125,7 @@ def test_fork_pool_after_parallel_parent(fallback):
         CHILD_THREADS
         + textwrap.dedent("""
         assert check(run_all(2))
-        assert _threads._went_parallel, "parent did not actually go parallel"
+        assert _core.went_parallel(), "parent did not actually go parallel"
 
         def child(i):
             # Explicit num_threads=2 as well as the default.
@@ -186,7 +186,7 @@ def test_fork_after_another_library_used_libgomp():
         body = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
         gomp.GOMP_parallel.argtypes = [type(body), ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
         gomp.GOMP_parallel(body, None, 2, 0)  # a 2-thread region led by this thread
-        assert not _threads._went_parallel
+        assert not _core.went_parallel()
 
         def child(i):
             return check(run_all(2))
@@ -208,14 +208,14 @@ def test_fork_before_any_parallel_region_keeps_threads():
     went parallel may still use OpenMP threads (libgomp has no pool to lose)."""
     proc = _run(
         """
-        assert not _threads._went_parallel
+        assert not _core.went_parallel()
         cposembed.set_num_threads(1)
         assert check(run_all(1))  # serial in the parent: no OpenMP pool exists yet
-        assert not _threads._went_parallel
+        assert not _core.went_parallel()
         cposembed.set_num_threads(None)
 
         def child(i):
-            assert not _threads._in_forked_child
+            assert not _core.serial_child()
             n = _threads.effective_num_threads(2, 1 << 20, 100)
             return n == 2 and check(run_all(2))
 
@@ -240,7 +240,7 @@ def test_guard_is_load_bearing_with_libgomp():
         assert check(run_all(2))
         pid = os.fork()
         if pid == 0:
-            _threads._in_forked_child = False  # defeat the serial fallback
+            _core.set_serial_child(False)  # defeat the serial fallback
             cposembed.lookup(table, pos, num_threads=2)
             os._exit(0)
         import time

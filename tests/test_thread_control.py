@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import cposembed
-from cposembed import _fastcall, _kernels, _threads
+from cposembed import _core, _threads
 
 threadpoolctl = pytest.importorskip("threadpoolctl")
 
@@ -47,33 +47,18 @@ def _reset_default(monkeypatch):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records the n_threads each kernel call receives."""
+    """Records the threads each kernel call ran on (the C entries' last team)."""
     seen: list[tuple[str, int]] = []
-    # Where each kernel takes n_threads (optional tuning flags may follow it).
-    n_threads_arg = {"lookup_rows": 3, "add_rows": 4, "scatter_add_rows": 5}
-    for name, index in n_threads_arg.items():
-        real = getattr(_kernels, name)
+    for name in ("lookup", "add", "scatter_add"):
+        real = getattr(_core, name)
 
-        def wrapper(*args, _real=real, _name=name, _index=index, **kwargs):
-            seen.append((_name, kwargs.get("n_threads", args[_index])))
-            return _real(*args, **kwargs)
+        def wrapper(*args, _real=real, _name=name):
+            result = _real(*args)
+            if result is not None:  # None: declined, nothing ran
+                seen.append((_name, _core.last_team()))
+            return result
 
-        monkeypatch.setattr(_kernels, name, wrapper)
-    # The plain-case entries of _fastcall run the same kernels without going
-    # through _kernels' wrappers; a call they take counts as the kernel's,
-    # with the thread count they return (0: not taken).
-    fast = {"lookup_into": "lookup_rows", "add_into": "add_rows"}
-    fast["scatter_into"] = "scatter_add_rows"
-    for name, kernel in fast.items():
-        real = getattr(_fastcall, name)
-
-        def fast_wrapper(*args, _real=real, _kernel=kernel):
-            used = _real(*args)
-            if used:
-                seen.append((_kernel, used))
-            return used
-
-        monkeypatch.setattr(_fastcall, name, fast_wrapper)
+        monkeypatch.setattr(_core, name, wrapper)
     return seen
 
 
@@ -95,7 +80,7 @@ def _call_all(num_threads=None):
 def _threads_used(spy, num_threads=None) -> set[int]:
     spy.clear()
     _call_all(num_threads)
-    assert [name for name, _ in spy] == ["lookup_rows", "add_rows", "scatter_add_rows"]
+    assert [name for name, _ in spy] == ["lookup", "add", "scatter_add"]
     return {n for _, n in spy}
 
 
@@ -172,14 +157,27 @@ def test_set_num_threads_beats_env():
     assert r == {"set": 2, "restored": 1}
 
 
-@pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5"])
-def test_bad_cposembed_num_threads_env_is_a_clear_error(monkeypatch, bad):
+@pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5", " ", "\u0663"])
+def test_bad_cposembed_num_threads_env_is_ignored_and_reported(monkeypatch, bad):
+    """An invalid CPOSEMBED_NUM_THREADS is ignored alike by small and large calls
+    (the default is then OpenMP's), with a warning and a line in show_config."""
+    monkeypatch.delenv("CPOSEMBED_NUM_THREADS", raising=False)
+    expected = cposembed.get_num_threads()
     monkeypatch.setenv("CPOSEMBED_NUM_THREADS", bad)
-    if not cposembed.openmp_enabled():
-        assert cposembed.get_num_threads() == 1  # serial build ignores it
-        return
-    with pytest.raises(ValueError, match="CPOSEMBED_NUM_THREADS"):
-        cposembed.get_num_threads()
+    if bad.strip() and cposembed.openmp_enabled():
+        with pytest.warns(RuntimeWarning, match="CPOSEMBED_NUM_THREADS"):
+            assert cposembed.get_num_threads() == expected
+        cfg = cposembed._config.config()
+        assert "CPOSEMBED_NUM_THREADS" in cfg["num_threads_from"]
+        assert "ignored" in cfg["num_threads_from"]
+    else:
+        assert cposembed.get_num_threads() == expected
+    table = np.ones((L, D), dtype=np.float32)
+    for pos in (3, [1, 2], np.arange(N) % L):
+        out = np.zeros(np.shape(pos) + (D,), np.float32)
+        assert np.array_equal(cposembed.lookup(table, pos, out=out), table[pos])
+        assert np.array_equal(cposembed.lookup(table, pos), table[pos])
+    assert _threads.effective_num_threads(None, 1 << 24, 1 << 12) == expected
 
 
 @needs_openmp
@@ -209,7 +207,7 @@ def test_threadpoolctl_lists_the_extensions_openmp_runtime():
         before = [i["filepath"] for i in threadpoolctl.threadpool_info()
                   if i["user_api"] == "openmp"]
         import cposembed
-        from cposembed import _kernels
+        from cposembed import _core
         after = [i["filepath"] for i in threadpoolctl.threadpool_info()
                  if i["user_api"] == "openmp"]
         ctl = threadpoolctl.ThreadpoolController()
@@ -218,10 +216,10 @@ def test_threadpoolctl_lists_the_extensions_openmp_runtime():
         limited = None
         if new:
             new[0].set_num_threads(1)
-            limited = _kernels.omp_max_threads()
+            limited = _core.omp_max_threads()
         print(json.dumps({"before": before, "after": after,
                           "new": [lib.filepath for lib in new], "limited": limited,
-                          "kernels": _kernels.__file__}))
+                          "kernels": _core.__file__}))
         """,
     )
     assert r["new"], f"importing cposembed loaded no new OpenMP runtime: {r}"
@@ -243,10 +241,10 @@ def test_threadpoolctl_lists_the_extensions_openmp_runtime():
 @needs_openmp
 @needs_2_cpus
 def test_threadpool_limits_limits_the_default(spy):
-    assert cposembed.get_num_threads() == min(CPUS, _kernels.omp_max_threads())
+    assert cposembed.get_num_threads() == min(CPUS, _core.omp_max_threads())
     before = _threads_used(spy)
     with threadpoolctl.threadpool_limits(1, user_api="openmp"):
-        assert _kernels.omp_max_threads() == 1
+        assert _core.omp_max_threads() == 1
         assert cposembed.get_num_threads() == 1
         assert _threads_used(spy) == {1}
     assert _threads_used(spy) == before
@@ -279,10 +277,13 @@ def test_set_num_threads_wins_over_threadpool_limits(spy):
 
 
 @needs_openmp
-def test_explicit_num_threads_may_exceed_cpus(spy):
-    """Oversubscription is the caller's choice: an explicit request is not capped."""
+def test_explicit_num_threads_may_exceed_cpus_up_to_a_cap(spy):
+    """Oversubscription is the caller's choice, up to four times the CPUs; beyond
+    that a request is capped, never handed to OpenMP as it is."""
     n = CPUS + 2
     assert _threads_used(spy, num_threads=n) == {n}
+    for huge in (4 * CPUS + 1, 50_000, 100_000, 2**31, 2**63, 2**100, np.int64(2**62)):
+        assert _threads_used(spy, num_threads=huge) == {4 * CPUS}
 
 
 @needs_openmp
@@ -301,11 +302,11 @@ def test_threads_capped_by_chunks(spy):
     grad = np.zeros((2, 1 << 16), dtype=np.float32)
     spy.clear()
     cposembed.scatter_add(grad, np.ones((4, 1 << 16), np.float32), [0, 1, 0, 1], num_threads=8)
-    assert spy == [("scatter_add_rows", 2)]
+    assert spy == [("scatter_add", 2)]
     assert np.all(grad == 2)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+@pytest.mark.parametrize("bad", [0, -1, -(2**70), 1.5, "2", True, np.bool_(True), np.array([2])])
 def test_bad_num_threads_rejected(bad):
     table = np.ones((4, 4), dtype=np.float32)
     with pytest.raises((TypeError, ValueError), match="num_threads"):

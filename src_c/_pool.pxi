@@ -1,4 +1,5 @@
-# Large output buffers that are reused instead of returned to the OS.
+# Large output buffers that are reused instead of returned to the OS
+# (included by _core.pyx, whose entries allocate fresh outputs from here).
 #
 # A fresh multi-megabyte NumPy array comes from mmap: every page is faulted
 # in and zeroed by the kernel on first write, which costs more than the
@@ -10,7 +11,6 @@
 # serialises access to the pool.
 
 from cpython.buffer cimport PyBuffer_FillInfo
-from libc.stdlib cimport free
 
 cdef extern from *:
     """
@@ -35,7 +35,8 @@ cdef extern from *:
     """
     void* cpe_alloc_block(size_t nbytes) nogil
 
-DEF _MAX_BLOCKS = 4
+cdef enum:
+    _MAX_BLOCKS = 4
 
 cdef void* _pool_ptr[_MAX_BLOCKS]
 cdef size_t _pool_size[_MAX_BLOCKS]
@@ -99,7 +100,7 @@ cdef class _Block:
         self.ptr = NULL
 
 
-def block(Py_ssize_t nbytes):
+cdef _Block _new_block(Py_ssize_t nbytes):
     """A _Block of at least `nbytes` (> 0) bytes, from the pool if one fits."""
     cdef size_t got = 0
     cdef _Block b = _Block.__new__(_Block)
@@ -116,6 +117,13 @@ def block(Py_ssize_t nbytes):
     b.capacity = got
     b.used = <size_t>nbytes
     return b
+
+
+def block(Py_ssize_t nbytes):
+    """A _Block of at least `nbytes` (> 0) bytes, from the pool if one fits."""
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive; got {nbytes}")
+    return _new_block(nbytes)
 
 
 def pool_info():

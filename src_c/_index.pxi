@@ -1,0 +1,288 @@
+# Positions into a buffer the call owns.
+#
+# Every entry reads its positions once, here, with the GIL held: each value
+# is converted to int64, wrapped into [0, L) and range-checked in the same
+# pass, into a private buffer. The kernels read only that buffer, so neither
+# another thread writing the caller's array nor an output that shares memory
+# with it can change a row number after it was checked.
+#
+# Read here: a Python int, a NumPy integer scalar, an ndarray of any
+# native-order integer dtype (any shape, strides and alignment, 0-d too), and
+# (nested) lists of Python ints and NumPy integer scalars. Anything else,
+# and any value out of range, is declined (_read_index returns False with
+# nothing written); the Python layer then normalises or words the error.
+
+from libc.stdint cimport int8_t, int16_t, int32_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+cdef extern from "Python.h":
+    ctypedef struct PyObject
+    ctypedef struct PyTypeObject
+    bint PyLong_CheckExact(object o)
+    bint PyList_CheckExact(object o)
+    PyTypeObject* Py_TYPE(object o)
+    long long PyLong_AsLongLongAndOverflow(object o, int* overflow) except? -1
+
+cdef extern from *:
+    """
+    /* Exact NumPy integer scalar types (not bool, not timedelta64, no subclass). */
+    static int cpe_is_np_int_scalar(PyObject *o) {
+        PyTypeObject *t = Py_TYPE(o);
+        return t == &PyByteArrType_Type || t == &PyShortArrType_Type
+            || t == &PyIntArrType_Type || t == &PyLongArrType_Type
+            || t == &PyLongLongArrType_Type || t == &PyUByteArrType_Type
+            || t == &PyUShortArrType_Type || t == &PyUIntArrType_Type
+            || t == &PyULongArrType_Type || t == &PyULongLongArrType_Type;
+    }
+    """
+    bint cpe_is_np_int_scalar(object o)
+
+# Dimensions of a positions array: NumPy 1.x allows 32 (2.x: 64), and the
+# result has one more.
+cdef enum:
+    _MAX_DIMS = 31
+# Positions held inside the Index itself (no allocation for small calls).
+cdef enum:
+    _INLINE = 32
+
+
+cdef struct Index:
+    int64_t* rows                 # n row numbers in [0, L): `inline` or malloc'ed
+    Py_ssize_t n
+    int nd
+    cnp.npy_intp shape[_MAX_DIMS + 1]  # room for the result's last axis
+    int64_t inline[_INLINE]
+
+
+cdef inline void _index_free(Index* ix) noexcept:
+    if ix.rows != ix.inline:
+        free(ix.rows)
+    ix.rows = NULL
+
+
+cdef inline bint _index_alloc(Index* ix, Py_ssize_t n) noexcept:
+    ix.n = n
+    if n <= _INLINE:
+        ix.rows = ix.inline
+    elif n > (<Py_ssize_t>1 << 60) // <Py_ssize_t>sizeof(int64_t):
+        ix.rows = NULL  # absurd: no machine holds it (and n * 8 could overflow)
+    else:
+        ix.rows = <int64_t*>malloc(n * sizeof(int64_t))
+    return ix.rows != NULL
+
+
+cdef inline bint _is_integer(object o) noexcept:
+    # A Python int (not bool) or an exact NumPy integer scalar.
+    return PyLong_CheckExact(o) or cpe_is_np_int_scalar(o)
+
+
+cdef inline bint _int_value(object o, Py_ssize_t L, int64_t* row) noexcept:
+    # `o` (a _is_integer value) wrapped into [0, L); False if out of range.
+    cdef int overflow = 0
+    cdef long long v
+    try:
+        v = PyLong_AsLongLongAndOverflow(o, &overflow)
+    except Exception:
+        return False
+    if overflow:
+        return False
+    if v < 0:
+        v += L
+    if v < 0 or v >= L:
+        return False
+    row[0] = v
+    return True
+
+
+ctypedef fused int_t:
+    int8_t
+    int16_t
+    int32_t
+    int64_t
+    uint8_t
+    uint16_t
+    uint32_t
+    uint64_t
+
+
+cdef bint _read_run(const char* p, Py_ssize_t stride, Py_ssize_t n, int64_t L,
+                    int64_t* dst, int_t* kind) noexcept nogil:
+    # dst[i] = the int_t at p + i*stride, wrapped into [0, L); False if any
+    # is out of range. memcpy: the array need not be aligned. Branch-free.
+    cdef Py_ssize_t i
+    cdef int_t v
+    cdef int64_t w
+    cdef uint64_t bad = 0
+    for i in range(n):
+        memcpy(&v, p + i * stride, sizeof(int_t))
+        if int_t is uint64_t:
+            bad |= v >= <uint64_t>L  # beyond int64 too
+        w = <int64_t>v
+        w += L & (w >> 63)
+        bad |= <uint64_t>w >= <uint64_t>L
+        dst[i] = w
+    return bad == 0
+
+
+cdef bint _read_typed(const char* p, Py_ssize_t stride, Py_ssize_t n, int64_t L,
+                      int64_t* dst, int typenum, int itemsize) noexcept nogil:
+    cdef bint signed = (typenum == cnp.NPY_BYTE or typenum == cnp.NPY_SHORT
+                        or typenum == cnp.NPY_INT or typenum == cnp.NPY_LONG
+                        or typenum == cnp.NPY_LONGLONG)
+    if signed:
+        if itemsize == 1:
+            return _read_run(p, stride, n, L, dst, <int8_t*>NULL)
+        if itemsize == 2:
+            return _read_run(p, stride, n, L, dst, <int16_t*>NULL)
+        if itemsize == 4:
+            return _read_run(p, stride, n, L, dst, <int32_t*>NULL)
+        return _read_run(p, stride, n, L, dst, <int64_t*>NULL)
+    if itemsize == 1:
+        return _read_run(p, stride, n, L, dst, <uint8_t*>NULL)
+    if itemsize == 2:
+        return _read_run(p, stride, n, L, dst, <uint16_t*>NULL)
+    if itemsize == 4:
+        return _read_run(p, stride, n, L, dst, <uint32_t*>NULL)
+    return _read_run(p, stride, n, L, dst, <uint64_t*>NULL)
+
+
+cdef bint _read_array(cnp.ndarray a, Py_ssize_t L, Index* ix) noexcept:
+    cdef int typenum = cnp.PyArray_TYPE(a)
+    cdef int nd = cnp.PyArray_NDIM(a)
+    cdef int itemsize = <int>cnp.PyArray_ITEMSIZE(a)
+    cdef Py_ssize_t n = cnp.PyArray_SIZE(a)
+    cdef cnp.npy_intp* shape = cnp.PyArray_DIMS(a)
+    cdef cnp.npy_intp* strides = cnp.PyArray_STRIDES(a)
+    cdef Py_ssize_t counter[_MAX_DIMS]
+    cdef const char* p = cnp.PyArray_BYTES(a)
+    cdef Py_ssize_t i, inner, step
+    cdef int k
+    if (
+        not (cnp.NPY_BYTE <= typenum <= cnp.NPY_ULONGLONG)
+        or not cnp.PyArray_ISNOTSWAPPED(a)
+        or nd > _MAX_DIMS
+    ):
+        return False
+    ix.nd = nd
+    for k in range(nd):
+        ix.shape[k] = shape[k]
+    if not _index_alloc(ix, n):
+        return False
+    if n == 0:
+        return True
+    if nd == 0 or cnp.PyArray_IS_C_CONTIGUOUS(a):
+        if _read_typed(p, itemsize, n, L, ix.rows, typenum, itemsize):
+            return True
+        _index_free(ix)
+        return False
+    # Any strides: runs along the last axis, an odometer over the others.
+    inner = shape[nd - 1]
+    step = strides[nd - 1]
+    for k in range(nd):
+        counter[k] = 0
+    i = 0
+    while i < n:
+        if not _read_typed(p, step, inner, L, ix.rows + i, typenum, itemsize):
+            _index_free(ix)
+            return False
+        i += inner
+        k = nd - 2
+        while k >= 0:
+            counter[k] += 1
+            p += strides[k]
+            if counter[k] < shape[k]:
+                break
+            p -= counter[k] * strides[k]
+            counter[k] = 0
+            k -= 1
+    return True
+
+
+cdef bint _list_shape(object lst, Index* ix) noexcept:
+    # The shape of a (nested) list, from the first item at each depth;
+    # _fill_from_list checks that every other item agrees.
+    cdef object obj = lst
+    cdef Py_ssize_t n = 1, size
+    ix.nd = 0
+    while PyList_CheckExact(obj):
+        if ix.nd == _MAX_DIMS:
+            return False
+        size = len(<list>obj)
+        ix.shape[ix.nd] = size
+        ix.nd += 1
+        if size == 0:
+            n = 0
+            break
+        if n > (<Py_ssize_t>1 << 40) // size:
+            return False  # absurd: NumPy could not build it either
+        n *= size
+        obj = (<list>obj)[0]
+    ix.n = n
+    return True
+
+
+cdef bint _fill_from_list(list lst, int depth, Index* ix, Py_ssize_t L,
+                          Py_ssize_t* pos) noexcept:
+    # Rows of a (nested) list of integers of shape ix.shape; False if it is
+    # not one (ragged, other items) or a value is out of range. Each item is
+    # held (a strong reference) while it is used, and the list's length is
+    # checked at every step, so the walk stays valid whatever runs meanwhile.
+    cdef Py_ssize_t i
+    cdef object item
+    if len(lst) != ix.shape[depth]:
+        return False
+    for i in range(ix.shape[depth]):
+        if len(lst) != ix.shape[depth]:
+            return False
+        item = lst[i]
+        if depth + 1 < ix.nd:
+            if not PyList_CheckExact(item):
+                return False
+            if not _fill_from_list(<list>item, depth + 1, ix, L, pos):
+                return False
+        else:
+            if pos[0] >= ix.n or not _is_integer(item):
+                return False
+            if not _int_value(item, L, ix.rows + pos[0]):
+                return False
+            pos[0] += 1
+    return True
+
+
+cdef bint _read_list(list lst, Py_ssize_t L, Index* ix) noexcept:
+    cdef Py_ssize_t pos = 0
+    if not _list_shape(lst, ix) or not _index_alloc(ix, ix.n):
+        return False
+    if not (_fill_from_list(lst, 0, ix, L, &pos) and pos == ix.n):
+        _index_free(ix)
+        return False
+    return True
+
+
+cdef bint _read_index(object positions, Py_ssize_t L, Index* ix) noexcept:
+    """Positions into `ix` (rows wrapped into [0, L)); False: declined, nothing held."""
+    ix.rows = NULL
+    if _is_integer(positions):
+        ix.nd = 0
+        _index_alloc(ix, 1)
+        if _int_value(positions, L, ix.rows):
+            return True
+        return False
+    if cnp.PyArray_CheckExact(positions):
+        return _read_array(<cnp.ndarray>positions, L, ix)
+    if PyList_CheckExact(positions):
+        return _read_list(<list>positions, L, ix)
+    return False
+
+
+cdef bint _arange_index(Py_ssize_t start, Py_ssize_t T, Index* ix) noexcept:
+    # offset + arange(T) (checked by the caller to lie in [0, L)).
+    cdef Py_ssize_t i
+    ix.rows = NULL
+    ix.nd = 1
+    ix.shape[0] = T
+    if not _index_alloc(ix, T):
+        return False
+    for i in range(T):
+        ix.rows[i] = start + i
+    return True

@@ -1,0 +1,515 @@
+# Kernels: gather rows, add rows, scatter-add rows, the SGD row update.
+#
+# They trust their inputs: the entries in _core.pyx have checked dtypes,
+# shapes, layout and overlap, and hand over row numbers already wrapped into
+# [0, L) in a buffer the call owns (_index.pxi), so nothing a kernel reads
+# can change under it or point outside the table.
+#
+# "Period" convention shared by _add and _scatter_add: `rows` has m entries
+# and the row arrays have N = nb * m rows; row i uses rows[i % m]. It lets
+# `positions=None` (offset + arange(T), the same for every sequence of a
+# batch) and positions that repeat along leading axes run without
+# materialising N indices.
+#
+# Work is split by hand into one contiguous block of rows per thread (what
+# schedule="static" would do) so that each thread can end its block with a
+# store fence after streaming stores (see _stream.h), and so that freshly
+# allocated outputs are first touched by the thread that writes them.
+
+from cython.parallel cimport prange
+from libc.stdint cimport int64_t, uint8_t
+from libc.stdlib cimport free, malloc
+
+from _openmp cimport CPOSEMBED_OPENMP_ENABLED, omp_get_max_threads
+
+
+cdef extern from "_stream.h" nogil:
+    int cpe_have_stream()
+    void cpe_sfence()
+    void cpe_prefetch(const void* p)
+    void cpe_prefetch_nta(const void* p)
+    void cpe_copy_f32(float* dst, const float* src, Py_ssize_t n, int stream)
+    void cpe_copy_f64(double* dst, const double* src, Py_ssize_t n, int stream)
+    void cpe_add_f32(float* out, const float* a, const float* b, Py_ssize_t n, int stream)
+    void cpe_add_f64(double* out, const double* a, const double* b, Py_ssize_t n,
+                     int stream)
+    void cpe_acc_f32(float* acc, const float* src, const float* nxt, const float* far,
+                     float* nacc, Py_ssize_t n)
+    void cpe_acc_f64(double* acc, const double* src, const double* nxt, const double* far,
+                     double* nacc, Py_ssize_t n)
+
+
+ctypedef fused real_t:
+    float
+    double
+
+
+# How the scatter-add assigns contributions to threads. Each table row is
+# always summed by one thread in input order, so every plan gives the same
+# bits as np.add.at.
+cpdef enum ScatterPlan:
+    # Chosen per call (see _choose_plan).
+    PLAN_AUTO = 0
+    # Rows distinct within the period: blocks of table rows take the whole
+    # batch, reading the gradient in long contiguous runs.
+    PLAN_DISTINCT = 1
+    # Each thread owns the table rows holding about 1/n of the contributions
+    # and reads only their gradient rows, front to back, updating its rows in
+    # cache (in column blocks when they would not fit).
+    PLAN_SCAN = 2
+    # A counting sort by row, then each row sums all its contributions at
+    # once, read at random: for owned rows too large to stay in cache.
+    PLAN_SORT = 3
+
+
+# The distinct-rows plan sums a block of table rows over the whole batch
+# before moving on; this is the block's size in bytes per thread: well inside
+# a 512 KiB-1 MiB L2 next to the gradient streaming by.
+cdef enum:
+    _BLOCK_BYTES = 262144
+# The scan plan keeps each thread's share of the table in cache while the
+# gradient streams by: this many bytes of it per thread (most of a shared L3
+# of a few MiB per core). A variable only so that tests can force the column
+# blocks and the sort (_core.set_tuning).
+cdef Py_ssize_t _scan_block_bytes = 8388608
+# How many rows ahead the streamed-once rows are prefetched.
+cdef enum:
+    _AHEAD = 4
+
+
+cdef struct ScatterScratch:
+    # The scratch of one scatter-add call (_scatter_add allocates and frees).
+    int64_t* row_start   # (L + 1,) counts, then first slot per row, then owners
+    int64_t* order       # (m,) contribution numbers grouped by row or by owner
+    int64_t* bounds      # (n_threads + 1,) first table row of each thread
+    int64_t* q_start     # (n_threads + 1,) first slot in `order` of each thread
+
+
+cdef bint _repeats(const int64_t* p, Py_ssize_t n, Py_ssize_t period) noexcept nogil:
+    # p[i] == p[i - period] for all i >= period (n a multiple of period):
+    # explicit (B, T) positions that are one period of T (arange expanded,
+    # typically). Stops at the first difference, which random positions
+    # show at once.
+    cdef Py_ssize_t i
+    for i in range(period, n):
+        if p[i] != p[i - period]:
+            return False
+    return True
+
+
+cdef inline void _copy_row(real_t* dst, const real_t* src, Py_ssize_t d,
+                           int stream) noexcept nogil:
+    if real_t is float:
+        cpe_copy_f32(dst, src, d, stream)
+    else:
+        cpe_copy_f64(dst, src, d, stream)
+
+
+cdef inline void _add_row(const real_t* a, const real_t* b, real_t* out,
+                          Py_ssize_t d, int stream) noexcept nogil:
+    # `out` may be `a` (in place); element k only reads a[k], b[k].
+    if real_t is float:
+        cpe_add_f32(out, a, b, d, stream)
+    else:
+        cpe_add_f64(out, a, b, d, stream)
+
+
+cdef inline void _acc_row(real_t* acc, const real_t* src, const real_t* nxt,
+                          const real_t* far, real_t* nacc, Py_ssize_t d) noexcept nogil:
+    # acc += src; asks for the lines of `nxt` (next source row, L1), `far`
+    # (a source row further ahead, L2) and `nacc` (the next row to add
+    # into) as it goes; any may be NULL (see _stream.h).
+    if real_t is float:
+        cpe_acc_f32(acc, src, nxt, far, nacc, d)
+    else:
+        cpe_acc_f64(acc, src, nxt, far, nacc, d)
+
+
+cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
+    # The next row of a random gather: ask for all its cache lines now, so
+    # they arrive while the current row is copied.
+    cdef Py_ssize_t k = 0
+    cdef Py_ssize_t step = 64 // sizeof(real_t)
+    while k < d:
+        cpe_prefetch(src + k)
+        k += step
+
+
+cdef inline void _prefetch_once(const real_t* src, Py_ssize_t d) noexcept nogil:
+    # A row read once, a few rows ahead: fetched without evicting the rows
+    # that are reused (non-temporal hint).
+    cdef Py_ssize_t k = 0
+    cdef Py_ssize_t step = 64 // sizeof(real_t)
+    while k < d:
+        cpe_prefetch_nta(src + k)
+        k += step
+
+
+cdef inline Py_ssize_t _block_lo(Py_ssize_t n, int t, int n_threads) noexcept nogil:
+    return <Py_ssize_t>((<int64_t>n * t) // n_threads)
+
+
+# ---- lookup ------------------------------------------------------------------
+
+
+cdef void _lookup_block(const real_t* table, const int64_t* rows, real_t* out,
+                        Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t d,
+                        int stream) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(lo, hi):
+        if i + 1 < hi:
+            _prefetch_row(table + rows[i + 1] * d, d)
+        _copy_row(out + i * d, table + rows[i] * d, d, stream)
+    if stream:
+        cpe_sfence()
+
+
+cdef void _lookup(const real_t* table, const int64_t* rows, real_t* out, Py_ssize_t n,
+                  Py_ssize_t d, int n_threads, int stream) noexcept nogil:
+    # out[i, :] = table[rows[i], :] for i < n, on n_threads.
+    cdef int t
+    if n_threads <= 1:
+        _lookup_block(table, rows, out, 0, n, d, stream)
+    else:
+        for t in prange(n_threads, schedule="static", num_threads=n_threads):
+            _lookup_block(table, rows, out, _block_lo(n, t, n_threads),
+                          _block_lo(n, t + 1, n_threads), d, stream)
+
+
+# ---- add ---------------------------------------------------------------------
+
+
+cdef void _add_block(const real_t* tokens, const real_t* table, const int64_t* rows,
+                     real_t* out, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t m,
+                     Py_ssize_t d, int stream, int in_place) noexcept nogil:
+    # In place the lines are read anyway, so ordinary stores cost nothing
+    # extra; there the token rows are prefetched with a non-temporal hint.
+    cdef Py_ssize_t i, j = lo % m
+    for i in range(lo, hi):
+        if in_place and i + _AHEAD < hi:
+            _prefetch_once(tokens + (i + _AHEAD) * d, d)
+        _add_row(tokens + i * d, table + rows[j] * d, out + i * d, d, stream)
+        j += 1
+        if j == m:
+            j = 0
+    if stream:
+        cpe_sfence()
+
+
+cdef void _add(const real_t* tokens, const real_t* table, const int64_t* rows, real_t* out,
+               Py_ssize_t N, Py_ssize_t m, Py_ssize_t d, int n_threads, int stream,
+               int in_place) noexcept nogil:
+    # out[i, :] = tokens[i, :] + table[rows[i % m], :] for i < N, on n_threads.
+    cdef int t
+    if n_threads <= 1:
+        _add_block(tokens, table, rows, out, 0, N, m, d, stream, in_place)
+    else:
+        for t in prange(n_threads, schedule="static", num_threads=n_threads):
+            _add_block(tokens, table, rows, out, _block_lo(N, t, n_threads),
+                       _block_lo(N, t + 1, n_threads), m, d, stream, in_place)
+
+
+# ---- scatter-add -------------------------------------------------------------
+
+
+cdef bint _count_rows(const int64_t* rows, Py_ssize_t m, Py_ssize_t L,
+                      int64_t* row_start) noexcept nogil:
+    # row_start[r + 1] = number of j with rows[j] == r; returns whether
+    # every row is hit at most once (rows distinct within the period).
+    cdef Py_ssize_t j, r
+    cdef bint distinct = True
+    cdef int64_t c
+    for r in range(L + 1):
+        row_start[r] = 0
+    for j in range(m):
+        r = rows[j] + 1
+        c = row_start[r] + 1
+        row_start[r] = c
+        if c > 1:
+            distinct = False
+    return distinct
+
+
+cdef void _prefix_rows(Py_ssize_t L, int64_t* row_start) noexcept nogil:
+    # Counts in row_start[1:] -> row_start[r] = first slot of row r.
+    cdef Py_ssize_t r
+    for r in range(L):
+        row_start[r + 1] += row_start[r]
+
+
+cdef void _sort_by_row(const int64_t* rows, Py_ssize_t m, Py_ssize_t L,
+                       int64_t* row_start, int64_t* order) noexcept nogil:
+    # Stable counting sort of j = 0..m-1 by row (row_start already prefixed):
+    # afterwards the j with rows[j] == r are
+    # order[row_start[r]:row_start[r + 1]], ascending.
+    cdef Py_ssize_t j, r, p
+    for j in range(m):
+        p = rows[j]
+        order[row_start[p]] = j
+        row_start[p] += 1
+    # row_start[r] now holds the end of row r; shift back to starts.
+    for r in range(L, 0, -1):
+        row_start[r] = row_start[r - 1]
+    row_start[0] = 0
+
+
+cdef Py_ssize_t _first_row_at(const int64_t* row_start, Py_ssize_t L,
+                              int64_t target) noexcept nogil:
+    # First row r in [0, L] with row_start[r] >= target (row_start ascends).
+    cdef Py_ssize_t lo = 0, hi = L, mid
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if row_start[mid] < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+cdef void _sum_rows(real_t* grad, const real_t* g,
+                    const int64_t* row_start, const int64_t* order,
+                    Py_ssize_t r_lo, Py_ssize_t r_hi, Py_ssize_t nb,
+                    Py_ssize_t m, Py_ssize_t d) noexcept nogil:
+    # Rows r_lo..r_hi-1 of grad, each summing its contributions in input
+    # order (i = k*m + j ascending): the order np.add.at uses. The source
+    # rows come in random order, so the next one is prefetched.
+    cdef Py_ssize_t r, k, t
+    cdef int64_t s, e, last = row_start[r_hi]
+    cdef real_t* acc
+    cdef const real_t* nxt
+    for r in range(r_lo, r_hi):
+        s = row_start[r]
+        e = row_start[r + 1]
+        if s == e:
+            continue
+        acc = grad + r * d
+        for k in range(nb):
+            for t in range(s, e):
+                if t + 1 < e:
+                    nxt = g + (k * m + order[t + 1]) * d
+                elif k + 1 < nb:
+                    nxt = g + ((k + 1) * m + order[s]) * d
+                elif e < last:
+                    nxt = g + order[e] * d
+                else:
+                    nxt = NULL
+                _acc_row(acc, g + (k * m + order[t]) * d, nxt, NULL, NULL, d)
+
+
+cdef void _sum_distinct(real_t* grad, const real_t* g, const int64_t* rows,
+                        Py_ssize_t j_lo, Py_ssize_t j_hi, Py_ssize_t nb,
+                        Py_ssize_t m, Py_ssize_t d) noexcept nogil:
+    # Positions j_lo..j_hi-1 hit distinct rows, so row rows[j] receives
+    # exactly g[k*m + j] for k = 0..nb-1, summed in that order (np.add.at's).
+    # Blocked: a block of table rows small enough to stay in cache takes the
+    # whole batch, reading each block of g (contiguous rows) once; the next
+    # row of g is prefetched line by line (a jump at each block's end).
+    cdef Py_ssize_t rows_per_block = _BLOCK_BYTES // (d * sizeof(real_t))
+    cdef Py_ssize_t b0, b1, j, k
+    cdef const real_t* nxt
+    if rows_per_block < 1:
+        rows_per_block = 1
+    b0 = j_lo
+    while b0 < j_hi:
+        b1 = b0 + rows_per_block
+        if b1 > j_hi:
+            b1 = j_hi
+        for k in range(nb):
+            for j in range(b0, b1):
+                if j + 1 < b1:
+                    nxt = g + (k * m + j + 1) * d
+                elif k + 1 < nb:
+                    nxt = g + ((k + 1) * m + b0) * d
+                else:
+                    nxt = NULL
+                _acc_row(grad + rows[j] * d, g + (k * m + j) * d, nxt, NULL, NULL, d)
+        b0 = b1
+
+
+cdef void _scan_rows(real_t* grad, const real_t* g, const int64_t* rows,
+                     const int64_t* order, Py_ssize_t q_lo, Py_ssize_t q_hi,
+                     Py_ssize_t n_rows, Py_ssize_t nb, Py_ssize_t m,
+                     Py_ssize_t d) noexcept nogil:
+    # Takes the contributions j = order[q] (j = q if order is NULL) for q in
+    # q_lo..q_hi-1, ascending, for every batch k: input order i = k*m + j,
+    # so np.add.at's, while reading g front to back. The caller hands each
+    # thread only the j that fall in its own n_rows table rows, so no two
+    # threads write the same row. Those rows are updated at random, so they
+    # must stay in cache: columns are done in blocks small enough for that
+    # (one block, the whole row, for GPT-2-size tables).
+    cdef Py_ssize_t k, q, j, j1, c0, c1, bd
+    cdef const real_t* nxt
+    cdef const real_t* far
+    cdef real_t* nacc
+    if q_hi <= q_lo:
+        return
+    bd = _scan_block_bytes // (n_rows * sizeof(real_t)) if n_rows > 0 else d
+    bd = (bd // 16) * 16
+    if bd < 16:
+        bd = 16
+    c0 = 0
+    while c0 < d:
+        c1 = c0 + bd
+        if c1 > d:
+            c1 = d
+        for k in range(nb):
+            for q in range(q_lo, q_hi):
+                j = order[q] if order != NULL else q
+                # The rows read next are at random distances: the next one
+                # line by line into L1, the one _AHEAD further into L2; the
+                # row added into next is at random in the cache.
+                nxt = NULL
+                far = NULL
+                nacc = NULL
+                if q + 1 < q_hi:
+                    j1 = order[q + 1] if order != NULL else q + 1
+                    nxt = g + (k * m + j1) * d + c0
+                    nacc = grad + rows[j1] * d + c0
+                if q + _AHEAD < q_hi:
+                    j1 = order[q + _AHEAD] if order != NULL else q + _AHEAD
+                    far = g + (k * m + j1) * d + c0
+                _acc_row(grad + rows[j] * d + c0, g + (k * m + j) * d + c0,
+                         nxt, far, nacc, c1 - c0)
+        c0 = c1
+
+
+cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, Py_ssize_t m,
+                        int n_threads, int64_t* bounds) noexcept nogil:
+    # Thread t owns rows bounds[t]..bounds[t+1]-1, holding about the t-th
+    # 1/n of the contributions (row_start: prefixed counts).
+    cdef int t
+    for t in range(n_threads):
+        bounds[t] = _first_row_at(row_start, L, (t * <int64_t>m) // n_threads)
+    bounds[n_threads] = L
+
+
+cdef void _mark_owners(int64_t* row_start, int n_threads, const int64_t* bounds,
+                       int64_t* q_start) noexcept nogil:
+    # q_start[t]: where thread t's contributions begin in `order` (q_start[n]
+    # = m); then row_start[:L] is overwritten with each row's owner, so that
+    # finding the owner of a position is one load.
+    cdef int t
+    cdef Py_ssize_t r
+    for t in range(n_threads + 1):
+        q_start[t] = row_start[bounds[t]]
+    for t in range(n_threads):
+        for r in range(bounds[t], bounds[t + 1]):
+            row_start[r] = t
+
+
+cdef Py_ssize_t _collect_own(const int64_t* rows, Py_ssize_t m, const int64_t* owner,
+                             int64_t t, Py_ssize_t n_own, int64_t* out) noexcept nogil:
+    # out[:n_own] = the j (ascending) whose row thread t owns. Branch-free
+    # but for the end test: a branch on the owner would be a coin flip for
+    # random positions. Every thread runs this at once over all positions,
+    # each writing only its own out[:n_own].
+    cdef Py_ssize_t j, n = 0
+    for j in range(m):
+        if n == n_own:
+            break
+        out[n] = j
+        n += owner[rows[j]] == t
+    return n
+
+
+cdef ScatterPlan _choose_plan(ScatterPlan plan, const int64_t* bounds, Py_ssize_t L,
+                              Py_ssize_t d, Py_ssize_t esz, int n_threads) noexcept nogil:
+    # The plan for rows that are not distinct (or a forced scan or sort):
+    # the scan while each thread's rows stay in cache (one thread: column
+    # blocks of at least 16 columns; several: whole rows), else the sort.
+    # A forced distinct plan for repeated rows falls back to this choice.
+    cdef Py_ssize_t owned = 0
+    cdef int t
+    if plan == PLAN_SCAN or plan == PLAN_SORT:
+        return plan
+    if n_threads <= 1:
+        return PLAN_SCAN if L * 16 * esz <= _scan_block_bytes else PLAN_SORT
+    for t in range(n_threads):
+        if bounds[t + 1] - bounds[t] > owned:
+            owned = bounds[t + 1] - bounds[t]
+    return PLAN_SCAN if owned * d * esz <= _scan_block_bytes else PLAN_SORT
+
+
+cdef bint _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
+                       Py_ssize_t L, Py_ssize_t d, Py_ssize_t m, Py_ssize_t nb,
+                       int n_threads, ScatterPlan plan) noexcept nogil:
+    # grad[rows[i % m], :] += g[i, :] for i < nb * m, each row summed in
+    # input order by one thread. False (nothing written) if the scratch
+    # cannot be allocated.
+    cdef ScatterScratch s
+    cdef int t
+    cdef Py_ssize_t q_lo, q_hi, r_lo, r_hi
+    s.row_start = <int64_t*>malloc((L + 1) * sizeof(int64_t))
+    s.order = <int64_t*>malloc((m if m > 0 else 1) * sizeof(int64_t))
+    s.bounds = <int64_t*>malloc(2 * (n_threads + 1) * sizeof(int64_t))
+    if s.row_start == NULL or s.order == NULL or s.bounds == NULL:
+        free(s.row_start)
+        free(s.order)
+        free(s.bounds)
+        return False
+    s.q_start = s.bounds + (n_threads + 1)
+    if _count_rows(rows, m, L, s.row_start) and (plan == PLAN_AUTO or plan == PLAN_DISTINCT):
+        plan = PLAN_DISTINCT
+    else:
+        _prefix_rows(L, s.row_start)
+        _owner_bounds(s.row_start, L, m, n_threads, s.bounds)
+        plan = _choose_plan(plan, s.bounds, L, d, sizeof(real_t), n_threads)
+    if plan == PLAN_DISTINCT:
+        if n_threads <= 1:
+            _sum_distinct(grad, g, rows, 0, m, nb, m, d)
+        else:
+            for t in prange(n_threads, schedule="static", num_threads=n_threads):
+                _sum_distinct(grad, g, rows, _block_lo(m, t, n_threads),
+                              _block_lo(m, t + 1, n_threads), nb, m, d)
+    elif plan == PLAN_SCAN:
+        if n_threads <= 1:
+            _scan_rows(grad, g, rows, NULL, 0, m, L, nb, m, d)
+        else:
+            # Thread t lists its own contributions, then scans them in order.
+            _mark_owners(s.row_start, n_threads, s.bounds, s.q_start)
+            for t in prange(n_threads, schedule="static", num_threads=n_threads):
+                q_lo = s.q_start[t]
+                q_hi = s.q_start[t + 1]
+                _collect_own(rows, m, s.row_start, t, q_hi - q_lo, s.order + q_lo)
+                _scan_rows(grad, g, rows, s.order, q_lo, q_hi,
+                           s.bounds[t + 1] - s.bounds[t], nb, m, d)
+    else:
+        _sort_by_row(rows, m, L, s.row_start, s.order)
+        if n_threads <= 1:
+            _sum_rows(grad, g, s.row_start, s.order, 0, L, nb, m, d)
+        else:
+            # Thread t owns the rows holding about the t-th 1/n of the
+            # contributions (s.bounds, from the same prefixed counts).
+            for t in prange(n_threads, schedule="static", num_threads=n_threads):
+                r_lo = s.bounds[t]
+                r_hi = s.bounds[t + 1]
+                _sum_rows(grad, g, s.row_start, s.order, r_lo, r_hi, nb, m, d)
+    free(s.row_start)
+    free(s.order)
+    free(s.bounds)
+    return True
+
+
+# ---- SGD ---------------------------------------------------------------------
+
+
+cdef inline void _sgd_row(real_t* row, const real_t* gr, Py_ssize_t d,
+                          real_t step) noexcept nogil:
+    # row -= step * gr: one multiply and one subtract per element, as
+    # NumPy's `table -= lr * grad` (setup.py builds with -ffp-contract=off,
+    # so the compiler cannot fuse them into an FMA).
+    cdef Py_ssize_t k
+    for k in range(d):
+        row[k] = row[k] - step * gr[k]
+
+
+cdef void _sgd_rows(real_t* table, const real_t* grad, const int64_t* rows, Py_ssize_t n,
+                    Py_ssize_t d, real_t step, int n_threads) noexcept nogil:
+    # The update of the n distinct rows `rows`; each thread owns its rows.
+    cdef Py_ssize_t i
+    if n_threads <= 1:
+        for i in range(n):
+            _sgd_row(table + rows[i] * d, grad + rows[i] * d, d, step)
+    else:
+        for i in prange(n, schedule="static", num_threads=n_threads):
+            _sgd_row(table + rows[i] * d, grad + rows[i] * d, d, step)
