@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import operator
 import os
 from typing import IO, Any, Union
 
@@ -60,6 +59,19 @@ def _learning_rate(lr: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"lr must be finite; got {value}")
     return value
+
+
+def _values_of(table: Any) -> np.ndarray:
+    """The values of an array-like as an ndarray (a copy may be made).
+
+    A tensor that requires grad (torch) refuses ``__array__``; its detached
+    values are taken instead, from the CPU, without importing its framework.
+    """
+    if not isinstance(table, np.ndarray) and callable(getattr(table, "detach", None)):
+        table = table.detach()
+        if callable(getattr(table, "cpu", None)):
+            table = table.cpu()
+    return np.asarray(table)
 
 
 def draw_table(max_seq_len: int, embed_dim: int, seed: Any = None) -> np.ndarray:
@@ -139,12 +151,27 @@ class LearnedPositionEmbedding:
     ) -> LearnedPositionEmbedding:
         """Build one around a copy of an existing ``(L, d)`` table (e.g. GPT-2's ``wpe``).
 
-        As in ``torch.nn.Embedding.from_pretrained``, a ``padding_idx`` row keeps
-        the value it has in ``table`` (it is not zeroed) and never receives
-        gradient.
+        Parameters
+        ----------
+        table : array_like of shape (L, d)
+            Any array-like of real numbers: a NumPy array (any dtype, layout or
+            byte order), nested lists, or a framework tensor such as a torch
+            weight that requires grad (its values are copied; no need to call
+            ``.detach()`` first).
+        dtype : {numpy.float32, numpy.float64}, default float32
+            Dtype of the new table.
+        padding_idx : int, optional
+            As in ``torch.nn.Embedding.from_pretrained``: that row keeps the
+            value it has in ``table`` (it is not zeroed) and never receives
+            gradient.
+
+        Returns
+        -------
+        LearnedPositionEmbedding
         """
         dt = _table_dtype(dtype)
-        arr = np.asarray(table)
+        v.refuse_masked(table, "table")
+        arr = _values_of(table)
         if arr.dtype.kind not in "biuf":
             raise TypeError(f"table must hold real numbers; got dtype {arr.dtype}")
         if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:

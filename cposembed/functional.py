@@ -323,9 +323,10 @@ def scatter_add_marking(
     that received a contribution are set True; ``skip_row``: a row that gets
     no gradient (zeroed after the sum; ``padding_idx``), or -1.
     """
-    if _core.scatter_add(
+    done = _core.scatter_add(
         grad_table, grad_output, positions, offset, num_threads, touched, skip_row
-    ) is None:
+    )
+    if done is None:
         _scatter_normalised(
             grad_table, grad_output, positions, offset, num_threads, touched, skip_row
         )

@@ -212,7 +212,7 @@ def lookup(table, positions, out, num_threads):
 
 cdef void _run_lookup(cnp.ndarray t, Index* ix, cnp.ndarray o, int typenum,
                       int n_threads) noexcept:
-    cdef Py_ssize_t d = cnp.PyArray_DIMS(t)[1], n = ix.n
+    cdef Py_ssize_t L = cnp.PyArray_DIMS(t)[0], d = cnp.PyArray_DIMS(t)[1], n = ix.n
     cdef int stream = cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
     cdef const void* tp = cnp.PyArray_DATA(t)
     cdef void* op = cnp.PyArray_DATA(o)
@@ -221,9 +221,9 @@ cdef void _run_lookup(cnp.ndarray t, Index* ix, cnp.ndarray o, int typenum,
         return
     cdef PyThreadState* gil = _release_gil(n * d)
     if typenum == cnp.NPY_FLOAT:
-        _lookup(<const float*>tp, rows, <float*>op, n, d, n_threads, stream)
+        _lookup(<const float*>tp, rows, <float*>op, n, L, d, n_threads, stream)
     else:
-        _lookup(<const double*>tp, rows, <double*>op, n, d, n_threads, stream)
+        _lookup(<const double*>tp, rows, <double*>op, n, L, d, n_threads, stream)
     _take_gil(gil)
 
 
@@ -452,3 +452,9 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
     _take_gil(gil)
     free(rows)
     return True
+
+
+# The scatter-add plans by name at module level too (tests force them).
+for _plan in ScatterPlan:
+    globals()[_plan.name] = _plan
+del _plan

@@ -72,6 +72,9 @@ cdef enum:
 # of a few MiB per core). A variable only so that tests can force the column
 # blocks and the sort (_core.set_tuning).
 cdef Py_ssize_t _scan_block_bytes = 8388608
+# Lookups prefetch the next row from tables larger than this (beyond L2).
+cdef enum:
+    _PREFETCH_TABLE_BYTES = 524288
 # How many rows ahead the streamed-once rows are prefetched.
 cdef enum:
     _AHEAD = 4
@@ -153,11 +156,11 @@ cdef inline Py_ssize_t _block_lo(Py_ssize_t n, int t, int n_threads) noexcept no
 
 
 cdef void _lookup_block(const real_t* table, const int64_t* rows, real_t* out,
-                        Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t d,
-                        int stream) noexcept nogil:
+                        Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t d, int stream,
+                        int prefetch) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(lo, hi):
-        if i + 1 < hi:
+        if prefetch and i + 1 < hi:
             _prefetch_row(table + rows[i + 1] * d, d)
         _copy_row(out + i * d, table + rows[i] * d, d, stream)
     if stream:
@@ -165,15 +168,18 @@ cdef void _lookup_block(const real_t* table, const int64_t* rows, real_t* out,
 
 
 cdef void _lookup(const real_t* table, const int64_t* rows, real_t* out, Py_ssize_t n,
-                  Py_ssize_t d, int n_threads, int stream) noexcept nogil:
-    # out[i, :] = table[rows[i], :] for i < n, on n_threads.
+                  Py_ssize_t L, Py_ssize_t d, int n_threads, int stream) noexcept nogil:
+    # out[i, :] = table[rows[i], :] for i < n, on n_threads. The next row
+    # is prefetched only from a table beyond the L2 cache (rows read at
+    # random from memory); a smaller one is in cache already.
     cdef int t
+    cdef int prefetch = L * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
     if n_threads <= 1:
-        _lookup_block(table, rows, out, 0, n, d, stream)
+        _lookup_block(table, rows, out, 0, n, d, stream, prefetch)
     else:
         for t in prange(n_threads, schedule="static", num_threads=n_threads):
             _lookup_block(table, rows, out, _block_lo(n, t, n_threads),
-                          _block_lo(n, t + 1, n_threads), d, stream)
+                          _block_lo(n, t + 1, n_threads), d, stream, prefetch)
 
 
 # ---- add ---------------------------------------------------------------------

@@ -1,0 +1,100 @@
+# Stubs for the compiled module cposembed._core (src_c/_core.pyx): the one
+# checked C entry per operation, the thread rules and the output pool.
+#
+# The four entries take the caller's objects as they are and return the
+# result, or None (declined, nothing written) for anything but the plain
+# case; cposembed/functional.py normalises what was declined and calls the
+# same entry again. Positions: a Python int, an exact NumPy integer scalar,
+# a (nested) list of those, or an ndarray of a native-order integer dtype;
+# values in [-L, L).
+
+import enum
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import disjoint_base
+
+_A = TypeVar("_A", bound=np.ndarray)
+
+SERIAL_THRESHOLD: int  # elements of work below which a call runs on one thread
+STREAM_THRESHOLD_BYTES: int  # outputs at least this large use streaming stores
+POOL_MIN_BYTES: int  # fresh outputs at least this large come from the pool
+
+class ScatterPlan(enum.IntEnum):
+    PLAN_AUTO = 0
+    PLAN_DISTINCT = 1
+    PLAN_SCAN = 2
+    PLAN_SORT = 3
+
+PLAN_AUTO: ScatterPlan
+PLAN_DISTINCT: ScatterPlan
+PLAN_SCAN: ScatterPlan
+PLAN_SORT: ScatterPlan
+
+def lookup(
+    table: Any,  # plain (L, d) float32/float64
+    positions: Any,
+    out: Any,  # None, or plain writable positions.shape + (d,), apart from table
+    num_threads: Any,  # None or an integer >= 1
+) -> np.ndarray | None: ...
+def add(
+    tokens: Any,  # plain (..., T, d), the table's dtype
+    table: Any,
+    positions: Any,  # None: offset + arange(T)
+    offset: Any,  # integer; 0 unless positions is None
+    out: Any,  # None, tokens itself, or plain writable, apart from tokens and table
+    num_threads: Any,
+) -> np.ndarray | None: ...
+def scatter_add(
+    grad: _A,  # plain writable (L, d)
+    grad_output: Any,  # plain (..., d), grad's dtype, apart from grad
+    positions: Any,
+    offset: Any,
+    num_threads: Any,
+    touched: npt.NDArray[np.bool_] | None = None,  # (L,) rows marked True
+    skip_row: int = -1,  # Py_ssize_t: a row that gets no gradient, or -1
+    plan: int = ...,  # int: a ScatterPlan
+) -> _A | None: ...
+def sgd_step(
+    table: Any,  # plain writable (L, d)
+    grad: Any,  # plain, same shape and dtype, apart from table
+    touched: Any,  # None (every row) or a plain (L,) bool array
+    lr: float,  # double, rounded once to the table's dtype
+    skip_row: int,  # Py_ssize_t
+    num_threads: Any = None,
+) -> bool | None: ...
+
+# Threads (src_c/_team.pxi).
+def default_threads() -> int: ...
+def team(num_threads: Any, work: int, chunks: int) -> int: ...  # 0: invalid num_threads
+def set_user_threads(n: int) -> None: ...  # int; 0 restores the default
+def user_threads() -> int: ...
+def set_cpu_limit(n: int) -> None: ...
+def cpu_limit() -> int: ...
+def set_serial_child(serial: bool) -> None: ...
+def serial_child() -> bool: ...
+def went_parallel() -> bool: ...
+def last_team() -> int: ...
+def set_tuning(
+    serial_below: int | None = None,
+    stream_bytes: int | None = None,
+    scan_block_bytes: int | None = None,
+) -> dict[str, int]: ...
+def openmp_enabled() -> bool: ...
+def omp_max_threads() -> int: ...
+def streaming_stores_available() -> bool: ...
+
+# The output pool (src_c/_pool.pxi).
+@disjoint_base
+class _Block:
+    """Owner of one block of memory; a writable buffer of the requested size
+    (the buffer protocol is implemented in C: wrap it in memoryview())."""
+
+    @property
+    def reused(self) -> bool: ...
+
+def block(nbytes: int) -> _Block: ...  # Py_ssize_t nbytes > 0
+def pool_info() -> tuple[int, int, int, bool]: ...  # (blocks, bytes, limit, enabled)
+def set_pool(enabled: bool = True, limit_bytes: int | None = None) -> None: ...
+def clear_pool() -> None: ...

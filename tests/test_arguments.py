@@ -1,0 +1,213 @@
+"""The argument checks of the Python layer: one integer checker, one table checker,
+offsets, masked arrays and other subclasses, NumPy scalars in messages, and
+framework tensors in from_pretrained."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cposembed
+from cposembed import LearnedPositionEmbedding
+from cposembed._validation import NotAnIntegerError, check_int, describe
+
+INTEGERS = [3, np.int8(3), np.uint16(3), np.int64(3), np.uint64(3), np.array(3)]
+NOT_INTEGERS = [1.5, 3.0, "3", None, True, np.bool_(True), np.float32(3), [3], np.array([3])]
+
+
+@pytest.mark.parametrize("value", INTEGERS)
+def test_check_int_accepts_every_integer_form(value):
+    n = check_int(value, "n", min_value=1)
+    assert n == 3 and type(n) is int
+
+
+@pytest.mark.parametrize("value", NOT_INTEGERS)
+def test_check_int_refuses_non_integers_with_both_exception_types(value):
+    with pytest.raises(NotAnIntegerError, match="n must be a positive integer") as info:
+        check_int(value, "n", min_value=1)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("value", [0, -1, np.int64(-5)])
+def test_check_int_range_is_a_value_error_with_python_values(value):
+    with pytest.raises(ValueError, match=r"got -?\d+$") as info:
+        check_int(value, "n", min_value=1)
+    assert not isinstance(info.value, TypeError)
+    assert "np." not in str(info.value)
+
+
+def test_describe_prints_numpy_scalars_as_python_values():
+    assert describe(np.int64(2)) == "int 2"
+    assert describe(np.float32(1.5)) == "float 1.5"
+    assert "np." not in describe(np.uint64(2**64 - 1))
+
+
+@pytest.mark.parametrize("name", ["max_seq_len", "embed_dim"])
+@pytest.mark.parametrize("bad", [1.5, 0, True, "4"])
+def test_constructor_sizes_raise_value_error_naming_the_argument(name, bad):
+    kwargs = {"max_seq_len": 4, "embed_dim": 2, name: bad}
+    with pytest.raises(ValueError, match=name):
+        LearnedPositionEmbedding(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, "0", np.float64(1.0)])
+def test_padding_idx_must_be_an_integer(bad):
+    with pytest.raises(ValueError, match="padding_idx"):
+        LearnedPositionEmbedding(4, 2, padding_idx=bad)
+
+
+def test_padding_idx_numpy_integer_is_accepted():
+    pe = LearnedPositionEmbedding(4, 2, seed=0, padding_idx=np.int64(-1))
+    assert pe.padding_idx == 3 and type(pe.padding_idx) is int
+
+
+# --- offsets -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [np.int8(2), np.uint64(2), np.int64(2), np.array(2)])
+def test_numpy_integer_offsets_match_python_int(offset):
+    table = np.random.default_rng(0).standard_normal((8, 3)).astype(np.float32)
+    tok = np.ones((2, 3, 3), np.float32)
+    want = tok + table[2:5]
+    assert np.array_equal(cposembed.add_positions(tok, table, offset=offset), want)
+    pe = LearnedPositionEmbedding.from_pretrained(table)
+    assert np.array_equal(pe.add_to(tok, offset=offset), want)
+
+
+@pytest.mark.parametrize("offset", [np.array([1, 2]), [1, 2], 1.0, np.float64(1), True])
+def test_array_or_float_offset_gets_a_worded_error(offset):
+    table = np.zeros((8, 3), np.float32)
+    tok = np.ones((2, 3, 3), np.float32)
+    with pytest.raises((TypeError, ValueError), match="offset must be"):
+        cposembed.add_positions(tok, table, offset=offset)
+    grad = np.zeros_like(table)
+    with pytest.raises((TypeError, ValueError), match="offset must be"):
+        cposembed.scatter_add(grad, tok, offset=offset)
+    assert not grad.any()
+
+
+def test_array_offset_points_to_explicit_positions():
+    with pytest.raises(TypeError, match="positions_from_mask"):
+        cposembed.add_positions(np.ones((2, 1, 3)), np.zeros((8, 3)), offset=np.array([1, 2]))
+
+
+@pytest.mark.parametrize("offset", [-1, np.int64(-1), 2**63, 2**100])
+def test_offsets_out_of_range(offset):
+    table = np.zeros((8, 3), np.float32)
+    tok = np.ones((2, 3, 3), np.float32)
+    with pytest.raises((ValueError, IndexError), match="offset"):
+        cposembed.add_positions(tok, table, offset=offset)
+
+
+def test_huge_offset_with_no_tokens_looks_nothing_up():
+    table = np.zeros((8, 3), np.float32)
+    tok = np.ones((2, 0, 3), np.float32)
+    assert cposembed.add_positions(tok, table, offset=2**70).shape == (2, 0, 3)
+
+
+# --- masked arrays and other subclasses ------------------------------------
+
+
+def _masked(shape):
+    data = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    return np.ma.masked_array(data, mask=data % 2 == 0)
+
+
+def test_masked_tokens_are_refused_not_silently_unmasked():
+    pe = LearnedPositionEmbedding(8, 3, seed=0)
+    tok = _masked((2, 4, 3))
+    with pytest.raises(TypeError, match="masked"):
+        pe.add_to(tok)
+    with pytest.raises(TypeError, match="masked"):
+        pe.add_to(tok, np.arange(4))
+    with pytest.raises(TypeError, match="masked"):
+        cposembed.add_positions(tok, pe.embeddings, out=tok)
+    assert np.array_equal(tok.data, np.arange(24, dtype=np.float32).reshape(2, 4, 3))
+
+
+def test_masked_table_positions_grad_and_out_are_refused():
+    table = np.zeros((8, 3), np.float32)
+    with pytest.raises(TypeError, match="masked"):
+        cposembed.lookup(_masked((8, 3)), [0])
+    with pytest.raises(TypeError, match="masked"):
+        cposembed.lookup(table, np.ma.masked_array([0, 1], mask=[0, 1]))
+    grad = _masked((8, 3))
+    before = grad.data.copy()
+    with pytest.raises(TypeError, match="masked"):
+        cposembed.scatter_add(grad, np.ones((2, 3), np.float32), [0, 1])
+    assert np.array_equal(grad.data, before)
+    out = _masked((2, 3))
+    with pytest.raises(TypeError, match="masked"):
+        cposembed.lookup(table, [0, 1], out=out)
+    with pytest.raises(TypeError, match="masked"):
+        LearnedPositionEmbedding.from_pretrained(_masked((8, 3)))
+
+
+class Tagged(np.ndarray):
+    """A subclass without semantics of its own (as np.memmap for the kernels)."""
+
+
+def test_plain_subclasses_are_read_and_written_as_their_memory():
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((8, 3)).astype(np.float32)
+    t_sub = table.view(Tagged)
+    pos = np.array([1, 7, 0]).view(Tagged)
+    assert np.array_equal(cposembed.lookup(t_sub, pos), table[[1, 7, 0]])
+    out = np.zeros((3, 3), np.float32).view(Tagged)
+    cposembed.lookup(table, [1, 7, 0], out=out)
+    assert np.array_equal(out, table[[1, 7, 0]])
+    tok = rng.standard_normal((3, 3)).astype(np.float32).view(Tagged)
+    want = np.asarray(tok) + table[[1, 7, 0]]
+    cposembed.add_positions(tok, table, [1, 7, 0], out=tok)
+    assert np.array_equal(np.asarray(tok), want)
+    grad = np.zeros_like(table).view(Tagged)
+    cposembed.scatter_add(grad, np.ones((3, 3), np.float32), [1, 1, 0])
+    assert np.array_equal(np.asarray(grad)[:2], [[1, 1, 1], [2, 2, 2]])
+
+
+def test_memmap_table_and_output(tmp_path):
+    table = np.lib.format.open_memmap(tmp_path / "t.npy", "w+", np.float32, (6, 4))
+    table[:] = np.arange(24).reshape(6, 4)
+    out = np.memmap(tmp_path / "o.bin", np.float32, "w+", shape=(2, 4))
+    cposembed.lookup(table, [5, 0], out=out)
+    assert np.array_equal(out, np.asarray(table)[[5, 0]])
+
+
+# --- from_pretrained takes any array-like ----------------------------------
+
+
+class FakeTensor:
+    """What from_pretrained needs of a framework tensor that requires grad:
+    ``__array__`` refuses (as torch does) and ``.detach().cpu()`` gives values."""
+
+    def __init__(self, values, requires_grad=True):
+        self.values = np.asarray(values)
+        self.requires_grad = requires_grad
+
+    def __array__(self, dtype=None, copy=None):
+        if self.requires_grad:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad")
+        return self.values if dtype is None else self.values.astype(dtype)
+
+    def detach(self):
+        return FakeTensor(self.values, requires_grad=False)
+
+    def cpu(self):
+        return self
+
+
+def test_from_pretrained_copies_a_tensor_that_requires_grad():
+    values = np.arange(6.0).reshape(3, 2)
+    pe = LearnedPositionEmbedding.from_pretrained(FakeTensor(values), dtype=np.float64)
+    assert np.array_equal(pe.embeddings, values)
+    values[0, 0] = 99  # a copy, not a view
+    assert pe.embeddings[0, 0] == 0
+
+
+def test_from_pretrained_big_endian_and_lists():
+    big = np.arange(6, dtype=">f8").reshape(3, 2)
+    pe = LearnedPositionEmbedding.from_pretrained(big, dtype=np.float64)
+    assert pe.embeddings.dtype == np.float64 and pe.embeddings.dtype.isnative
+    assert np.array_equal(pe.embeddings, big)
+    pe = LearnedPositionEmbedding.from_pretrained([[1, 2], [3, 4]])
+    assert pe.embeddings.dtype == np.float32
