@@ -9,10 +9,12 @@ What it runs, each in a fresh namespace and a fresh temporary folder:
 - every fenced ```python / ```pycon block of README.md and docs/**/*.md, and every
   ``.. code-block:: python`` of docs/**/*.rst: a block with ``>>>`` prompts runs as
   a doctest (its output must match), any other runs as a script (it must not raise);
+- the ``$ python ...`` commands of ```console blocks, whose output must match what
+  the block shows (``...`` stands for anything, as in doctests);
 - the ``>>>`` examples of the public API's docstrings (the API reference's source);
 - every examples/*.py, as its own process.
 
-Blocks in other languages (bash, console, text, toml, MyST directives) are not run;
+Blocks in other languages (bash, text, toml, MyST directives) are not run;
 a fence without a language is an error, so nothing meant to run can slip through
 unlabelled. Besides, it checks that the README's Quick start is the one .ci/run
 runs, that the README stays within 200 lines, and that every public name is in the
@@ -33,6 +35,7 @@ import inspect
 import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -44,6 +47,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_LANGUAGES = {"python", "py", "pycon"}
+# ```console blocks: "$ python ..." lines run, and the output shown must match
+# (``...`` stands for anything, as in doctests). Other commands are not run.
+CONSOLE = "console"
 # Imported by some blocks and examples, not required by the package.
 OPTIONAL_MODULES = ("torch", "matplotlib")
 README_MAX_LINES = 200
@@ -202,6 +208,39 @@ def run_block(block: Block) -> None:
             raise
 
 
+def run_console(block: Block) -> None:
+    """Run the ``$ python ...`` commands of a console block; compare their output."""
+    commands: list[tuple[str, list[str]]] = []
+    for line in block.code.splitlines():
+        if line.startswith("$ "):
+            commands.append((line[2:], []))
+        elif commands:
+            commands[-1][1].append(line)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("MPLBACKEND", "Agg")
+    checker = doctest.OutputChecker()
+    with in_temp_dir():
+        for command, shown in commands:
+            argv = shlex.split(command)
+            if argv[0] != "python":
+                continue
+            proc = subprocess.run(
+                [sys.executable, *argv[1:]],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=EXAMPLE_TIMEOUT_S,
+            )
+            if proc.returncode != 0:
+                raise AssertionError(f"$ {command}: exit code {proc.returncode}\n{proc.stderr}")
+            want = "\n".join(shown).strip() + "\n"
+            if want.strip() and not checker.check_output(want, proc.stdout, _FLAGS):
+                raise AssertionError(
+                    f"$ {command}: output differs\n--- shown\n{want}--- got\n{proc.stdout}"
+                )
+
+
 def public_api() -> dict[str, object]:
     """Every public name, qualified, with its object."""
     import cposembed
@@ -280,11 +319,11 @@ def readme_section(title: str) -> str:
 
 
 def readme_quickstart() -> list[str]:
-    """The commands of the README's Quick start (its one bash block)."""
+    """The commands of the README's Quick start: its one ```bash block."""
     section = readme_section("Quick start")
     bash = re.findall(r"^```bash\n(.*?)^```", section, re.M | re.S)
-    if not bash:
-        raise AssertionError("README.md's Quick start has no ```bash block")
+    if len(bash) != 1:
+        raise AssertionError(f"README.md's Quick start has {len(bash)} ```bash blocks; keep one")
     return [line.strip() for line in bash[0].splitlines() if line.strip()]
 
 
@@ -398,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         for block in blocks_of(path):
             if block.language in RUN_LANGUAGES:
                 record(f"{block.where} ({block.language})", run_block, block)
+            elif block.language == CONSOLE and re.search(r"^\$ python ", block.code, re.M):
+                record(f"{block.where} ({block.language})", run_console, block)
             elif not block.language:
                 failed += 1
                 print(
