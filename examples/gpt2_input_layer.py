@@ -1,4 +1,4 @@
-"""A GPT-2-style input layer in NumPy, trained for a few hundred steps.
+"""A GPT-2-style input layer in NumPy, trained for 100 steps.
 
 GPT-2 feeds its first block ``x = wte[token_ids] + wpe[positions]``: a token table
 and a learned position table, summed. Here ``wpe`` is a

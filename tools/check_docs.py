@@ -188,8 +188,6 @@ def run_block(block: Block) -> None:
     globs: dict = {"__name__": "__main__"}
     with in_temp_dir():
         if re.search(r"^\s*>>> ", block.code, re.M):
-            if block.language != "pycon" and block.language not in RUN_LANGUAGES:
-                return
             for module in OPTIONAL_MODULES:
                 if re.search(rf"^\s*>>> (import|from) {module}\b", block.code, re.M):
                     if importlib.util.find_spec(module) is None:
@@ -208,6 +206,14 @@ def run_block(block: Block) -> None:
             raise
 
 
+def _child_env() -> dict[str, str]:
+    """The environment of a command or example: this checkout's package first."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("MPLBACKEND", "Agg")
+    return env
+
+
 def run_console(block: Block) -> None:
     """Run the ``$ python ...`` commands of a console block; compare their output."""
     commands: list[tuple[str, list[str]]] = []
@@ -216,9 +222,6 @@ def run_console(block: Block) -> None:
             commands.append((line[2:], []))
         elif commands:
             commands[-1][1].append(line)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("MPLBACKEND", "Agg")
     checker = doctest.OutputChecker()
     with in_temp_dir():
         for command, shown in commands:
@@ -229,13 +232,15 @@ def run_console(block: Block) -> None:
                 [sys.executable, *argv[1:]],
                 capture_output=True,
                 text=True,
-                env=env,
+                env=_child_env(),
                 timeout=EXAMPLE_TIMEOUT_S,
             )
             if proc.returncode != 0:
                 raise AssertionError(f"$ {command}: exit code {proc.returncode}\n{proc.stderr}")
             want = "\n".join(shown).strip() + "\n"
             if want.strip() and not checker.check_output(want, proc.stdout, _FLAGS):
+                if importlib.util.find_spec("matplotlib") is None:
+                    raise Missing("matplotlib")  # the commands that draw print more with it
                 raise AssertionError(
                     f"$ {command}: output differs\n--- shown\n{want}--- got\n{proc.stdout}"
                 )
@@ -286,15 +291,12 @@ def run_example(path: Path) -> str:
 
     An example whose optional module is missing prints "skipped: ..." and exits 0.
     """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("MPLBACKEND", "Agg")
     with in_temp_dir():
         proc = subprocess.run(
             [sys.executable, str(path)],
             capture_output=True,
             text=True,
-            env=env,
+            env=_child_env(),
             timeout=EXAMPLE_TIMEOUT_S,
         )
     output = proc.stdout + proc.stderr
