@@ -208,7 +208,9 @@ def _read_member(
     return arr
 
 
-def from_npz(f: IO[bytes], name: str, kind: str, current_version: int) -> tuple[np.ndarray, int | None]:
+def from_npz(
+    f: IO[bytes], name: str, kind: str, current_version: int
+) -> tuple[np.ndarray, int | None]:
     """The table and ``padding_idx`` of an archive written by ``save()``.
 
     Returns the table native and C-contiguous. Any damage (a truncated or
