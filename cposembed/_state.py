@@ -183,8 +183,11 @@ class _Refused(Exception):
 def _read_member(
     archive: zipfile.ZipFile, key: str, kinds: str, ndim: int, what: str
 ) -> np.ndarray:
-    """Member ``key`` of dtype kind in ``kinds`` and ``ndim`` dimensions, checked first
-    from its header, so a damaged header cannot make NumPy allocate what it claims."""
+    """Member ``key``, of a dtype kind in ``kinds`` and with ``ndim`` dimensions.
+
+    Checked from its header before NumPy reads it, so a damaged header cannot
+    make NumPy allocate what it claims.
+    """
     info = archive.getinfo(key + ".npy")
     with archive.open(info) as fp:
         version = np.lib.format.read_magic(fp)

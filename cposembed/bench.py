@@ -70,8 +70,8 @@ TARGETS: dict[tuple[str, str], float] = {
     ("tiny: pe(arange(10))", "reference"): 0.6,
     ("tiny: pe(4x128 array)", "reference"): 0.3,
     ("tiny: add_to((1,1,d), offset=i)", "numpy tok + table[i]"): 1.2,
-    # Issue 10: the scalar and list forms NumPy users pass, explicit positions
-    # on small calls, the class's backward against the function it wraps.
+    # The scalar and list forms NumPy users pass, explicit positions on small
+    # calls, batched decoding, the class's backward against the function it wraps.
     ("tiny: pe(np.int64(5))", "reference"): 1.3,
     ("tiny: pe(positions[i])", "reference"): 1.3,
     ("tiny: pe([np.int64(1), np.int64(2)])", "reference"): 0.6,
@@ -211,8 +211,10 @@ def _try_torch(enabled: bool, n_threads: int) -> Any:
 def build_groups(
     args: argparse.Namespace, torch: Any
 ) -> list[tuple[str, Callable[[], Group | list[Group]]]]:
-    """(name, factory) per comparison, in GROUP_NAMES order; factories allocate
-    lazily to save memory."""
+    """(name, factory) per comparison, in GROUP_NAMES order.
+
+    Factories allocate lazily to save memory.
+    """
     L, d = args.table
     B, T = args.batch
     nt = args.threads
@@ -671,9 +673,14 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mismatched(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows whose output differed from the peer's."""
+    return [r for r in rows if r["check"].startswith("MISMATCH")]
+
+
 def summary(rows: list[dict[str, Any]], judged: bool) -> str:
     """The one line that ends every run: targets met and missed, check mismatches."""
-    mismatches = sum(r["check"].startswith("MISMATCH") for r in rows)
+    mismatches = len(_mismatched(rows))
     if not judged:
         return f"summary: quick run, targets not judged; {mismatches} check mismatches"
     with_target = [r for r in rows if r["target"] is not None]
@@ -825,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("compile_args",))
     )
     rows = report(done, judge=not args.quick)
-    bad = [r for r in rows if r["check"].startswith("MISMATCH")]
+    bad = _mismatched(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "results": rows}, f, indent=1)
