@@ -26,9 +26,6 @@ _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # __getstate__ existed (its __dict__).
 _STATE_KEYS = frozenset({"version", "embeddings", "grad", "touched", "padding_idx"})
 _LEGACY_STATE_KEYS = frozenset({"_embeddings", "grad"})
-# The members save() must have written (it also writes "dtype", the table's
-# dtype name, checked when present).
-_NPZ_REQUIRED = ("kind", "format_version", "embeddings", "padding_idx")
 # What reading a damaged zip archive or .npy member raises (zipfile, zlib,
 # numpy.lib.format): RuntimeError for a member flagged as encrypted,
 # MemoryError for a header that claims an absurd size.
@@ -214,15 +211,29 @@ def _read_member(
 def from_npz(
     f: IO[bytes], name: str, kind: str, current_version: int
 ) -> tuple[np.ndarray, int | None]:
-    """The table and ``padding_idx`` of an archive written by ``save()``.
+    """The table and ``padding_idx`` of an archive written by ``LearnedPositionEmbedding.save()``.
 
     Returns the table native and C-contiguous. Any damage (a truncated or
     altered archive, members of the wrong dtype or shape, a pickle inside)
     raises ``ValueError`` naming ``name``.
     """
+    (table,), pad = read_tables(f, name, kind, current_version, ("embeddings",))
+    return table, pad
+
+
+def read_tables(
+    f: IO[bytes], name: str, kind: str, current_version: int, keys: tuple[str, ...]
+) -> tuple[list[np.ndarray], int | None]:
+    """The tables ``keys`` (in that order) and ``padding_idx`` of an archive that
+    a class's ``save()`` wrote; ``padding_idx`` is a row of the first table.
+
+    Returns the tables native and C-contiguous, all of one dtype (the
+    ``dtype`` member's, when present). Any damage raises ``ValueError``
+    naming ``name``.
+    """
     try:
         with zipfile.ZipFile(f) as archive:
-            return _from_archive(archive, kind, current_version)
+            return _from_archive(archive, kind, current_version, keys)
     except _Refused as exc:
         raise ValueError(f"{name} is not a valid file written by save(): {exc}") from None
     except _CORRUPT as exc:
@@ -233,10 +244,12 @@ def from_npz(
 
 
 def _from_archive(
-    archive: zipfile.ZipFile, kind: str, current_version: int
-) -> tuple[np.ndarray, int | None]:
+    archive: zipfile.ZipFile, kind: str, current_version: int, keys: tuple[str, ...]
+) -> tuple[list[np.ndarray], int | None]:
     names = set(archive.namelist())
-    missing = [k for k in _NPZ_REQUIRED if k + ".npy" not in names]
+    missing = [
+        k for k in ("kind", "format_version", *keys, "padding_idx") if k + ".npy" not in names
+    ]
     if missing:
         raise _Refused(f"not written by {kind.split('.')[-1]}.save() (missing {missing})")
     found_kind = _read_member(archive, "kind", "U", 0, "a 0-d string array")
@@ -248,23 +261,28 @@ def _from_archive(
             f"format version {version}; this cposembed reads versions 1 to {current_version} "
             "(a newer file needs a newer cposembed)"
         )
-    raw = _read_member(archive, "embeddings", "f", 2, "a 2-D float32 or float64 array")
-    try:
-        table = _table(raw, "member 'embeddings'")
-    except ValueError as exc:
-        raise _Refused(str(exc)) from None
+    tables = []
+    for key in keys:
+        raw = _read_member(archive, key, "f", 2, "a 2-D float32 or float64 array")
+        try:
+            tables.append(_table(raw, f"member {key!r}"))
+        except ValueError as exc:
+            raise _Refused(str(exc)) from None
+    dtypes = {t.dtype.name for t in tables}
+    if len(dtypes) != 1:
+        raise _Refused(f"the tables {list(keys)} differ in dtype: {sorted(dtypes)}")
     if "dtype.npy" in names:
         dtype_name = str(_read_member(archive, "dtype", "U", 0, "a 0-d string array"))
-        if dtype_name != table.dtype.name:
+        if dtype_name != tables[0].dtype.name:
             raise _Refused(
-                f"member 'dtype' says {dtype_name!r} but the table is {table.dtype.name}"
+                f"member 'dtype' says {dtype_name!r} but the table is {tables[0].dtype.name}"
             )
     # save() writes -1 for "no padding row", else the row normalised to [0, L).
     stored = int(_read_member(archive, "padding_idx", "iu", 0, "a 0-d integer array"))
-    n_rows = table.shape[0]
+    n_rows = tables[0].shape[0]
     if not -1 <= stored < n_rows:
         raise _Refused(
             f"padding_idx must be -1 (none) or in [0, {n_rows}) for a table of {n_rows} "
-            f"positions; got {stored}"
+            f"rows; got {stored}"
         )
-    return table, None if stored == -1 else stored
+    return tables, None if stored == -1 else stored
