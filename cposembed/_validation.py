@@ -107,14 +107,16 @@ def as_table(table: Any, name: str = "table") -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def range_error(bad: int, n_rows: int) -> IndexError:
+def range_error(bad: int, n_rows: int, what: str = "position") -> IndexError:
+    """``what`` is ``"position"`` or ``"token id"``: the message names the table's rows."""
+    rows = "positions" if what == "position" else "tokens"
     return IndexError(
-        f"position {bad} is out of range for a table of {n_rows} positions "
-        f"(expected {-n_rows} <= position < {n_rows})"
+        f"{what} {bad} is out of range for a table of {n_rows} {rows} "
+        f"(expected {-n_rows} <= {what} < {n_rows})"
     )
 
 
-def as_positions(positions: Any, n_rows: int) -> np.ndarray | None:
+def as_positions(positions: Any, n_rows: int, what: str = "position") -> np.ndarray | None:
     """Any NumPy-style index into the rows of an ``(n_rows, d)`` table, checked.
 
     Returns an int64 array that this call owns (the shape of the index), with
@@ -126,11 +128,11 @@ def as_positions(positions: Any, n_rows: int) -> np.ndarray | None:
     which only NumPy's own indexing serves. Floats, strings and other
     non-indices raise ``IndexError`` as NumPy does.
     """
-    refuse_masked(positions, "positions")
+    refuse_masked(positions, "positions" if what == "position" else "token_ids")
     if isinstance(positions, (int, np.integer)) and not isinstance(positions, bool):
         p = int(positions)
         if not -n_rows <= p < n_rows:
-            raise range_error(p, n_rows)
+            raise range_error(p, n_rows, what)
         return np.array(p, dtype=_INT64)
     arr = None
     if isinstance(positions, np.ndarray):
@@ -144,28 +146,28 @@ def as_positions(positions: Any, n_rows: int) -> np.ndarray | None:
             if arr.size == 0 and arr.dtype.kind == "f":
                 arr = arr.astype(_INT64)  # NumPy reads [] as an empty index
             elif arr.dtype.kind in "fO":
-                _check_huge_ints(positions, n_rows)
+                _check_huge_ints(positions, n_rows, what)
     if arr is not None and arr.dtype.kind in "iu":
-        return _from_int_array(arr, n_rows)
+        return _from_int_array(arr, n_rows, what)
     return _from_general(positions, n_rows)
 
 
-def _from_int_array(arr: np.ndarray, n_rows: int) -> np.ndarray:
+def _from_int_array(arr: np.ndarray, n_rows: int, what: str) -> np.ndarray:
     if arr.size and arr.dtype.kind == "u" and arr.dtype.itemsize >= 8:
         hi = int(arr.max())  # uint64 values above int64's range would wrap
         if hi >= n_rows:
-            raise range_error(hi, n_rows)
+            raise range_error(hi, n_rows, what)
     owned = np.array(arr, dtype=_INT64, order="C", copy=True)
     if owned.size:
         lo, hi = int(owned.min()), int(owned.max())
         if hi >= n_rows:
-            raise range_error(hi, n_rows)
+            raise range_error(hi, n_rows, what)
         if lo < -n_rows:
-            raise range_error(lo, n_rows)
+            raise range_error(lo, n_rows, what)
     return owned
 
 
-def _check_huge_ints(positions: list, n_rows: int) -> None:
+def _check_huge_ints(positions: list, n_rows: int, what: str) -> None:
     # NumPy turns a list holding an int beyond int64 into float64 or object
     # and then rejects it as "not an integer"; it is an integer out of range.
     try:
@@ -175,7 +177,7 @@ def _check_huge_ints(positions: list, n_rows: int) -> None:
     if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items):
         for x in items:
             if not -n_rows <= int(x) < n_rows:
-                raise range_error(int(x), n_rows)
+                raise range_error(int(x), n_rows, what)
 
 
 def _from_general(positions: Any, n_rows: int) -> np.ndarray | None:

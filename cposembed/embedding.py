@@ -317,24 +317,37 @@ class LearnedPositionEmbedding:
             array of the table's shape, or bad arguments (as
             :func:`cposembed.scatter_add`); nothing is written then.
         """
+        grad, touched = self._grad_to_accumulate()
+        scatter_add_marking(grad, grad_output, positions, offset, None, touched, self._skip_row)
+        self._keep_grad(grad, touched)
+        return grad
+
+    @property
+    def _skip_row(self) -> int:
+        # The row that gets no gradient, for the C entries (-1: none).
+        return -1 if self._padding_idx is None else self._padding_idx
+
+    def _grad_to_accumulate(self) -> tuple[np.ndarray, np.ndarray]:
+        """The gradient a backward adds into, and the touched-rows mask to mark.
+
+        A fresh gradient is kept (:meth:`_keep_grad`) only once the call has
+        succeeded, so an invalid first call leaves ``grad`` as None. A
+        ``grad`` the user assigned is checked, and all its rows count as
+        touched (it may hold anything).
+        """
         grad = self.grad
         fresh = grad is None
         if grad is None:
-            # Kept only once the call has succeeded, so an invalid first
-            # call leaves ``grad`` as None.
             grad = np.zeros_like(self._embeddings)
         if grad is not self._touched_grad or self._touched is None:
             self._check_grad(grad)
-            # A grad array the user assigned may hold anything: all rows count.
-            touched = np.full(self.max_seq_len, not fresh, dtype=bool)
-        else:
-            touched = self._touched
-        pad = -1 if self._padding_idx is None else self._padding_idx
-        scatter_add_marking(grad, grad_output, positions, offset, None, touched, pad)
+            return grad, np.full(self.max_seq_len, not fresh, dtype=bool)
+        return grad, self._touched
+
+    def _keep_grad(self, grad: np.ndarray, touched: np.ndarray) -> None:
         self.grad = grad
         self._touched = touched
         self._touched_grad = grad
-        return grad
 
     def _check_grad(self, grad: Any) -> None:
         table = self._embeddings
@@ -384,16 +397,12 @@ class LearnedPositionEmbedding:
             ``lr`` is NaN or infinite, or :attr:`grad` has the wrong shape.
         """
         step = _learning_rate(lr)
-        grad = self.grad
+        grad = self._sgd_grad()
         if grad is None:
             return
         table = self._embeddings
-        if not isinstance(grad, np.ndarray) or grad.dtype.kind not in "biuf":
-            raise TypeError(f"grad must be a real-valued numpy.ndarray; got {v.describe(grad)}")
-        if grad.shape != table.shape:
-            raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
         touched = self._touched if grad is self._touched_grad else None
-        pad = -1 if self._padding_idx is None else self._padding_idx
+        pad = self._skip_row
         if _core.sgd_step(table, grad, touched, step, pad) is None:
             # Not the layout the kernel takes: NumPy's own arithmetic, same rule.
             if touched is not None:
@@ -402,6 +411,18 @@ class LearnedPositionEmbedding:
                 rows = np.arange(self.max_seq_len)
             rows = rows[rows != pad]
             table[rows] -= step * grad[rows]
+
+    def _sgd_grad(self) -> np.ndarray | None:
+        """:attr:`grad`, checked for :meth:`sgd_step` (None: nothing to do)."""
+        grad = self.grad
+        if grad is None:
+            return None
+        table = self._embeddings
+        if not isinstance(grad, np.ndarray) or grad.dtype.kind not in "biuf":
+            raise TypeError(f"grad must be a real-valued numpy.ndarray; got {v.describe(grad)}")
+        if grad.shape != table.shape:
+            raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
+        return grad
 
     def resized(self, new_max_len: int, method: str = "linear") -> LearnedPositionEmbedding:
         """A new instance whose table has ``new_max_len`` rows (for longer or shorter contexts).

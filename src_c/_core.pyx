@@ -454,6 +454,208 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
     return True
 
 
+cdef int _pair_type(object token_table, object position_table) noexcept:
+    """The tables' dtype when both are plain with the same dtype and embed_dim; -1 else."""
+    cdef int typenum = _table_type(token_table)
+    if typenum < 0 or _table_type(position_table) != typenum:
+        return -1
+    if cnp.PyArray_DIMS(<cnp.ndarray>token_table)[1] != cnp.PyArray_DIMS(
+            <cnp.ndarray>position_table)[1]:
+        return -1
+    return typenum
+
+
+cdef bint _ids_positions(object token_ids, Py_ssize_t V, object positions, object offset,
+                         Py_ssize_t L, Index* ids, Index* ix, Py_ssize_t* m) noexcept:
+    """Token ids (checked against V) and the positions for them: None is
+    offset + arange(T) over the last axis of the ids; explicit positions
+    must match the trailing axes of the ids' shape once leading 1s are
+    dropped (a period m). False: declined, nothing held."""
+    cdef Py_ssize_t T, start, zero
+    cdef int k, core
+    ix.rows = NULL
+    if not _read_index(token_ids, V, ids):
+        return False
+    if positions is None:
+        T = ids.shape[ids.nd - 1] if ids.nd >= 1 else -1
+        if T < 0 or not _offset_value(offset, 0, L - T if T else (<Py_ssize_t>1 << 62),
+                                      &start) or not _arange_index(start, T, ix):
+            _index_free(ids)
+            return False
+        m[0] = T
+        return True
+    if not _offset_value(offset, 0, 0, &zero) or not _read_index(positions, L, ix):
+        _index_free(ids)
+        return False
+    k = 0
+    while k < ix.nd and ix.shape[k] == 1:
+        k += 1
+    core = ix.nd - k
+    if core > ids.nd:
+        _index_free(ix)
+        _index_free(ids)
+        return False
+    for k in range(core):
+        if ix.shape[ix.nd - core + k] != ids.shape[ids.nd - core + k]:
+            _index_free(ix)
+            _index_free(ids)
+            return False
+    m[0] = ix.n
+    return True
+
+
+def embed(token_ids, token_table, position_table, positions, offset, out, num_threads):
+    """``token_table[token_ids] + position_table[positions]`` into ``out`` (or a
+    new array), returned; None if declined.
+
+    token_table (V, d) and position_table (L, d): plain, one dtype; token_ids
+    as _index.pxi reads them, in [-V, V); positions: None (offset + arange(T)
+    over the last axis of the ids, 0 <= offset <= L - T) or positions whose
+    shape without leading 1s equals the trailing axes of the ids' shape
+    (offset 0); out: None or a plain writable array of shape
+    token_ids.shape + (d,), apart from both tables.
+    """
+    cdef int typenum = _pair_type(token_table, position_table)
+    if typenum < 0:
+        return None
+    cdef cnp.ndarray tt = <cnp.ndarray>token_table
+    cdef cnp.ndarray pt = <cnp.ndarray>position_table
+    cdef Py_ssize_t V = cnp.PyArray_DIMS(tt)[0], L = cnp.PyArray_DIMS(pt)[0]
+    cdef Py_ssize_t d = cnp.PyArray_DIMS(tt)[1], m
+    cdef Index ids, ix
+    cdef cnp.ndarray o
+    cdef int nt
+    if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
+        return None
+    try:
+        ids.shape[ids.nd] = d
+        if out is None:
+            o = _new_output(ids.nd + 1, ids.shape, typenum)
+        elif _writable_out(out, typenum, ids.nd + 1, ids.shape, tt) and _apart(
+                <cnp.ndarray>out, pt):
+            o = <cnp.ndarray>out
+        else:
+            return None
+        nt = _threads_for(num_threads, ids.n * d, ids.n)
+        if not nt:
+            return None
+        if ids.n and d and m:
+            _run_embed(tt, &ids, pt, &ix, m, o, typenum, nt)
+        return o
+    finally:
+        _index_free(&ix)
+        _index_free(&ids)
+
+
+cdef void _run_embed(cnp.ndarray tt, Index* ids, cnp.ndarray pt, Index* ix, Py_ssize_t m,
+                     cnp.ndarray o, int typenum, int n_threads) noexcept:
+    cdef Py_ssize_t V = cnp.PyArray_DIMS(tt)[0], d = cnp.PyArray_DIMS(tt)[1], N = ids.n
+    cdef int stream = cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
+    cdef const void* tp = cnp.PyArray_DATA(tt)
+    cdef const void* pp = cnp.PyArray_DATA(pt)
+    cdef void* op = cnp.PyArray_DATA(o)
+    cdef PyThreadState* gil = _release_gil(N * d)
+    if typenum == cnp.NPY_FLOAT:
+        _embed(<const float*>tp, ids.rows, V, <const float*>pp, ix.rows, <float*>op, N, m,
+               d, n_threads, stream)
+    else:
+        _embed(<const double*>tp, ids.rows, V, <const double*>pp, ix.rows, <double*>op, N,
+               m, d, n_threads, stream)
+    _take_gil(gil)
+
+
+def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids, positions,
+                   offset, num_threads, token_touched=None, position_touched=None,
+                   Py_ssize_t token_skip_row=-1):
+    """Both gradients of embed from one pass over grad_output, in place:
+    ``grad_token_table[token_ids[i]] += grad_output[i]`` and the same for the
+    positions, each bitwise np.add.at; returns True, or None if declined.
+
+    The two tables: plain, writable, one dtype and embed_dim, apart from each
+    other (either table alone goes through scatter_add); grad_output: a plain
+    array of shape token_ids.shape + (d,) with their dtype, apart from both;
+    token_ids and positions as for embed. token_touched / position_touched:
+    None or plain writable bool arrays of length V / L whose rows that
+    received a contribution are set True; token_skip_row: a token row that
+    gets no gradient (padding_idx, zeroed after the sum), or -1.
+    """
+    cdef int typenum = _pair_type(grad_token_table, grad_position_table)
+    if typenum < 0 or not _plain_as(grad_output, typenum):
+        return None
+    cdef cnp.ndarray gt = <cnp.ndarray>grad_token_table
+    cdef cnp.ndarray gp = <cnp.ndarray>grad_position_table
+    cdef cnp.ndarray g = <cnp.ndarray>grad_output
+    cdef Py_ssize_t V = cnp.PyArray_DIMS(gt)[0], L = cnp.PyArray_DIMS(gp)[0]
+    cdef Py_ssize_t d = cnp.PyArray_DIMS(gt)[1], m, i
+    cdef int nd = cnp.PyArray_NDIM(g)
+    if (
+        not cnp.PyArray_ISWRITEABLE(gt)
+        or not cnp.PyArray_ISWRITEABLE(gp)
+        or not _apart(gt, gp)
+        or not _apart(g, gt)
+        or not _apart(g, gp)
+        or not _mask_ok(token_touched, V)
+        or not _mask_ok(position_touched, L)
+        or not -1 <= token_skip_row < V
+    ):
+        return None
+    cdef Index ids, ix
+    cdef bint ok = True
+    cdef int nt
+    cdef uint8_t* mark
+    if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
+        return None
+    try:
+        if nd != ids.nd + 1 or cnp.PyArray_DIMS(g)[nd - 1] != d:
+            return None
+        for i in range(ids.nd):
+            if cnp.PyArray_DIMS(g)[i] != ids.shape[i]:
+                return None
+        nt = _threads_for(num_threads, ids.n * d, ids.n)
+        if not nt:
+            return None
+        if ids.n and d and m:
+            ok = _run_scatter_pair(gt, &ids, gp, &ix, m, g, typenum, nt)
+            if not ok:
+                raise MemoryError("cannot allocate the backward pass's scratch")
+        if token_touched is not None:
+            mark = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>token_touched)
+            for i in range(ids.n):
+                mark[ids.rows[i]] = 1
+            if token_skip_row >= 0:
+                mark[token_skip_row] = 0
+        if position_touched is not None:
+            mark = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>position_touched)
+            for i in range(m if ids.n else 0):
+                mark[ix.rows[i]] = 1
+        if token_skip_row >= 0 and d:
+            memset(cnp.PyArray_BYTES(gt) + token_skip_row * d * cnp.PyArray_ITEMSIZE(gt), 0,
+                   d * cnp.PyArray_ITEMSIZE(gt))
+        return True
+    finally:
+        _index_free(&ix)
+        _index_free(&ids)
+
+
+cdef bint _run_scatter_pair(cnp.ndarray gt, Index* ids, cnp.ndarray gp, Index* ix,
+                            Py_ssize_t m, cnp.ndarray g, int typenum,
+                            int n_threads) noexcept:
+    cdef Py_ssize_t V = cnp.PyArray_DIMS(gt)[0], L = cnp.PyArray_DIMS(gp)[0]
+    cdef Py_ssize_t d = cnp.PyArray_DIMS(gt)[1], N = ids.n
+    cdef void* tp = cnp.PyArray_DATA(gt)
+    cdef void* pp = cnp.PyArray_DATA(gp)
+    cdef const void* sp = cnp.PyArray_DATA(g)
+    cdef bint ok
+    cdef PyThreadState* gil = _release_gil(N * d)
+    if typenum == cnp.NPY_FLOAT:
+        ok = _scatter_pair(<float*>tp, V, ids.rows, <float*>pp, L, ix.rows, m,
+                           <const float*>sp, N, d, n_threads)
+    else:
+        ok = _scatter_pair(<double*>tp, V, ids.rows, <double*>pp, L, ix.rows, m,
+                           <const double*>sp, N, d, n_threads)
+    _take_gil(gil)
+    return ok
+
 # The scatter-add plans by name at module level too (tests force them).
 for _plan in ScatterPlan:
     globals()[_plan.name] = _plan

@@ -37,6 +37,10 @@ cdef extern from "_stream.h" nogil:
                      float* nacc, Py_ssize_t n)
     void cpe_acc_f64(double* acc, const double* src, const double* nxt, const double* far,
                      double* nacc, Py_ssize_t n)
+    void cpe_acc2_f32(float* acc1, float* acc2, const float* src, const float* nxt,
+                      float* nacc, Py_ssize_t n)
+    void cpe_acc2_f64(double* acc1, double* acc2, const double* src, const double* nxt,
+                      double* nacc, Py_ssize_t n)
 
 
 ctypedef fused real_t:
@@ -126,6 +130,15 @@ cdef inline void _acc_row(real_t* acc, const real_t* src, const real_t* nxt,
         cpe_acc_f32(acc, src, nxt, far, nacc, d)
     else:
         cpe_acc_f64(acc, src, nxt, far, nacc, d)
+
+
+cdef inline void _acc2_row(real_t* acc1, real_t* acc2, const real_t* src,
+                           const real_t* nxt, real_t* nacc, Py_ssize_t d) noexcept nogil:
+    # acc1 += src and acc2 += src in one pass over src (see _stream.h).
+    if real_t is float:
+        cpe_acc2_f32(acc1, acc2, src, nxt, nacc, d)
+    else:
+        cpe_acc2_f64(acc1, acc2, src, nxt, nacc, d)
 
 
 cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
@@ -519,3 +532,150 @@ cdef void _sgd_rows(real_t* table, const real_t* grad, const int64_t* rows, Py_s
     else:
         for i in prange(n, schedule="static", num_threads=n_threads):
             _sgd_row(table + rows[i] * d, grad + rows[i] * d, d, step)
+
+
+# ---- the token + position layer ------------------------------------------------
+
+
+cdef void _embed_block(const real_t* tokens, const int64_t* ids, const real_t* table,
+                       const int64_t* rows, real_t* out, Py_ssize_t lo, Py_ssize_t hi,
+                       Py_ssize_t m, Py_ssize_t d, int stream, int prefetch) noexcept nogil:
+    cdef Py_ssize_t i, j = lo % m
+    for i in range(lo, hi):
+        if prefetch and i + 1 < hi:
+            _prefetch_row(tokens + ids[i + 1] * d, d)
+        _add_row(tokens + ids[i] * d, table + rows[j] * d, out + i * d, d, stream)
+        j += 1
+        if j == m:
+            j = 0
+    if stream:
+        cpe_sfence()
+
+
+cdef void _embed(const real_t* tokens, const int64_t* ids, Py_ssize_t V,
+                 const real_t* table, const int64_t* rows, real_t* out, Py_ssize_t N,
+                 Py_ssize_t m, Py_ssize_t d, int n_threads, int stream) noexcept nogil:
+    # out[i, :] = tokens[ids[i], :] + table[rows[i % m], :] for i < N: the
+    # token rows are gathered at random from a vocabulary table far larger
+    # than the caches, so the next one is prefetched.
+    cdef int t
+    cdef int prefetch = V * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
+    if n_threads <= 1:
+        _embed_block(tokens, ids, table, rows, out, 0, N, m, d, stream, prefetch)
+    else:
+        for t in prange(n_threads, schedule="static", num_threads=n_threads):
+            _embed_block(tokens, ids, table, rows, out, _block_lo(N, t, n_threads),
+                         _block_lo(N, t + 1, n_threads), m, d, stream, prefetch)
+
+
+cdef void _count_owned(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int n_threads,
+                       int64_t* owner, int64_t* bounds) noexcept nogil:
+    # owner[r] (r < L) = the thread that owns table row r: rows are split into
+    # n_threads ranges holding about 1/n of the m contributions each, so a
+    # thread's share follows the work, not the row count (a Zipf-frequent
+    # token is one row with thousands of contributions). owner needs L + 1.
+    _count_rows(rows, m, L, owner)
+    _prefix_rows(L, owner)
+    _owner_bounds(owner, L, m, n_threads, bounds)
+    cdef int t
+    cdef Py_ssize_t r
+    for t in range(n_threads):
+        for r in range(bounds[t], bounds[t + 1]):
+            owner[r] = t
+
+
+cdef Py_ssize_t _collect_pair(const int64_t* ids, const int64_t* tok_owner,
+                              const int64_t* rows, const int64_t* pos_owner, Py_ssize_t N,
+                              Py_ssize_t m, int64_t t, int64_t* out) noexcept nogil:
+    # out[:n] = 2*i + (thread t owns i's token row) for every i (ascending)
+    # whose token row or position row thread t owns; n is returned.
+    # Branch-free: the test is a coin flip for random ids.
+    cdef Py_ssize_t i, j = 0, n = 0
+    cdef int64_t own_tok, own_pos
+    for i in range(N):
+        own_tok = tok_owner[ids[i]] == t
+        own_pos = pos_owner[rows[j]] == t
+        out[n] = 2 * i + own_tok
+        n += own_tok | own_pos
+        j += 1
+        if j == m:
+            j = 0
+    return n
+
+
+cdef void _sum_pair(real_t* gtok, const int64_t* ids, real_t* gpos, const int64_t* rows,
+                    const int64_t* pos_owner, int64_t t, const real_t* g,
+                    const int64_t* work, Py_ssize_t n, Py_ssize_t m,
+                    Py_ssize_t d) noexcept nogil:
+    # For each listed contribution i, ascending: gtok[ids[i]] += g[i] if this
+    # thread owns the token row, gpos[rows[i % m]] += g[i] if it owns the
+    # position row. One read of g[i] serves both (the second add finds it
+    # in L1). The next listed row is prefetched, and the next token row to
+    # add into.
+    cdef Py_ssize_t q, i, i1
+    cdef int64_t p
+    cdef const real_t* src
+    cdef const real_t* nxt
+    cdef real_t* nacc
+    for q in range(n):
+        i = work[q] >> 1
+        src = g + i * d
+        nxt = NULL
+        nacc = NULL
+        if q + 1 < n:
+            i1 = work[q + 1] >> 1
+            nxt = g + i1 * d
+            if work[q + 1] & 1:
+                nacc = gtok + ids[i1] * d
+        p = rows[i % m]
+        if not work[q] & 1:
+            _acc_row(gpos + p * d, src, nxt, NULL, nacc, d)
+        elif pos_owner[p] == t:
+            _acc2_row(gtok + ids[i] * d, gpos + p * d, src, nxt, nacc, d)
+        else:
+            _acc_row(gtok + ids[i] * d, src, nxt, NULL, nacc, d)
+
+
+cdef bint _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* gpos,
+                        Py_ssize_t L, const int64_t* rows, Py_ssize_t m, const real_t* g,
+                        Py_ssize_t N, Py_ssize_t d, int n_threads) noexcept nogil:
+    # Both gradients of the token + position layer from one pass over g:
+    # gtok[ids[i]] += g[i] and gpos[rows[i % m]] += g[i] for i < N, each
+    # table row summed in input order by one thread (bitwise np.add.at on
+    # each table). Thread t owns token rows and position rows holding about
+    # 1/n of each table's contributions, and reads, in order, every g[i] that
+    # either of its rows needs: with two threads about 1.5 reads of g in all.
+    # False (nothing written) if the scratch cannot be allocated.
+    cdef Py_ssize_t i, t_lo, t_n
+    cdef int t
+    cdef int64_t* tok_owner
+    cdef int64_t* pos_owner
+    cdef int64_t* bounds
+    cdef int64_t* work
+    if n_threads <= 1:
+        for i in range(N):
+            _acc2_row(gtok + ids[i] * d, gpos + rows[i % m] * d, g + i * d,
+                      g + (i + 1) * d if i + 1 < N else NULL,
+                      gtok + ids[i + 1] * d if i + 1 < N else NULL, d)
+        return True
+    tok_owner = <int64_t*>malloc((V + 1) * sizeof(int64_t))
+    pos_owner = <int64_t*>malloc((L + 1) * sizeof(int64_t))
+    bounds = <int64_t*>malloc((n_threads + 1) * sizeof(int64_t))
+    work = <int64_t*>malloc(n_threads * N * sizeof(int64_t))
+    if tok_owner == NULL or pos_owner == NULL or bounds == NULL or work == NULL:
+        free(tok_owner)
+        free(pos_owner)
+        free(bounds)
+        free(work)
+        return False
+    _count_owned(ids, N, V, n_threads, tok_owner, bounds)
+    _count_owned(rows, m, L, n_threads, pos_owner, bounds)
+    for t in prange(n_threads, schedule="static", num_threads=n_threads):
+        t_lo = t * N
+        t_n = _collect_pair(ids, tok_owner, rows, pos_owner, N, m, t, work + t_lo)
+        _sum_pair(gtok, ids, gpos, rows, pos_owner, t, g, work + t_lo, t_n, m, d)
+    free(tok_owner)
+    free(pos_owner)
+    free(bounds)
+    free(work)
+    return True

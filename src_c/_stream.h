@@ -247,6 +247,67 @@ static inline void cpe_acc_f64(double *acc, const double *src, const double *nxt
 #endif
     for (; k < n; k++) acc[k] += src[k];
 }
+/* Both accumulators of the token + position layer from one load of each
+ * source line: acc1 += src and acc2 += src (acc1 and acc2 distinct rows),
+ * with the prefetches of cpe_acc_*. Element k computes acc1[k] + src[k] and
+ * acc2[k] + src[k], so the bits are those of two cpe_acc_* calls. */
+static inline void cpe_acc2_f32(float *acc1, float *acc2, const float *src, const float *nxt,
+                                float *nacc, ptrdiff_t n) {
+    ptrdiff_t k = 0;
+#if CPE_HAVE_STREAM
+    for (; k + 16 <= n; k += 16) {
+        if (nxt) cpe_prefetch(nxt + k);
+        if (nacc) cpe_prefetch_w(nacc + k);
+        __m128 s0 = _mm_loadu_ps(src + k), s1 = _mm_loadu_ps(src + k + 4);
+        __m128 s2 = _mm_loadu_ps(src + k + 8), s3 = _mm_loadu_ps(src + k + 12);
+        __m128 a0 = _mm_add_ps(_mm_loadu_ps(acc1 + k), s0);
+        __m128 a1 = _mm_add_ps(_mm_loadu_ps(acc1 + k + 4), s1);
+        __m128 a2 = _mm_add_ps(_mm_loadu_ps(acc1 + k + 8), s2);
+        __m128 a3 = _mm_add_ps(_mm_loadu_ps(acc1 + k + 12), s3);
+        __m128 b0 = _mm_add_ps(_mm_loadu_ps(acc2 + k), s0);
+        __m128 b1 = _mm_add_ps(_mm_loadu_ps(acc2 + k + 4), s1);
+        __m128 b2 = _mm_add_ps(_mm_loadu_ps(acc2 + k + 8), s2);
+        __m128 b3 = _mm_add_ps(_mm_loadu_ps(acc2 + k + 12), s3);
+        _mm_storeu_ps(acc1 + k, a0);
+        _mm_storeu_ps(acc1 + k + 4, a1);
+        _mm_storeu_ps(acc1 + k + 8, a2);
+        _mm_storeu_ps(acc1 + k + 12, a3);
+        _mm_storeu_ps(acc2 + k, b0);
+        _mm_storeu_ps(acc2 + k + 4, b1);
+        _mm_storeu_ps(acc2 + k + 8, b2);
+        _mm_storeu_ps(acc2 + k + 12, b3);
+    }
+#else
+    (void)nxt;
+    (void)nacc;
+#endif
+    for (; k < n; k++) {
+        acc1[k] += src[k];
+        acc2[k] += src[k];
+    }
+}
+static inline void cpe_acc2_f64(double *acc1, double *acc2, const double *src,
+                                const double *nxt, double *nacc, ptrdiff_t n) {
+    ptrdiff_t k = 0;
+#if CPE_HAVE_STREAM
+    for (; k + 4 <= n; k += 4) {
+        if (nxt && (k & 7) == 0) cpe_prefetch(nxt + k);
+        if (nacc && (k & 7) == 0) cpe_prefetch_w(nacc + k);
+        __m128d s0 = _mm_loadu_pd(src + k), s1 = _mm_loadu_pd(src + k + 2);
+        _mm_storeu_pd(acc1 + k, _mm_add_pd(_mm_loadu_pd(acc1 + k), s0));
+        _mm_storeu_pd(acc1 + k + 2, _mm_add_pd(_mm_loadu_pd(acc1 + k + 2), s1));
+        _mm_storeu_pd(acc2 + k, _mm_add_pd(_mm_loadu_pd(acc2 + k), s0));
+        _mm_storeu_pd(acc2 + k + 2, _mm_add_pd(_mm_loadu_pd(acc2 + k + 2), s1));
+    }
+#else
+    (void)nxt;
+    (void)nacc;
+#endif
+    for (; k < n; k++) {
+        acc1[k] += src[k];
+        acc2[k] += src[k];
+    }
+}
 /* ---- machine-limit probes (cposembed._membench) ----------------------- */
 static inline void cpe_fill_f32(float *dst, ptrdiff_t n, float value, int stream) {
     ptrdiff_t k = 0;

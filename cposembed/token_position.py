@@ -1,0 +1,413 @@
+"""``TokenPositionEmbedding``: the whole input layer (token + position) on the C kernels."""
+
+from __future__ import annotations
+
+import os
+from typing import IO, Any, Union
+
+import numpy as np
+
+from . import _state
+from . import _validation as v
+from .embedding import LearnedPositionEmbedding, _learning_rate, _table_dtype
+from .functional import embed, embed_backward_marking
+
+PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
+
+# Version of the .npz layout written by save(); load() refuses newer ones.
+SAVE_FORMAT_VERSION = 1
+_SAVE_KIND = "cposembed.TokenPositionEmbedding"
+_PICKLE_VERSION = 1
+
+__all__ = ["TokenPositionEmbedding"]
+
+
+class TokenPositionEmbedding:
+    """Token and position embedding tables, looked up and added in one pass.
+
+    GPT-2's input layer ``wte[token_ids] + wpe[positions]`` with its gradient:
+    :meth:`__call__` is :func:`cposembed.embed`, :meth:`backward` is
+    :func:`cposembed.embed_backward` (both tables from one read of the
+    gradient, bitwise ``np.add.at``), and :meth:`sgd_step` updates the rows
+    some backward touched, in both tables.
+
+    Parameters
+    ----------
+    vocab_size : int
+        Number of tokens ``V`` (rows of the token table).
+    max_seq_len : int
+        Number of positions ``L`` (rows of the position table).
+    embed_dim : int
+        Embedding dimension ``d`` of both tables.
+    seed : int, optional
+        Seed of the initial draw. Both tables are drawn from one legacy NumPy
+        stream, ``RandomState(seed)`` (``seed=None``: the global legacy RNG,
+        as the handbook's class does), position table first:
+        ``randn(L, d) / sqrt(d)``, then ``randn(V, d) / sqrt(d)``, each cast
+        to ``dtype``. So the position table equals
+        ``LearnedPositionEmbedding(L, d, seed).embeddings``.
+    dtype : {numpy.float32, numpy.float64}, default float32
+        Dtype of both tables.
+    padding_idx : int, optional
+        A token id, as in ``torch.nn.Embedding``: its row starts at zero and
+        never receives gradient; looking it up still returns it. Negative
+        values count from the end.
+
+    Attributes
+    ----------
+    token_embeddings : ndarray of shape (vocab_size, embed_dim)
+        The live token table.
+    position_embeddings : ndarray of shape (max_seq_len, embed_dim)
+        The live position table.
+    token_grad, position_grad : ndarray or None
+        Accumulated gradients, ``None`` until the first :meth:`backward`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cposembed import TokenPositionEmbedding
+    >>> m = TokenPositionEmbedding(100, 16, 8, seed=0)
+    >>> ids = np.array([[5, 7, 7]])
+    >>> x = m(ids)
+    >>> x.shape
+    (1, 3, 8)
+    >>> bool(np.array_equal(x, m.token_embeddings[ids] + m.position_embeddings[:3]))
+    True
+    >>> _ = m.backward(np.ones_like(x), ids)
+    >>> m.sgd_step(0.1)
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_seq_len: int,
+        embed_dim: int,
+        seed: Any = None,
+        *,
+        dtype: Any = np.float32,
+        padding_idx: int | None = None,
+    ) -> None:
+        n_tokens = v.check_int(vocab_size, "vocab_size", min_value=1)
+        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1)
+        d = v.check_int(embed_dim, "embed_dim", min_value=1)
+        dt = _table_dtype(dtype)
+        rng = np.random if seed is None else np.random.RandomState(seed)
+        scale = 1.0 / np.sqrt(d)
+        positions = rng.randn(n_rows, d) * scale
+        tokens = rng.randn(n_tokens, d) * scale
+        self._tokens = LearnedPositionEmbedding.from_pretrained(
+            tokens, dtype=dt, padding_idx=padding_idx
+        )
+        if self._tokens.padding_idx is not None:
+            self._tokens.embeddings[self._tokens.padding_idx] = 0
+        self._positions = LearnedPositionEmbedding.from_pretrained(positions, dtype=dt)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        token_table: Any,
+        position_table: Any,
+        *,
+        dtype: Any = np.float32,
+        padding_idx: int | None = None,
+    ) -> TokenPositionEmbedding:
+        """Build one around copies of existing tables (GPT-2's ``wte`` and ``wpe``).
+
+        Parameters
+        ----------
+        token_table : array_like of shape (V, d)
+            Any array-like of real numbers, including a framework tensor that
+            requires grad (its values are copied).
+        position_table : array_like of shape (L, d)
+            The same, with the same ``d``.
+        dtype : {numpy.float32, numpy.float64}, default float32
+            Dtype of both tables.
+        padding_idx : int, optional
+            A token id whose row keeps its value (it is not zeroed, as in
+            ``torch.nn.Embedding.from_pretrained``) and never receives gradient.
+
+        Returns
+        -------
+        TokenPositionEmbedding
+        """
+        tokens = LearnedPositionEmbedding.from_pretrained(
+            token_table, dtype=dtype, padding_idx=padding_idx
+        )
+        positions = LearnedPositionEmbedding.from_pretrained(position_table, dtype=dtype)
+        if tokens.embed_dim != positions.embed_dim:
+            raise ValueError(
+                f"token_table and position_table must share embed_dim; got "
+                f"{tokens.embed_dim} and {positions.embed_dim}"
+            )
+        self = cls.__new__(cls)
+        self._tokens = tokens
+        self._positions = positions
+        return self
+
+    # -- the tables ----------------------------------------------------------
+    @property
+    def token_embeddings(self) -> np.ndarray:
+        """The live token table ``(V, d)``: C-contiguous, writable."""
+        return self._tokens.embeddings
+
+    @token_embeddings.setter
+    def token_embeddings(self, value: Any) -> None:
+        self._tokens.embeddings = value
+
+    @property
+    def position_embeddings(self) -> np.ndarray:
+        """The live position table ``(L, d)``: C-contiguous, writable."""
+        return self._positions.embeddings
+
+    @position_embeddings.setter
+    def position_embeddings(self, value: Any) -> None:
+        self._positions.embeddings = value
+
+    @property
+    def token_grad(self) -> np.ndarray | None:
+        """The token table's accumulated gradient, or None before the first backward."""
+        return self._tokens.grad
+
+    @token_grad.setter
+    def token_grad(self, value: np.ndarray | None) -> None:
+        self._tokens.grad = value
+
+    @property
+    def position_grad(self) -> np.ndarray | None:
+        """The position table's accumulated gradient, or None before the first backward."""
+        return self._positions.grad
+
+    @position_grad.setter
+    def position_grad(self, value: np.ndarray | None) -> None:
+        self._positions.grad = value
+
+    @property
+    def padding_idx(self) -> int | None:
+        """The token id that gets no gradient (normalised to ``[0, V)``), or None."""
+        return self._tokens.padding_idx
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens ``V``."""
+        return self._tokens.max_seq_len
+
+    @property
+    def max_seq_len(self) -> int:
+        """Number of positions ``L``."""
+        return self._positions.max_seq_len
+
+    @property
+    def embed_dim(self) -> int:
+        """Embedding dimension ``d``."""
+        return self._tokens.embed_dim
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Dtype of both tables."""
+        return self._tokens.dtype
+
+    # -- forward and backward -------------------------------------------------
+    def __call__(
+        self,
+        token_ids: Any,
+        positions: Any = None,
+        *,
+        offset: int = 0,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """``token_embeddings[token_ids] + position_embeddings[positions]``, in one pass.
+
+        Parameters
+        ----------
+        token_ids : int, array_like of int
+            Shape ``(..., T)``.
+        positions : array_like of int, optional
+            Must broadcast to ``token_ids.shape``; ``None`` means
+            ``offset + arange(T)``.
+        offset : int, default 0
+            Tokens already seen (incremental decoding); only with ``positions=None``.
+        out : ndarray, optional
+            Destination of shape ``token_ids.shape + (embed_dim,)``.
+
+        Returns
+        -------
+        ndarray
+            See :func:`cposembed.embed`.
+        """
+        return embed(
+            token_ids,
+            self._tokens.embeddings,
+            self._positions.embeddings,
+            positions,
+            offset=offset,
+            out=out,
+        )
+
+    def backward(
+        self, grad_output: Any, token_ids: Any, positions: Any = None, *, offset: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Accumulate both tables' gradients of :meth:`__call__` from one read of ``grad_output``.
+
+        Parameters
+        ----------
+        grad_output : array_like of shape token_ids.shape + (embed_dim,)
+            Gradient of the loss with respect to the output.
+        token_ids : int, array_like of int
+            The token ids of the forward call.
+        positions : array_like of int, optional
+            The positions of the forward call (``None``: ``offset + arange(T)``).
+        offset : int, default 0
+            Only with ``positions=None``.
+
+        Returns
+        -------
+        (ndarray, ndarray)
+            :attr:`token_grad` and :attr:`position_grad`. Bitwise the same for
+            any thread count; the ``padding_idx`` row gets no gradient.
+        """
+        token_grad, token_touched = self._tokens._grad_to_accumulate()
+        position_grad, position_touched = self._positions._grad_to_accumulate()
+        embed_backward_marking(
+            token_grad,
+            position_grad,
+            grad_output,
+            token_ids,
+            positions,
+            offset,
+            None,
+            token_touched,
+            position_touched,
+            self._tokens._skip_row,
+        )
+        self._tokens._keep_grad(token_grad, token_touched)
+        self._positions._keep_grad(position_grad, position_touched)
+        return token_grad, position_grad
+
+    def zero_grad(self) -> None:
+        """Reset both gradients to zeros (keeping their buffers)."""
+        self._tokens.zero_grad()
+        self._positions.zero_grad()
+
+    def sgd_step(self, lr: float) -> None:
+        """One plain SGD step on both tables, on the rows some backward touched.
+
+        Bitwise ``table -= lr * grad`` for each table (see
+        :meth:`LearnedPositionEmbedding.sgd_step`); only rows touched since the
+        last :meth:`zero_grad` are visited, so a step costs the batch's
+        distinct tokens, not the vocabulary.
+
+        Parameters
+        ----------
+        lr : float
+            Learning rate: any finite real number.
+        """
+        # Everything is checked before either table moves.
+        _learning_rate(lr)
+        self._tokens._sgd_grad()
+        self._positions._sgd_grad()
+        self._tokens.sgd_step(lr)
+        self._positions.sgd_step(lr)
+
+    # -- saving and pickle -----------------------------------------------------
+    def save(self, path: PathOrFile) -> None:
+        """Write both tables and the settings to ``path`` as an ``.npz`` archive.
+
+        Parameters
+        ----------
+        path : str, path-like or binary file
+            Exactly this file name (no ``.npz`` suffix is appended), or an
+            open binary file. The gradients are not stored (pickle keeps them).
+        """
+        arrays: dict[str, Any] = {
+            "kind": np.array(_SAVE_KIND),
+            "format_version": np.array(SAVE_FORMAT_VERSION, dtype=np.int64),
+            "token_embeddings": self.token_embeddings,
+            "position_embeddings": self.position_embeddings,
+            "dtype": np.array(self.dtype.name),
+            "padding_idx": np.array(
+                -1 if self.padding_idx is None else self.padding_idx, dtype=np.int64
+            ),
+        }
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            np.savez(path, **arrays)
+            return
+        with open(os.fspath(path), "wb") as f:
+            np.savez(f, **arrays)
+
+    @classmethod
+    def load(cls, path: PathOrFile) -> TokenPositionEmbedding:
+        """Read back what :meth:`save` wrote (exactly ``path``, or an open binary file).
+
+        Parameters
+        ----------
+        path : str, path-like or binary file
+
+        Returns
+        -------
+        TokenPositionEmbedding
+
+        Raises
+        ------
+        ValueError
+            The file is not one :meth:`save` wrote, or is damaged or truncated.
+        """
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return cls._from_npz(path, repr(path))
+        name = os.fspath(path)
+        with open(name, "rb") as f:
+            return cls._from_npz(f, repr(name))
+
+    @classmethod
+    def _from_npz(cls, f: IO[bytes], name: str) -> TokenPositionEmbedding:
+        tables, pad = _state.read_tables(
+            f,
+            name,
+            _SAVE_KIND,
+            SAVE_FORMAT_VERSION,
+            ("token_embeddings", "position_embeddings"),
+        )
+        tokens, positions = tables
+        if tokens.dtype != positions.dtype or tokens.shape[1] != positions.shape[1]:
+            raise ValueError(f"{name}: the two tables differ in dtype or embed_dim")
+        return cls.from_pretrained(tokens, positions, dtype=tokens.dtype, padding_idx=pad)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "version": _PICKLE_VERSION,
+            "tokens": self._tokens.__getstate__(),
+            "positions": self._positions.__getstate__(),
+        }
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict) or set(state) != {"version", "tokens", "positions"}:
+            raise ValueError(
+                "not a pickled TokenPositionEmbedding state (expected the keys "
+                f"version, tokens, positions); got {v.describe(state)}"
+            )
+        version = state["version"]
+        if type(version) is not int or not 1 <= version <= _PICKLE_VERSION:
+            raise ValueError(
+                f"pickled TokenPositionEmbedding state has version {version!r}; this "
+                f"cposembed reads 1 to {_PICKLE_VERSION}"
+            )
+        tokens = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)
+        tokens.__setstate__(state["tokens"])
+        positions = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)
+        positions.__setstate__(state["positions"])
+        if positions.padding_idx is not None or tokens.embed_dim != positions.embed_dim:
+            raise ValueError(
+                "pickled TokenPositionEmbedding state: the position table has a "
+                "padding_idx or another embed_dim than the token table"
+            )
+        if tokens.dtype != positions.dtype:
+            raise ValueError("pickled TokenPositionEmbedding state: the tables differ in dtype")
+        self._tokens = tokens
+        self._positions = positions
+
+    def __repr__(self) -> str:
+        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return (
+            f"{type(self).__name__}(vocab_size={self.vocab_size}, "
+            f"max_seq_len={self.max_seq_len}, embed_dim={self.embed_dim}, "
+            f"dtype={self.dtype.name}{pad})"
+        )
