@@ -15,7 +15,7 @@ NumPy class, plain NumPy (``np.take``, ``tok + P[pos]``, ``np.add.at``) and,
 when it is installed, PyTorch's CPU ops. Outputs are checked equal to each
 peer's before timing.
 
-Options: ``--quick`` (a few seconds, a smoke test for CI), ``--table L D``,
+Options: ``--quick`` (a few seconds, a smoke test for CI), ``--table L D``, ``--vocab V``,
 ``--batch B T``, ``--threads N``, ``--repeats R``, ``--dtype``, ``--json FILE``,
 ``--no-torch``, ``--only NAME...``. Progress goes to stderr, the table to stdout,
 ending with a one-line summary (targets met and missed, output check
@@ -41,7 +41,7 @@ import numpy as np
 
 from . import _membench, _threads
 from .embedding import LearnedPositionEmbedding
-from .functional import add_positions, lookup, scatter_add
+from .functional import add_positions, embed, embed_backward, lookup, scatter_add
 from .reference import LearnedPositionEmbedding as ReferenceEmbedding
 
 OURS = "cposembed"
@@ -84,6 +84,12 @@ TARGETS: dict[tuple[str, str], float] = {
     ("backward vs scatter_add (4, 100, d)", "scatter_add"): 1.3,
     ("backward vs scatter_add (B, T, d)", "scatter_add"): 1.3,
     ("decode batched: add_to((8,1,d), pos (8,1))", "numpy tok + table[pos]"): 1.0,
+    # The whole input layer (issue 11), GPT-2 sizes, Zipf-like token ids.
+    ("embed(out=)", "limit: streaming fill"): 1.15,
+    ("embed(out=)", "torch index_select(out=) + add_"): 0.4,
+    ("embed", "numpy wte[ids] + wpe[:T]"): 0.15,
+    ("embed_backward", "limit: read once"): 1.8,
+    ("embed_backward", "torch index_add_ + batch sum"): 0.35,
 }
 
 # The names --only takes, in the order the comparisons run (threads_* only
@@ -103,6 +109,9 @@ GROUP_NAMES = (
     "threads_scatter",
     "tiny",
     "decode_batched",
+    "embed_out",
+    "embed_alloc",
+    "embed_backward",
 )
 
 
@@ -184,14 +193,16 @@ def _time_tiny(group: Group, repeats: int, budget_s: float = 0.005) -> None:
         c.times = sorted(c.times)[: max(3, len(c.times) // 3)]
 
 
-def _same(a: Any, b: Any) -> str:
+def _same(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> str:
+    """How ``a`` compares with ``b``. Sums of many terms in another order (a
+    peer's) need a looser tolerance: pass one scaled to the number of terms."""
     a = np.asarray(a)
     b = np.asarray(b)
     if a.shape != b.shape:
         return f"MISMATCH shape {a.shape} vs {b.shape}"
     if np.array_equal(a, b):
         return "equal"
-    if np.allclose(a, b, rtol=1e-5, atol=1e-6):
+    if np.allclose(a, b, rtol=rtol, atol=atol):
         diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
         return f"close (max |diff| {diff:.1e})"
     return "MISMATCH"
@@ -562,6 +573,101 @@ def build_groups(
         out_groups.append(backward_vs_scatter("(B, T, d)", gout, pos_rand, tiny=False))
         return out_groups
 
+    # The whole input layer: GPT-2's vocabulary (--vocab), a position table
+    # of at least T rows, token ids drawn Zipf-like (exponent 1.2: about
+    # 7,400 distinct ids in 32 x 1024, the most frequent thousands of times).
+    layer: dict[str, Any] = {}
+
+    def layer_arrays() -> dict[str, Any]:
+        if not layer:
+            n_pos = max(T, min(L, 1024))
+            layer["wte"] = np.random.default_rng(1).standard_normal((args.vocab, d)).astype(dt)
+            layer["wpe"] = np.ascontiguousarray(np.resize(P, (n_pos, d)))
+            zipf = np.random.default_rng(2).zipf(1.2, size=(B, T))
+            layer["ids"] = (zipf - 1) % args.vocab
+        return layer
+
+    def g_embed_out() -> Group:
+        a = layer_arrays()
+        wte, wpe, ids = a["wte"], a["wpe"], a["ids"]
+        cs = [
+            Contender(OURS, lambda: embed(ids, wte, wpe, out=out, num_threads=nt), rows_bytes),
+            Contender(
+                "limit: streaming fill", lambda: _membench.fill(probe_dst, probe_nt), rows_bytes
+            ),
+        ]
+        mine = embed(ids, wte, wpe)
+        if t_ is not None:
+            wte_t, wpe_t = t_.from_numpy(wte), t_.from_numpy(wpe)
+            ids_t = t_.from_numpy(ids.reshape(-1))
+            o2 = out_t.view(B, T, d)
+            o_flat = out_t.view(B * T, d)
+
+            def theirs() -> None:
+                t_.index_select(wte_t, 0, ids_t, out=o_flat)
+                o2.add_(wpe_t[:T])
+
+            cs.append(Contender("torch index_select(out=) + add_", theirs, rows_bytes))
+            theirs()
+            cs[-1].check = _same(mine, out)
+        return Group(
+            "embed(out=)",
+            cs,
+            f"vocab {args.vocab}, ids ({B}, {T}) Zipf 1.2 "
+            f"({len(np.unique(ids))} distinct), positions=None",
+        )
+
+    def g_embed_alloc() -> Group:
+        a = layer_arrays()
+        wte, wpe, ids = a["wte"], a["wpe"], a["ids"]
+        cs = [
+            Contender(OURS, lambda: embed(ids, wte, wpe, num_threads=nt), rows_bytes),
+            Contender("numpy wte[ids] + wpe[:T]", lambda: wte[ids] + wpe[:T], rows_bytes),
+        ]
+        cs[1].check = _same(embed(ids, wte, wpe), wte[ids] + wpe[:T])
+        return Group("embed", cs, "allocating the output")
+
+    def g_embed_backward() -> Group:
+        a = layer_arrays()
+        wte, wpe, ids = a["wte"], a["wpe"], a["ids"]
+        g_wte, g_wpe = np.zeros_like(wte), np.zeros_like(wpe)
+        cs = [
+            Contender(
+                OURS,
+                lambda: embed_backward(g_wte, g_wpe, gout, ids, num_threads=nt),
+                rows_bytes,
+            ),
+            Contender(
+                "limit: read once", lambda: _membench.read_sum(probe_grad, probe_nt), rows_bytes
+            ),
+        ]
+        if t_ is not None:
+            gt_t = t_.zeros(wte.shape, dtype=tdt)
+            gp_t = t_.zeros(wpe.shape, dtype=tdt)
+            ids_t = t_.from_numpy(ids.reshape(-1))
+            g_flat = gout_t.reshape(B * T, d)
+
+            def theirs() -> None:
+                gt_t.index_add_(0, ids_t, g_flat)
+                gp_t[:T].add_(gout_t.sum(0))
+
+            cs.append(Contender("torch index_add_ + batch sum", theirs, rows_bytes))
+            a_t, a_p = np.zeros_like(wte), np.zeros_like(wpe)
+            embed_backward(a_t, a_p, gout, ids)
+            gt_t.zero_()
+            gp_t.zero_()
+            theirs()
+            # torch sums each row in its own order: a frequent token's
+            # thousands of float32 terms round differently.
+            terms = int(np.bincount(ids.ravel()).max())
+            cs[-1].check = _same(
+                np.concatenate([a_t, a_p]),
+                np.concatenate([gt_t.numpy(), gp_t.numpy()]),
+                rtol=1e-6 * terms,
+                atol=1e-6 * terms,
+            )
+        return Group("embed_backward", cs, "both tables, positions=None")
+
     groups: list[tuple[str, Callable[[], Group | list[Group]]]] = [
         ("lookup", g_lookup),
         ("pe_alloc", g_pe_alloc),
@@ -580,6 +686,11 @@ def build_groups(
             ("threads_scatter", lambda: g_threads("scatter")),
         ]
     groups += [("tiny", g_tiny), ("decode_batched", g_decode_batched)]
+    groups += [
+        ("embed_out", g_embed_out),
+        ("embed_alloc", g_embed_alloc),
+        ("embed_backward", g_embed_backward),
+    ]
     return groups
 
 
@@ -760,6 +871,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="threads for cposembed, the limits and torch (default: all)",
     )
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="token table rows for the embed rows (default 50257, GPT-2's vocabulary)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 21)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -776,6 +893,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.table = args.table or [256, 64]
         args.batch = args.batch or [4, 128]
         args.repeats = args.repeats or 3
+        args.vocab = args.vocab or 1000
+    args.vocab = args.vocab or 50257
     args.table = args.table or [2048, 768]
     args.batch = args.batch or [32, 1024]
     args.repeats = args.repeats or 21
@@ -785,8 +904,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"{name} sizes must be positive; got {vals}")
     if args.table[0] < args.batch[1]:
         p.error(f"--table L ({args.table[0]}) must be >= T ({args.batch[1]})")
-    if args.repeats < 1 or args.threads < 1:
-        p.error("--repeats and --threads must be positive")
+    if args.repeats < 1 or args.threads < 1 or args.vocab < 1:
+        p.error("--repeats, --threads and --vocab must be positive")
     return args
 
 
