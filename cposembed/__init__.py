@@ -12,9 +12,11 @@ from ._version import __version__
 from .embedding import LearnedPositionEmbedding
 from .functional import add_positions, embed, embed_backward, lookup, scatter_add
 from .masks import positions_from_mask
+from .token_position import TokenPositionEmbedding
 
 __all__ = [
     "LearnedPositionEmbedding",
+    "TokenPositionEmbedding",
     "__version__",
     "add_positions",
     "embed",

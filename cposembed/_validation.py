@@ -149,7 +149,7 @@ def as_positions(positions: Any, n_rows: int, what: str = "position") -> np.ndar
                 _check_huge_ints(positions, n_rows, what)
     if arr is not None and arr.dtype.kind in "iu":
         return _from_int_array(arr, n_rows, what)
-    return _from_general(positions, n_rows)
+    return _from_general(positions, n_rows, what)
 
 
 def _from_int_array(arr: np.ndarray, n_rows: int, what: str) -> np.ndarray:
@@ -180,7 +180,7 @@ def _check_huge_ints(positions: list, n_rows: int, what: str) -> None:
                 raise range_error(int(x), n_rows, what)
 
 
-def _from_general(positions: Any, n_rows: int) -> np.ndarray | None:
+def _from_general(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
     # An index that may also address the embedding axis: a tuple (one index
     # per axis) or a boolean mask of more than one dimension.
     multi_axis = isinstance(positions, tuple) or (
@@ -195,7 +195,8 @@ def _from_general(positions: Any, n_rows: int) -> np.ndarray | None:
     except IndexError as exc:
         if multi_axis:
             return None
-        raise IndexError(f"invalid positions ({exc}); got {describe(positions)}") from None
+        label = "positions" if what == "position" else "token_ids"
+        raise IndexError(f"invalid {label} ({exc}); got {describe(positions)}") from None
     return np.array(rows, dtype=_INT64, order="C", copy=True)
 
 

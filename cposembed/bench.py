@@ -15,9 +15,12 @@ NumPy class, plain NumPy (``np.take``, ``tok + P[pos]``, ``np.add.at``) and,
 when it is installed, PyTorch's CPU ops. Outputs are checked equal to each
 peer's before timing.
 
-Options: ``--quick`` (a few seconds, a smoke test for CI), ``--table L D``,
+Options: ``--quick`` (a few seconds, a smoke test for CI), ``--table L D``, ``--vocab V``,
 ``--batch B T``, ``--threads N``, ``--repeats R``, ``--dtype``, ``--json FILE``,
-``--no-torch``, ``--only NAME...``. Progress goes to stderr, the table to stdout.
+``--no-torch``, ``--only NAME...``. Progress goes to stderr, the table to stdout,
+ending with a one-line summary (targets met and missed, output check
+mismatches). A ``--quick`` run measures at small sizes, where the targets
+(set for the full sizes) say nothing: it reports them as ``n/a (quick)``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import numpy as np
 
 from . import _membench, _threads
 from .embedding import LearnedPositionEmbedding
-from .functional import add_positions, lookup, scatter_add
+from .functional import add_positions, embed, embed_backward, lookup, scatter_add
 from .reference import LearnedPositionEmbedding as ReferenceEmbedding
 
 OURS = "cposembed"
@@ -67,7 +70,49 @@ TARGETS: dict[tuple[str, str], float] = {
     ("tiny: pe(arange(10))", "reference"): 0.6,
     ("tiny: pe(4x128 array)", "reference"): 0.3,
     ("tiny: add_to((1,1,d), offset=i)", "numpy tok + table[i]"): 1.2,
+    # The scalar and list forms NumPy users pass, explicit positions on small
+    # calls, batched decoding, the class's backward against the function it wraps.
+    ("tiny: pe(np.int64(5))", "reference"): 1.3,
+    ("tiny: pe(positions[i])", "reference"): 1.3,
+    ("tiny: pe([np.int64(1), np.int64(2)])", "reference"): 0.6,
+    ("tiny: add_to((1,1,d), offset=np.int64(i))", "numpy tok + table[i]"): 1.2,
+    ("add_to explicit (4, 1, d)", "numpy tok + P[pos]"): 1.0,
+    ("add_to explicit (32, 1, d)", "numpy tok + P[pos]"): 1.0,
+    ("add_to explicit (4, 100, d)", "numpy tok + P[pos]"): 0.7,
+    ("backward vs scatter_add (4, 1, d)", "scatter_add"): 1.3,
+    ("backward vs scatter_add (32, 1, d)", "scatter_add"): 1.3,
+    ("backward vs scatter_add (4, 100, d)", "scatter_add"): 1.3,
+    ("backward vs scatter_add (B, T, d)", "scatter_add"): 1.3,
+    ("decode batched: add_to((8,1,d), pos (8,1))", "numpy tok + table[pos]"): 1.0,
+    # The whole input layer (issue 11), GPT-2 sizes, Zipf-like token ids.
+    ("embed(out=)", "limit: streaming fill"): 1.15,
+    ("embed(out=)", "torch index_select(out=) + add_"): 0.4,
+    ("embed", "numpy wte[ids] + wpe[:T]"): 0.15,
+    ("embed_backward", "limit: read once"): 1.8,
+    ("embed_backward", "torch index_add_ + batch sum"): 0.35,
 }
+
+# The names --only takes, in the order the comparisons run (threads_* only
+# with more than one thread).
+GROUP_NAMES = (
+    "lookup",
+    "pe_alloc",
+    "add_out",
+    "add_inplace",
+    "add_to",
+    "add_to_explicit",
+    "scatter_arange",
+    "scatter_random",
+    "backward_vs_scatter",
+    "fwd_bwd",
+    "threads_lookup",
+    "threads_scatter",
+    "tiny",
+    "decode_batched",
+    "embed_out",
+    "embed_alloc",
+    "embed_backward",
+)
 
 
 @dataclass
@@ -88,6 +133,8 @@ class Group:
     op: str
     contenders: list[Contender]
     note: str = ""
+    # Microsecond calls: timed in batches of calls (_time_tiny), not one by one.
+    tiny: bool = False
 
 
 def _progress(msg: str) -> None:
@@ -146,14 +193,16 @@ def _time_tiny(group: Group, repeats: int, budget_s: float = 0.005) -> None:
         c.times = sorted(c.times)[: max(3, len(c.times) // 3)]
 
 
-def _same(a: Any, b: Any) -> str:
+def _same(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> str:
+    """How ``a`` compares with ``b``. Sums of many terms in another order (a
+    peer's) need a looser tolerance: pass one scaled to the number of terms."""
     a = np.asarray(a)
     b = np.asarray(b)
     if a.shape != b.shape:
         return f"MISMATCH shape {a.shape} vs {b.shape}"
     if np.array_equal(a, b):
         return "equal"
-    if np.allclose(a, b, rtol=1e-5, atol=1e-6):
+    if np.allclose(a, b, rtol=rtol, atol=atol):
         diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
         return f"close (max |diff| {diff:.1e})"
     return "MISMATCH"
@@ -170,8 +219,13 @@ def _try_torch(enabled: bool, n_threads: int) -> Any:
     return torch
 
 
-def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callable[[], Group]]]:
-    """(name, factory) per comparison; factories allocate lazily to save memory."""
+def build_groups(
+    args: argparse.Namespace, torch: Any
+) -> list[tuple[str, Callable[[], Group | list[Group]]]]:
+    """(name, factory) per comparison, in GROUP_NAMES order.
+
+    Factories allocate lazily to save memory.
+    """
     L, d = args.table
     B, T = args.batch
     nt = args.threads
@@ -203,8 +257,6 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
         tok_t = t_.from_numpy(tok)
         gout_t = t_.from_numpy(gout)
         out_t = t_.from_numpy(out)
-
-    groups: list[tuple[str, Callable[[], Group]]] = []
 
     def g_lookup() -> Group:
         cs = [
@@ -401,42 +453,231 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
         cs = [Contender(OURS, run(nt), nbytes), Contender("1 thread", run(1), nbytes)] + extra
         return Group(op, cs, f"{nt} threads vs 1")
 
-    def g_tiny() -> list[Group]:
+    def small_pair(
+        op: str, mine: Callable[[], Any], theirs: Callable[[], Any], name: str, note: str
+    ) -> Group:
+        """A per-call comparison whose outputs must be equal (in the table's dtype)."""
+        cs = [Contender(OURS, mine, 0), Contender(name, theirs, 0)]
+        cs[1].check = _same(mine(), np.asarray(theirs()).astype(dt))
+        return Group(op, cs, note, tiny=True)
+
+    def tiny_table() -> tuple[LearnedPositionEmbedding, Any]:
+        """The handbook's 128 x 64 table, ours and the reference's."""
         tp = LearnedPositionEmbedding(128, 64, seed=42, dtype=dt)
         state = np.random.get_state()
         tr = ReferenceEmbedding(128, 64, seed=42)
         np.random.set_state(state)
+        return tp, tr
+
+    def g_tiny() -> list[Group]:
+        tp, tr = tiny_table()
         table = tp.embeddings
         a10 = np.arange(10)
         a4 = np.random.default_rng(1).integers(0, 128, size=(4, 128))
         t1 = np.random.default_rng(2).standard_normal((1, 1, 64)).astype(dt)
+        i5 = np.int64(5)
+        pos_i64 = np.arange(128, dtype=np.int64)
+        two = [np.int64(1), np.int64(2)]
+        off17 = np.int64(17)
+        return [
+            small_pair(op, mine, theirs, name, "128 x 64 table, per call")
+            for op, mine, theirs, name in [
+                ("tiny: pe(5)", lambda: tp(5), lambda: tr(5), "reference"),
+                ("tiny: pe(np.int64(5))", lambda: tp(i5), lambda: tr(i5), "reference"),
+                (
+                    "tiny: pe(positions[i])",
+                    lambda: tp(pos_i64[7]),
+                    lambda: tr(pos_i64[7]),
+                    "reference",
+                ),
+                ("tiny: pe([0])", lambda: tp([0]), lambda: tr([0]), "reference"),
+                (
+                    "tiny: pe([np.int64(1), np.int64(2)])",
+                    lambda: tp(two),
+                    lambda: tr(two),
+                    "reference",
+                ),
+                ("tiny: pe(arange(10))", lambda: tp(a10), lambda: tr(a10), "reference"),
+                ("tiny: pe(4x128 array)", lambda: tp(a4), lambda: tr(a4), "reference"),
+                (
+                    "tiny: add_to((1,1,d), offset=i)",
+                    lambda: tp.add_to(t1, offset=77),
+                    lambda: t1 + table[77],
+                    "numpy tok + table[i]",
+                ),
+                (
+                    "tiny: add_to((1,1,d), offset=np.int64(i))",
+                    lambda: tp.add_to(t1, offset=off17),
+                    lambda: t1 + table[17],
+                    "numpy tok + table[i]",
+                ),
+            ]
+        ]
+
+    def g_decode_batched() -> Group:
+        tp, _ = tiny_table()
+        table = tp.embeddings
+        rng8 = np.random.default_rng(3)
+        tok8 = rng8.standard_normal((8, 1, 64)).astype(dt)
+        pos8 = rng8.integers(0, 128, size=(8, 1), dtype=np.int64)
+        return small_pair(
+            "decode batched: add_to((8,1,d), pos (8,1))",
+            lambda: tp.add_to(tok8, pos8),
+            lambda: tok8 + table[pos8],
+            "numpy tok + table[pos]",
+            "128 x 64 table, 8 rows at their own positions, per call",
+        )
+
+    # (B, T) of the small calls: decode steps of 4 and 32 rows, a short prefill.
+    small_sizes = [(4, 1), (32, 1), (4, 100)]
+
+    def add_to_explicit(b: int, t: int) -> Group:
+        tok_s = rng.standard_normal((b, t, d)).astype(dt)
+        pos_s = rng.integers(0, L, size=(b, t), dtype=np.int64)
+        return small_pair(
+            f"add_to explicit ({b}, {t}, d)",
+            lambda: pe.add_to(tok_s, pos_s),
+            lambda: tok_s + P[pos_s],
+            "numpy tok + P[pos]",
+            f"{L} x {d} table, positions ({b}, {t}) random int64, per call",
+        )
+
+    def g_add_to_explicit() -> list[Group]:
+        return [add_to_explicit(b, t) for b, t in small_sizes]
+
+    def backward_vs_scatter(label: str, g_s: np.ndarray, pos_s: np.ndarray, tiny: bool) -> Group:
+        pe_b = LearnedPositionEmbedding(L, d, seed=0, dtype=dt)
+        G = np.zeros_like(P)
+        # Checked from zero; then both keep accumulating into their gradient,
+        # so the timed calls do the same work and no table-sized reset hides
+        # the per-call cost of the small ones.
+        ours = pe_b.backward(g_s, pos_s)
+        cs = [
+            Contender(OURS, lambda: pe_b.backward(g_s, pos_s), g_s.nbytes),
+            Contender("scatter_add", lambda: scatter_add(G, g_s, pos_s), g_s.nbytes),
+        ]
+        cs[1].check = _same(ours, scatter_add(G, g_s, pos_s))
+        note = (
+            f"pe.backward(g, pos) vs scatter_add(G, g, pos), accumulating; "
+            f"positions {pos_s.shape} random"
+        )
+        return Group(f"backward vs scatter_add {label}", cs, note, tiny=tiny)
+
+    def g_backward_vs_scatter() -> list[Group]:
         out_groups = []
-        for op, mine, theirs, name in [
-            ("tiny: pe(5)", lambda: tp(5), lambda: tr(5), "reference"),
-            ("tiny: pe([0])", lambda: tp([0]), lambda: tr([0]), "reference"),
-            ("tiny: pe(arange(10))", lambda: tp(a10), lambda: tr(a10), "reference"),
-            ("tiny: pe(4x128 array)", lambda: tp(a4), lambda: tr(a4), "reference"),
-            (
-                "tiny: add_to((1,1,d), offset=i)",
-                lambda: tp.add_to(t1, offset=77),
-                lambda: t1 + table[77],
-                "numpy tok + table[i]",
-            ),
-        ]:
-            cs = [Contender(OURS, mine, 0), Contender(name, theirs, 0)]
-            expect = theirs()
-            cs[1].check = _same(mine(), np.asarray(expect).astype(dt))
-            out_groups.append(Group(op, cs, "128 x 64 table, per call"))
+        for b, t in small_sizes:
+            g_s = rng.standard_normal((b, t, d)).astype(dt)
+            pos_s = rng.integers(0, L, size=(b, t), dtype=np.int64)
+            out_groups.append(backward_vs_scatter(f"({b}, {t}, d)", g_s, pos_s, tiny=True))
+        # The full batch, on the arrays the other groups use.
+        out_groups.append(backward_vs_scatter("(B, T, d)", gout, pos_rand, tiny=False))
         return out_groups
 
-    groups += [
+    # The whole input layer: GPT-2's vocabulary (--vocab), a position table
+    # of at least T rows, token ids drawn Zipf-like (exponent 1.2: about
+    # 7,400 distinct ids in 32 x 1024, the most frequent thousands of times).
+    layer: dict[str, Any] = {}
+
+    def layer_arrays() -> dict[str, Any]:
+        if not layer:
+            n_pos = max(T, min(L, 1024))
+            layer["wte"] = np.random.default_rng(1).standard_normal((args.vocab, d)).astype(dt)
+            layer["wpe"] = np.ascontiguousarray(np.resize(P, (n_pos, d)))
+            zipf = np.random.default_rng(2).zipf(1.2, size=(B, T))
+            layer["ids"] = (zipf - 1) % args.vocab
+        return layer
+
+    def g_embed_out() -> Group:
+        a = layer_arrays()
+        wte, wpe, ids = a["wte"], a["wpe"], a["ids"]
+        cs = [
+            Contender(OURS, lambda: embed(ids, wte, wpe, out=out, num_threads=nt), rows_bytes),
+            Contender(
+                "limit: streaming fill", lambda: _membench.fill(probe_dst, probe_nt), rows_bytes
+            ),
+        ]
+        mine = embed(ids, wte, wpe)
+        if t_ is not None:
+            wte_t, wpe_t = t_.from_numpy(wte), t_.from_numpy(wpe)
+            ids_t = t_.from_numpy(ids.reshape(-1))
+            o2 = out_t.view(B, T, d)
+            o_flat = out_t.view(B * T, d)
+
+            def theirs() -> None:
+                t_.index_select(wte_t, 0, ids_t, out=o_flat)
+                o2.add_(wpe_t[:T])
+
+            cs.append(Contender("torch index_select(out=) + add_", theirs, rows_bytes))
+            theirs()
+            cs[-1].check = _same(mine, out)
+        return Group(
+            "embed(out=)",
+            cs,
+            f"vocab {args.vocab}, ids ({B}, {T}) Zipf 1.2 "
+            f"({len(np.unique(ids))} distinct), positions=None",
+        )
+
+    def g_embed_alloc() -> Group:
+        a = layer_arrays()
+        wte, wpe, ids = a["wte"], a["wpe"], a["ids"]
+        cs = [
+            Contender(OURS, lambda: embed(ids, wte, wpe, num_threads=nt), rows_bytes),
+            Contender("numpy wte[ids] + wpe[:T]", lambda: wte[ids] + wpe[:T], rows_bytes),
+        ]
+        cs[1].check = _same(embed(ids, wte, wpe), wte[ids] + wpe[:T])
+        return Group("embed", cs, "allocating the output")
+
+    def g_embed_backward() -> Group:
+        a = layer_arrays()
+        wte, wpe, ids = a["wte"], a["wpe"], a["ids"]
+        g_wte, g_wpe = np.zeros_like(wte), np.zeros_like(wpe)
+        cs = [
+            Contender(
+                OURS,
+                lambda: embed_backward(g_wte, g_wpe, gout, ids, num_threads=nt),
+                rows_bytes,
+            ),
+            Contender(
+                "limit: read once", lambda: _membench.read_sum(probe_grad, probe_nt), rows_bytes
+            ),
+        ]
+        if t_ is not None:
+            gt_t = t_.zeros(wte.shape, dtype=tdt)
+            gp_t = t_.zeros(wpe.shape, dtype=tdt)
+            ids_t = t_.from_numpy(ids.reshape(-1))
+            g_flat = gout_t.reshape(B * T, d)
+
+            def theirs() -> None:
+                gt_t.index_add_(0, ids_t, g_flat)
+                gp_t[:T].add_(gout_t.sum(0))
+
+            cs.append(Contender("torch index_add_ + batch sum", theirs, rows_bytes))
+            a_t, a_p = np.zeros_like(wte), np.zeros_like(wpe)
+            embed_backward(a_t, a_p, gout, ids)
+            gt_t.zero_()
+            gp_t.zero_()
+            theirs()
+            # torch sums each row in its own order: a frequent token's
+            # thousands of float32 terms round differently.
+            terms = int(np.bincount(ids.ravel()).max())
+            cs[-1].check = _same(
+                np.concatenate([a_t, a_p]),
+                np.concatenate([gt_t.numpy(), gp_t.numpy()]),
+                rtol=1e-6 * terms,
+                atol=1e-6 * terms,
+            )
+        return Group("embed_backward", cs, "both tables, positions=None")
+
+    groups: list[tuple[str, Callable[[], Group | list[Group]]]] = [
         ("lookup", g_lookup),
         ("pe_alloc", g_pe_alloc),
         ("add_out", g_add_out),
         ("add_inplace", g_add_inplace),
         ("add_to", g_add_to),
+        ("add_to_explicit", g_add_to_explicit),
         ("scatter_arange", lambda: g_scatter("arange")),
         ("scatter_random", lambda: g_scatter("random")),
+        ("backward_vs_scatter", g_backward_vs_scatter),
         ("fwd_bwd", g_fwd_bwd),
     ]
     if nt > 1:
@@ -444,7 +685,12 @@ def build_groups(args: argparse.Namespace, torch: Any) -> list[tuple[str, Callab
             ("threads_lookup", lambda: g_threads("lookup")),
             ("threads_scatter", lambda: g_threads("scatter")),
         ]
-    groups.append(("tiny", g_tiny))  # type: ignore[arg-type]
+    groups += [("tiny", g_tiny), ("decode_batched", g_decode_batched)]
+    groups += [
+        ("embed_out", g_embed_out),
+        ("embed_alloc", g_embed_alloc),
+        ("embed_backward", g_embed_backward),
+    ]
     return groups
 
 
@@ -454,12 +700,22 @@ def _fmt_ms(s: float) -> str:
     return f"{s * 1e3:9.2f} ms"
 
 
-def report(groups: list[Group], file: Any = sys.stdout) -> list[dict[str, Any]]:
+QUICK_VERDICT = "n/a (quick)"
+
+
+def report(groups: list[Group], file: Any = None, judge: bool = True) -> list[dict[str, Any]]:
+    """Print the table; ``judge=False`` (a --quick run) shows targets without verdicts.
+
+    A row's ``met`` is True/False when its target was judged, else None.
+    ``file`` defaults to the current ``sys.stdout``.
+    """
+    if file is None:
+        file = sys.stdout
     rows: list[dict[str, Any]] = []
     w = 34
     print(
         f"{'op / contender':<{w + 2}} {'time':>12} {'GB/s':>7} {'ours/this':>10} "
-        f"{'target':>8}  check",
+        f"{'target':>17}  check",
         file=file,
     )
     for g in groups:
@@ -472,7 +728,9 @@ def report(groups: list[Group], file: Any = sys.stdout) -> list[dict[str, Any]]:
             target = TARGETS.get((g.op, c.name))
             verdict = ""
             met = None
-            if target is not None:
+            if target is not None and not judge:
+                verdict = f"<={target:<4} {QUICK_VERDICT}"
+            elif target is not None:
                 met = ratio <= target
                 limit = next((x for x in g.contenders if x.name.startswith("limit:")), None)
                 if not met and g.op.startswith("threads:") and limit is not None:
@@ -482,7 +740,7 @@ def report(groups: list[Group], file: Any = sys.stdout) -> list[dict[str, Any]]:
                 verdict = f"<={target:<4} {'ok' if met else 'MISS'}"
             gbs_s = f"{gbs:7.2f}" if gbs == gbs else f"{'':>7}"
             print(
-                f"  {c.name:<{w}} {_fmt_ms(med):>12} {gbs_s} {ratio:10.3f} {verdict:>8}  {c.check}",
+                f"  {c.name:<{w}} {_fmt_ms(med):>12} {gbs_s} {ratio:10.3f} {verdict:>17}  {c.check}",
                 file=file,
             )
             rows.append(
@@ -518,11 +776,30 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
         ratio = "" if r["contender"] == OURS else f"{r['ratio_ours_to_this']:.3f}"
         target = ""
         if r["target"] is not None:
-            target = f"<= {r['target']} {'ok' if r['met'] else '**miss**'}"
+            verdict = {True: "ok", False: "**miss**", None: QUICK_VERDICT}[r["met"]]
+            target = f"<= {r['target']} {verdict}"
         lines.append(
             f"| {op} | {r['contender']} | {time_s} | {gbs} | {ratio} | {target} | {r['check']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _mismatched(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows whose output differed from the peer's."""
+    return [r for r in rows if r["check"].startswith("MISMATCH")]
+
+
+def summary(rows: list[dict[str, Any]], judged: bool) -> str:
+    """The one line that ends every run: targets met and missed, check mismatches."""
+    mismatches = len(_mismatched(rows))
+    if not judged:
+        return f"summary: quick run, targets not judged; {mismatches} check mismatches"
+    with_target = [r for r in rows if r["target"] is not None]
+    ok = sum(bool(r["met"]) for r in with_target)
+    return (
+        f"summary: {len(with_target)} rows with targets, {ok} ok, "
+        f"{len(with_target) - ok} miss; {mismatches} check mismatches"
+    )
 
 
 def machine_info(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
@@ -594,6 +871,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="threads for cposembed, the limits and torch (default: all)",
     )
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="token table rows for the embed rows (default 50257, GPT-2's vocabulary)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 21)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -603,15 +886,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--only",
         nargs="+",
         metavar="NAME",
-        help="run only these comparisons: lookup pe_alloc add_out add_inplace "
-        "add_to scatter_arange scatter_random fwd_bwd threads_lookup "
-        "threads_scatter tiny",
+        help="run only these comparisons: " + " ".join(GROUP_NAMES),
     )
     args = p.parse_args(argv)
     if args.quick:
         args.table = args.table or [256, 64]
         args.batch = args.batch or [4, 128]
         args.repeats = args.repeats or 3
+        args.vocab = args.vocab or 1000
+    args.vocab = args.vocab or 50257
     args.table = args.table or [2048, 768]
     args.batch = args.batch or [32, 1024]
     args.repeats = args.repeats or 21
@@ -621,8 +904,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"{name} sizes must be positive; got {vals}")
     if args.table[0] < args.batch[1]:
         p.error(f"--table L ({args.table[0]}) must be >= T ({args.batch[1]})")
-    if args.repeats < 1 or args.threads < 1:
-        p.error("--repeats and --threads must be positive")
+    if args.repeats < 1 or args.threads < 1 or args.vocab < 1:
+        p.error("--repeats, --threads and --vocab must be positive")
     return args
 
 
@@ -651,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
         _progress(f"[{i}/{len(factories)}] {name} ...")
         made = factory()
         for g in made if isinstance(made, list) else [made]:
-            if name == "tiny":
+            if g.tiny:
                 _time_tiny(g, args.repeats)
             else:
                 _time_group(g, args.repeats)
@@ -667,8 +950,8 @@ def main(argv: list[str] | None = None) -> int:
         "cposembed bench: "
         + ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("compile_args",))
     )
-    rows = report(done)
-    bad = [r for r in rows if r["check"].startswith("MISMATCH")]
+    rows = report(done, judge=not args.quick)
+    bad = _mismatched(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "results": rows}, f, indent=1)
@@ -677,6 +960,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.markdown, "w") as f:
             f.write(markdown(rows, info))
         _progress(f"wrote {args.markdown}")
+    print(summary(rows, judged=not args.quick))
     if bad:
         print(f"{len(bad)} output check(s) failed", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@ from typing import IO, Any, Union
 
 import numpy as np
 
-from . import _core
+from . import _core, _state
 from . import _validation as v
 from .functional import add_positions, lookup_normalised, scatter_add_marking
 
@@ -498,7 +498,18 @@ class LearnedPositionEmbedding:
 
     @classmethod
     def load(cls, path: PathOrFile) -> LearnedPositionEmbedding:
-        """Read back what :meth:`save` wrote (exactly ``path``, or an open binary file)."""
+        """Read back what :meth:`save` wrote (exactly ``path``, or an open binary file).
+
+        A table saved in either byte order loads in native order.
+
+        Raises
+        ------
+        ValueError
+            The file is not one :meth:`save` wrote, or is damaged or truncated
+            (the message names the file and what is wrong).
+        FileNotFoundError
+            No file at ``path``.
+        """
         if not isinstance(path, (str, bytes, os.PathLike)):
             return cls._from_npz(path, repr(path))
         name = os.fspath(path)
@@ -507,30 +518,8 @@ class LearnedPositionEmbedding:
 
     @classmethod
     def _from_npz(cls, f: IO[bytes], name: str) -> LearnedPositionEmbedding:
-        try:
-            archive = np.load(f, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as exc:
-            raise ValueError(f"{name} is not a file written by save() ({exc})") from None
-        if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise ValueError(f"{name} is not a file written by save() (not an .npz archive)")
-        with archive:
-            missing = {"kind", "format_version", "embeddings", "padding_idx"} - set(archive.files)
-            if missing or str(archive["kind"]) != _SAVE_KIND:
-                raise ValueError(
-                    f"{name} is not a file written by LearnedPositionEmbedding.save() "
-                    f"(missing {sorted(missing)})"
-                    if missing
-                    else f"{name} is not a file written by LearnedPositionEmbedding.save()"
-                )
-            version = int(archive["format_version"])
-            if version > SAVE_FORMAT_VERSION:
-                raise ValueError(
-                    f"{name} has format version {version}; this cposembed reads up to "
-                    f"{SAVE_FORMAT_VERSION} (upgrade cposembed)"
-                )
-            table = archive["embeddings"]
-            pad = int(archive["padding_idx"])
-        return cls.from_pretrained(table, dtype=table.dtype, padding_idx=None if pad < 0 else pad)
+        table, pad = _state.from_npz(f, name, _SAVE_KIND, SAVE_FORMAT_VERSION)
+        return cls.from_pretrained(table, dtype=table.dtype, padding_idx=pad)
 
     # -- pickle --------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -544,16 +533,15 @@ class LearnedPositionEmbedding:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # "_embeddings": an instance pickled before __getstate__ existed.
-        table = state["embeddings"] if "embeddings" in state else state["_embeddings"]
-        self._embeddings = np.ascontiguousarray(table)
-        self._init_state(state.get("padding_idx"))
-        grad = state.get("grad")
-        self.grad = grad
-        touched = state.get("touched")
-        if grad is not None and touched is not None:
-            self._touched = np.array(touched, dtype=bool)
-            self._touched_grad = grad
+        # Checked whole before anything is kept: sgd_step and backward trust
+        # the table, the gradient's shape and the touched-rows mask.
+        checked = _state.from_pickle(state, _PICKLE_VERSION)
+        self._embeddings = checked.embeddings
+        self._init_state(checked.padding_idx)
+        self.grad = checked.grad
+        if checked.touched is not None:
+            self._touched = checked.touched
+            self._touched_grad = checked.grad
 
     def __repr__(self) -> str:
         pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"

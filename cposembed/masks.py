@@ -12,13 +12,31 @@ from . import _validation as v
 __all__ = ["positions_from_mask"]
 
 
-def _offsets(offset: Any, rows_shape: tuple[int, ...]) -> np.ndarray | int:
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_INT64_MIN = int(np.iinfo(np.int64).min)
+
+
+def _shown(value: Any) -> str:
+    """A value for a message, as Python prints it (``2``, not ``np.int64(2)``)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    return repr(value)
+
+
+def _offsets(offset: Any, rows_shape: tuple[int, ...]) -> int | np.ndarray:
+    """``offset`` as a Python int or an int64 array of one value per row.
+
+    Values above the int64 maximum are refused here; whether offset plus the
+    tokens of each row still fit is checked once the counts are known.
+    """
     if isinstance(offset, (bool, np.bool_)):
         raise TypeError(f"offset must be a non-negative integer; got {v.describe(offset)}")
     if hasattr(offset, "__index__") and not isinstance(offset, np.ndarray):
         value = operator.index(offset)
         if value < 0:
             raise ValueError(f"offset must be non-negative; got {value}")
+        if value > _INT64_MAX:
+            raise ValueError(f"offset must fit in int64 (at most {_INT64_MAX}); got {value}")
         return value
     arr = np.asarray(offset)
     if arr.dtype.kind not in "iu":
@@ -32,9 +50,35 @@ def _offsets(offset: Any, rows_shape: tuple[int, ...]) -> np.ndarray | int:
         raise ValueError(
             f"an offset array must have one value per row, shape {rows_shape}; got {arr.shape}"
         )
-    if arr.size and arr.min() < 0:
-        raise ValueError(f"offset must be non-negative; got {int(arr.min())}")
-    return arr.astype(np.int64)[..., None]
+    if arr.size:
+        # Python ints: a uint64 maximum must not wrap on its way to int64.
+        low, high = int(arr.min()), int(arr.max())
+        if low < 0:
+            raise ValueError(f"offset must be non-negative; got {low}")
+        if high > _INT64_MAX:
+            raise ValueError(f"offset must fit in int64 (at most {_INT64_MAX}); got {high}")
+    return arr.astype(np.int64)
+
+
+def _check_fits(off: int | np.ndarray, tokens_per_row: np.ndarray) -> None:
+    """Refuse an offset whose row's last position would pass the int64 maximum.
+
+    A row of ``n`` tokens gets positions ``offset .. offset + n - 1``; rows
+    without tokens use no offset at all.
+    """
+    # room >= 0 because every offset is in [0, int64 max]: no overflow here.
+    room = np.subtract(_INT64_MAX, off, dtype=np.int64)
+    too_far = (tokens_per_row > 0) & (tokens_per_row - 1 > room)
+    if not too_far.any():
+        return
+    row = np.unravel_index(int(np.argmax(too_far)), too_far.shape)
+    value = off if isinstance(off, int) else int(off[row])
+    n = int(tokens_per_row[row])
+    where = "" if isinstance(off, int) else f" (row {tuple(int(i) for i in row)})"
+    raise ValueError(
+        f"offset {value}{where} plus {n} tokens gives positions up to {value + n - 1}, "
+        f"beyond the int64 maximum {_INT64_MAX}"
+    )
 
 
 def positions_from_mask(
@@ -71,8 +115,9 @@ def positions_from_mask(
     TypeError
         A mask that is not numeric, non-integer ``offset``/``pad_position``.
     ValueError
-        A mask value other than 0 or 1, a 0-d mask, a negative offset, or an
-        offset array of the wrong shape.
+        A mask value other than 0 or 1, a 0-d mask, a negative offset, an
+        offset array of the wrong shape, or a position (``offset`` plus the
+        tokens of a row, or ``pad_position``) that does not fit in int64.
 
     Examples
     --------
@@ -97,16 +142,27 @@ def positions_from_mask(
     if isinstance(pad_position, (bool, np.bool_)) or not hasattr(pad_position, "__index__"):
         raise TypeError(f"pad_position must be an integer; got {v.describe(pad_position)}")
     pad = operator.index(pad_position)
+    if not _INT64_MIN <= pad <= _INT64_MAX:
+        raise ValueError(
+            f"pad_position must fit in int64 ([{_INT64_MIN}, {_INT64_MAX}]); got {pad}"
+        )
     if mask.dtype.kind != "b":
         bad = (mask != 0) & (mask != 1)
         if bad.any():
             value = mask[bad].flat[0]
             raise ValueError(
-                f"attention_mask must hold only 0 (padding) and 1 (token); found {value!r}"
+                f"attention_mask must hold only 0 (padding) and 1 (token); found {_shown(value)}"
             )
     is_token = mask.astype(bool)
     off = _offsets(offset, mask.shape[:-1])
     # Tokens before each entry = inclusive running count minus the entry itself.
     before = np.cumsum(is_token, axis=-1, dtype=np.int64)
+    if before.size:
+        _check_fits(off, before[..., -1])
     before -= is_token
-    return np.where(is_token, before + off, np.int64(pad)).astype(np.int64, copy=False)
+    row_offset = off if isinstance(off, int) else off[..., None]
+    # Only tokens get offset + count (padding after a row's last token could
+    # pass the int64 maximum, and is not a position anyway).
+    positions = np.full(mask.shape, pad, dtype=np.int64)
+    np.add(before, row_offset, out=positions, where=is_token)
+    return positions

@@ -1,0 +1,288 @@
+"""Checks for what pickle and ``load()`` hand back, before it becomes an instance.
+
+A pickled state and a saved ``.npz`` file are bytes from outside: the
+kernels trust the table, the gradient and the touched-rows mask they are
+given (``sgd_step`` writes the rows the mask names), so everything read here
+is checked (type, dtype, shape, range) and converted to the layout the class
+keeps: native byte order, C-contiguous, aligned, writable. Every refusal is a
+``ValueError`` that names the field (or the file) and says what was expected
+and what came.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zipfile
+import zlib
+from typing import IO, Any, NamedTuple
+
+import numpy as np
+
+from ._validation import describe
+
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# The keys __getstate__ writes, and those of an instance pickled before
+# __getstate__ existed (its __dict__).
+_STATE_KEYS = frozenset({"version", "embeddings", "grad", "touched", "padding_idx"})
+_LEGACY_STATE_KEYS = frozenset({"_embeddings", "grad"})
+# What reading a damaged zip archive or .npy member raises (zipfile, zlib,
+# numpy.lib.format): RuntimeError for a member flagged as encrypted,
+# MemoryError for a header that claims an absurd size.
+_CORRUPT = (
+    ValueError,
+    RuntimeError,
+    OSError,
+    EOFError,
+    KeyError,
+    zipfile.BadZipFile,
+    zlib.error,
+    struct.error,
+    NotImplementedError,
+    OverflowError,
+    TypeError,
+    MemoryError,
+)
+
+
+class State(NamedTuple):
+    """A checked state, in the layout the class keeps."""
+
+    embeddings: np.ndarray  # (L, d) float32/float64, native, C-contiguous, writable
+    grad: np.ndarray | None  # None or (L, d), real dtype (kept as given if it fits)
+    touched: np.ndarray | None  # None or (L,) bool, a fresh array; only with a grad
+    padding_idx: int | None  # normalised to [0, L)
+
+
+def _kept_as_is(arr: np.ndarray, dtype: np.dtype) -> bool:
+    # `dtype` is native, so a byte-swapped array compares unequal here.
+    flags = arr.flags
+    return (
+        type(arr) is np.ndarray
+        and arr.dtype == dtype
+        and flags.c_contiguous
+        and flags.aligned
+        and flags.writeable
+    )
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    return dtype.newbyteorder("=")
+
+
+def _table(value: Any, what: str) -> np.ndarray:
+    """A float32/float64 ``(L, d)`` table, native and C-contiguous (a copy if needed)."""
+    if (
+        not isinstance(value, np.ndarray)
+        or value.ndim != 2
+        or min(value.shape) < 1
+        or _native(value.dtype) not in _FLOAT_DTYPES
+    ):
+        raise ValueError(
+            f"{what} must be a 2-D float32 or float64 array with both sizes >= 1; "
+            f"got {describe(value)}"
+        )
+    dtype = _native(value.dtype)
+    if _kept_as_is(value, dtype):
+        return value
+    return np.array(value, dtype=dtype, order="C", copy=True, subok=False)
+
+
+def _padding(value: Any, n_rows: int, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(
+            f"{what} must be None or an integer in [{-n_rows}, {n_rows}); got {describe(value)}"
+        )
+    p = int(value)
+    if not -n_rows <= p < n_rows:
+        raise ValueError(
+            f"{what} must be None or an integer in [{-n_rows}, {n_rows}) for a table of "
+            f"{n_rows} positions; got {p}"
+        )
+    return p + n_rows if p < 0 else p
+
+
+def from_pickle(state: Any, current_version: int) -> State:
+    """Check a state from ``__getstate__`` (or a legacy ``__dict__``); ``ValueError`` if bad.
+
+    The arrays of the result share no memory with the state unless they
+    already had the layout the class keeps (as freshly unpickled arrays do).
+    """
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"pickled state must be a dict; got {type(state).__name__} "
+            "(not a LearnedPositionEmbedding)"
+        )
+    keys = set(state)
+    legacy = "_embeddings" in keys
+    expected = _LEGACY_STATE_KEYS if legacy else _STATE_KEYS
+    unknown = keys - expected
+    if unknown:
+        raise ValueError(
+            f"pickled state has unknown keys {sorted(map(str, unknown))}; expected "
+            f"{sorted(_STATE_KEYS)} (or {sorted(_LEGACY_STATE_KEYS)} from an old version)"
+        )
+    missing = set() if legacy else {"version", "embeddings"} - keys
+    if missing:
+        raise ValueError(f"pickled state is missing {sorted(missing)}; got keys {sorted(keys)}")
+    version = current_version if legacy else state["version"]
+    if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
+        raise ValueError(f"pickled state: version must be an integer; got {describe(version)}")
+    if not 1 <= version <= current_version:
+        raise ValueError(
+            f"pickled state has version {int(version)}; this cposembed reads versions 1 to "
+            f"{current_version} (a newer state needs a newer cposembed)"
+        )
+
+    what = "pickled state: embeddings"
+    table = _table(state["_embeddings"] if legacy else state["embeddings"], what)
+    n_rows = table.shape[0]
+    pad = _padding(state.get("padding_idx"), n_rows, "pickled state: padding_idx")
+
+    grad = state.get("grad")
+    if grad is not None:
+        if not isinstance(grad, np.ndarray) or grad.dtype.kind not in "biuf":
+            raise ValueError(
+                f"pickled state: grad must be None or a real-valued array of the table's "
+                f"shape {table.shape}; got {describe(grad)}"
+            )
+        if grad.shape != table.shape:
+            raise ValueError(
+                f"pickled state: grad must have the table's shape {table.shape}; "
+                f"got shape {grad.shape}"
+            )
+        if not _kept_as_is(grad, table.dtype):
+            grad = np.array(grad, dtype=table.dtype, order="C", copy=True, subok=False)
+
+    touched = state.get("touched")
+    if touched is not None:
+        if (
+            not isinstance(touched, np.ndarray)
+            or touched.dtype != np.bool_
+            or touched.shape != (n_rows,)
+        ):
+            raise ValueError(
+                f"pickled state: touched must be None or a bool array of shape ({n_rows},) "
+                f"(one flag per table row); got {describe(touched)}"
+            )
+        # A mask says which rows of *this* gradient are non-zero: without a
+        # gradient there is nothing it could describe.
+        touched = None if grad is None else np.array(touched, dtype=bool, copy=True)
+    return State(table, grad, touched, pad)
+
+
+class _Refused(Exception):
+    """A member of the archive is not what save() writes (message without the file name)."""
+
+
+def _read_member(
+    archive: zipfile.ZipFile, key: str, kinds: str, ndim: int, what: str
+) -> np.ndarray:
+    """Member ``key``, of a dtype kind in ``kinds`` and with ``ndim`` dimensions.
+
+    Checked from its header before NumPy reads it, so a damaged header cannot
+    make NumPy allocate what it claims.
+    """
+    info = archive.getinfo(key + ".npy")
+    with archive.open(info) as fp:
+        version = np.lib.format.read_magic(fp)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(fp)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(fp)
+        else:
+            raise _Refused(f"member {key!r} has .npy format version {version}")
+        if dtype.hasobject or dtype.kind not in kinds or len(shape) != ndim:
+            raise _Refused(f"member {key!r} must be {what}; got shape {shape} and dtype {dtype}")
+        if math.prod(shape) * dtype.itemsize > info.file_size:
+            raise _Refused(
+                f"member {key!r} claims shape {shape} of {dtype} but holds only "
+                f"{info.file_size} bytes (truncated or damaged)"
+            )
+    with archive.open(info) as fp:
+        arr = np.lib.format.read_array(fp, allow_pickle=False)
+        if fp.read(1):  # also reaches the end, where zipfile checks the CRC
+            raise _Refused(f"member {key!r} has bytes after its array data")
+    return arr
+
+
+def from_npz(
+    f: IO[bytes], name: str, kind: str, current_version: int
+) -> tuple[np.ndarray, int | None]:
+    """The table and ``padding_idx`` of an archive written by ``LearnedPositionEmbedding.save()``.
+
+    Returns the table native and C-contiguous. Any damage (a truncated or
+    altered archive, members of the wrong dtype or shape, a pickle inside)
+    raises ``ValueError`` naming ``name``.
+    """
+    (table,), pad = read_tables(f, name, kind, current_version, ("embeddings",))
+    return table, pad
+
+
+def read_tables(
+    f: IO[bytes], name: str, kind: str, current_version: int, keys: tuple[str, ...]
+) -> tuple[list[np.ndarray], int | None]:
+    """The tables ``keys`` (in that order) and ``padding_idx`` of an archive that
+    a class's ``save()`` wrote; ``padding_idx`` is a row of the first table.
+
+    Returns the tables native and C-contiguous, all of one dtype (the
+    ``dtype`` member's, when present). Any damage raises ``ValueError``
+    naming ``name``.
+    """
+    try:
+        with zipfile.ZipFile(f) as archive:
+            return _from_archive(archive, kind, current_version, keys)
+    except _Refused as exc:
+        raise ValueError(f"{name} is not a valid file written by save(): {exc}") from None
+    except _CORRUPT as exc:
+        raise ValueError(
+            f"{name} is not a file written by save(), or is damaged or truncated "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _from_archive(
+    archive: zipfile.ZipFile, kind: str, current_version: int, keys: tuple[str, ...]
+) -> tuple[list[np.ndarray], int | None]:
+    names = set(archive.namelist())
+    missing = [
+        k for k in ("kind", "format_version", *keys, "padding_idx") if k + ".npy" not in names
+    ]
+    if missing:
+        raise _Refused(f"not written by {kind.split('.')[-1]}.save() (missing {missing})")
+    found_kind = _read_member(archive, "kind", "U", 0, "a 0-d string array")
+    if str(found_kind) != kind:
+        raise _Refused(f"kind is {str(found_kind)!r}, expected {kind!r}")
+    version = int(_read_member(archive, "format_version", "iu", 0, "a 0-d integer array"))
+    if not 1 <= version <= current_version:
+        raise _Refused(
+            f"format version {version}; this cposembed reads versions 1 to {current_version} "
+            "(a newer file needs a newer cposembed)"
+        )
+    tables = []
+    for key in keys:
+        raw = _read_member(archive, key, "f", 2, "a 2-D float32 or float64 array")
+        try:
+            tables.append(_table(raw, f"member {key!r}"))
+        except ValueError as exc:
+            raise _Refused(str(exc)) from None
+    dtypes = {t.dtype.name for t in tables}
+    if len(dtypes) != 1:
+        raise _Refused(f"the tables {list(keys)} differ in dtype: {sorted(dtypes)}")
+    if "dtype.npy" in names:
+        dtype_name = str(_read_member(archive, "dtype", "U", 0, "a 0-d string array"))
+        if dtype_name != tables[0].dtype.name:
+            raise _Refused(
+                f"member 'dtype' says {dtype_name!r} but the table is {tables[0].dtype.name}"
+            )
+    # save() writes -1 for "no padding row", else the row normalised to [0, L).
+    stored = int(_read_member(archive, "padding_idx", "iu", 0, "a 0-d integer array"))
+    n_rows = tables[0].shape[0]
+    if not -1 <= stored < n_rows:
+        raise _Refused(
+            f"padding_idx must be -1 (none) or in [0, {n_rows}) for a table of {n_rows} "
+            f"rows; got {stored}"
+        )
+    return tables, None if stored == -1 else stored

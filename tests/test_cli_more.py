@@ -1,0 +1,176 @@
+"""The command line without a subcommand, and the bench's verdicts and summary line."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import cposembed
+from cposembed import __main__ as cli
+from cposembed import bench
+
+# The directory holding the cposembed under test, for child interpreters.
+PACKAGE_ROOT = str(pathlib.Path(cposembed.__file__).resolve().parents[1])
+SUBCOMMANDS = ("demo", "info", "bench", "train")
+QUICK_SUMMARY = "summary: quick run, targets not judged; 0 check mismatches"
+SUMMARY = re.compile(
+    r"^summary: (\d+) rows with targets, (\d+) ok, (\d+) miss; (\d+) check mismatches$"
+)
+
+
+def run_module(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "cposembed", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd or PACKAGE_ROOT,
+        timeout=300,
+    )
+
+
+# -- no subcommand ------------------------------------------------------------------
+def test_no_subcommand_prints_the_help_and_exits_0(tmp_path):
+    proc = run_module(cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m cposembed"), proc.stdout
+    for name in SUBCOMMANDS:
+        assert name in proc.stdout, f"{name!r} missing from the help:\n{proc.stdout}"
+    assert proc.stderr == ""
+    assert os.listdir(tmp_path) == []  # nothing ran
+
+
+def test_no_subcommand_help_equals_dash_dash_help():
+    assert run_module().stdout == run_module("--help").stdout
+
+
+def test_main_without_arguments_returns_0(capsys):
+    assert cli.main([]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage:") and err == ""
+
+
+def test_an_unknown_subcommand_is_still_an_error():
+    proc = run_module("nonsense")
+    assert proc.returncode == 2
+    assert "invalid choice" in proc.stderr and "nonsense" in proc.stderr
+    assert proc.stdout == ""
+
+
+# -- bench: verdicts and the summary line ------------------------------------------
+def test_quick_bench_judges_no_target_and_ends_with_the_quick_summary(tmp_path):
+    proc = run_module(
+        "bench", "--quick", "--no-torch", "--repeats", "1", "--only", "lookup", "tiny",
+        "--markdown", str(tmp_path / "b.md"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.rstrip("\n").splitlines()
+    assert lines[-1] == QUICK_SUMMARY
+    table = "\n".join(lines[:-1])
+    assert "n/a (quick)" in table
+    assert not re.search(r"\bok\b|\bMISS\b", table), table
+    md = (tmp_path / "b.md").read_text()
+    assert "n/a (quick)" in md and "miss" not in md and " ok " not in md
+
+
+def test_full_bench_judges_every_target_and_the_summary_counts_them(capsys, tmp_path):
+    path = tmp_path / "b.json"
+    args = ["--no-torch", "--repeats", "1", "--table", "256", "64", "--batch", "2", "16"]
+    code = bench.main([*args, "--only", "tiny", "decode_batched", "--json", str(path)])
+    assert code == 0
+    out = capsys.readouterr().out.rstrip("\n").splitlines()
+    m = SUMMARY.match(out[-1])
+    assert m, f"last line is not the summary: {out[-1]!r}"
+    n, ok, miss, mismatches = map(int, m.groups())
+    rows = json.loads(path.read_text())["results"]
+    judged = [r for r in rows if r["target"] is not None]
+    assert n == len(judged) > 0 and ok + miss == n and mismatches == 0
+    assert ok == sum(r["met"] is True for r in judged)
+    assert all(r["met"] in (True, False) for r in judged)
+    table = "\n".join(out)
+    assert len(re.findall(r"\s(ok|MISS)\s", table)) == n
+    assert "n/a (quick)" not in table
+
+
+def test_summary_counts_mismatches():
+    rows = [
+        {"target": 1.0, "met": True, "check": "equal"},
+        {"target": 1.0, "met": False, "check": "MISMATCH"},
+        {"target": None, "met": None, "check": "MISMATCH shape (1,) vs (2,)"},
+        {"target": None, "met": None, "check": ""},
+    ]
+    assert bench.summary(rows, judged=True) == (
+        "summary: 2 rows with targets, 1 ok, 1 miss; 2 check mismatches"
+    )
+    assert bench.summary(rows, judged=False) == (
+        "summary: quick run, targets not judged; 2 check mismatches"
+    )
+
+
+# -- bench: the comparisons of issue 10 --------------------------------------------
+NEW_OPS = {
+    "add_to_explicit": [f"add_to explicit ({b}, {t}, d)" for b, t in [(4, 1), (32, 1), (4, 100)]],
+    "backward_vs_scatter": [
+        f"backward vs scatter_add {s}"
+        for s in ["(4, 1, d)", "(32, 1, d)", "(4, 100, d)", "(B, T, d)"]
+    ],
+    "decode_batched": ["decode batched: add_to((8,1,d), pos (8,1))"],
+    "tiny": [
+        "tiny: pe(np.int64(5))",
+        "tiny: pe(positions[i])",
+        "tiny: pe([np.int64(1), np.int64(2)])",
+        "tiny: add_to((1,1,d), offset=np.int64(i))",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_OPS))
+def test_new_comparisons_run_check_equal_outputs_and_have_targets(tmp_path, name):
+    path = tmp_path / "b.json"
+    code = bench.main(
+        ["--quick", "--no-torch", "--repeats", "1", "--only", name, "--json", str(path)]
+    )
+    assert code == 0
+    rows = json.loads(path.read_text())["results"]
+    by_op: dict[str, list[dict]] = {}
+    for r in rows:
+        by_op.setdefault(r["op"], []).append(r)
+    for op in NEW_OPS[name]:
+        assert op in by_op, f"{op!r} not in the results: {sorted(by_op)}"
+        peers = [r for r in by_op[op] if r["contender"] != bench.OURS]
+        assert peers and all(r["check"] == "equal" for r in peers), peers
+        assert any((op, r["contender"]) in bench.TARGETS for r in peers), f"no target for {op!r}"
+
+
+def test_every_target_names_a_comparison_that_exists(tmp_path):
+    path = tmp_path / "b.json"
+    code = bench.main(
+        ["--quick", "--no-torch", "--repeats", "1", "--threads", "2", "--json", str(path)]
+    )
+    assert code == 0
+    seen = {(r["op"], r["contender"]) for r in json.loads(path.read_text())["results"]}
+    torch_rows = {k for k in bench.TARGETS if k[1].startswith("torch")}
+    assert set(bench.TARGETS) - torch_rows <= seen, sorted(set(bench.TARGETS) - torch_rows - seen)
+
+
+def test_group_names_are_what_only_accepts():
+    args = bench.parse_args(["--quick", "--no-torch", "--threads", "2"])
+    names = [name for name, _ in bench.build_groups(args, None)]
+    assert names == list(bench.GROUP_NAMES)
+    one = bench.parse_args(["--quick", "--no-torch", "--threads", "1"])
+    assert [n for n, _ in bench.build_groups(one, None)] == [
+        n for n in bench.GROUP_NAMES if not n.startswith("threads_")
+    ]
+
+
+def test_only_with_an_unknown_name_lists_the_known_ones(capsys):
+    assert bench.main(["--quick", "--no-torch", "--only", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "backward_vs_scatter" in err and "decode_batched" in err
