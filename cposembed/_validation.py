@@ -104,7 +104,7 @@ def as_table(table: Any, name: str = "table") -> np.ndarray:
         raise TypeError(f"{name} must have dtype float32 or float64; got {arr.dtype}")
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D (max_seq_len, embed_dim); got shape {arr.shape}")
-    return np.ascontiguousarray(arr)
+    return plain_copy(arr, arr.dtype)
 
 
 def range_error(bad: int, n_rows: int, what: str = "position") -> IndexError:
@@ -275,6 +275,12 @@ def check_default_positions(offset: int, n_tokens: int, n_rows: int) -> None:
 def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether writing ``a`` could change ``b`` (a cheap, conservative test)."""
     return bool(np.may_share_memory(a, b))
+
+
+def plain_copy(arr: Any, dtype: Any) -> np.ndarray:
+    """``arr`` as an exact ndarray of ``dtype``, C-contiguous and aligned: itself if it
+    is one already, else a copy (``np.ascontiguousarray`` keeps a misaligned array)."""
+    return np.require(arr, dtype=dtype, requirements=["C", "A", "E"])
 
 
 def plain(arr: np.ndarray) -> bool:

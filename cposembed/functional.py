@@ -238,7 +238,7 @@ def _add_normalised(
         # e.g. float64 tokens + float32 table: NumPy's own promotion decides.
         rows = t[np.arange(off, off + tok.shape[-2])] if pos is None else t[pos]
         return np.add(tok, rows, out=out)
-    tok_c = np.ascontiguousarray(tok, dtype=dtype)
+    tok_c = v.plain_copy(tok, dtype)
     if out is None:
         return _accepted(_core.add(tok_c, t, pos, off, None, nt))
     o = _base(out)
@@ -355,11 +355,11 @@ def _scatter_normalised(
     g = v.as_rows(grad_output, d, "grad_output")
     nt = _threads.check_num_threads(num_threads)
     pos, off = _row_positions(positions, offset, g.shape[:-1], n_rows, "grad_output")
-    g_c = np.ascontiguousarray(g, dtype=native)
+    g_c = v.plain_copy(g, native)
     if v.overlaps(g_c, grad_table):
         g_c = g_c.copy()
     base = _base(grad_table)
-    work = base if v.plain(base) else np.ascontiguousarray(base, dtype=native)
+    work = base if v.plain(base) else v.plain_copy(base, native)
     _accepted(_core.scatter_add(work, g_c, pos, off, nt, touched, skip_row))
     if work is not base:
         np.copyto(grad_table, work)
@@ -693,13 +693,13 @@ def _embed_backward_normalised(
         return
     assert gt is not None and gp is not None
     native = v.native_dtype(gt.dtype)
-    g_c = np.ascontiguousarray(g, dtype=native)
+    g_c = v.plain_copy(g, native)
     if v.overlaps(g_c, gt) or v.overlaps(g_c, gp):
         g_c = g_c.copy()
     works = []
     for table in (gt, gp):
         base = _base(table)
-        works.append(base if v.plain(base) else np.ascontiguousarray(base, dtype=native))
+        works.append(base if v.plain(base) else v.plain_copy(base, native))
     _accepted(
         _core.embed_backward(
             works[0],

@@ -73,10 +73,12 @@ cdef int _table_type(object table) noexcept:
 
 
 cdef bint _apart(cnp.ndarray a, cnp.ndarray b) noexcept:
-    # The byte ranges of two C-contiguous arrays do not meet.
+    # The byte ranges of two C-contiguous arrays do not meet (an empty array
+    # meets nothing, as for np.may_share_memory).
     cdef const char* a0 = cnp.PyArray_BYTES(a)
     cdef const char* b0 = cnp.PyArray_BYTES(b)
-    return a0 + cnp.PyArray_NBYTES(a) <= b0 or b0 + cnp.PyArray_NBYTES(b) <= a0
+    cdef Py_ssize_t na = cnp.PyArray_NBYTES(a), nb = cnp.PyArray_NBYTES(b)
+    return na == 0 or nb == 0 or a0 + na <= b0 or b0 + nb <= a0
 
 
 cdef bint _writable_out(object out, int typenum, int nd, const cnp.npy_intp* dims,
@@ -155,7 +157,7 @@ cdef bint _row_positions(object positions, object offset, cnp.ndarray rows_array
     while k < ix.nd and ix.shape[k] == 1:
         k += 1
     core = ix.nd - k
-    if core > nd - 1:
+    if ix.nd > nd - 1:  # more axes than the rows: NumPy's result would have them
         _index_free(ix)
         return False
     for k in range(core):
@@ -187,6 +189,7 @@ def lookup(table, positions, out, num_threads):
         # One row (`pe(5)`, the commonest tiny call): a copy of it.
         if not _int_value(positions, L, &row):
             return None
+        _threads_for(None, d, 1)  # one thread (for last_team)
         o = cnp.PyArray_SimpleNew(1, &cnp.PyArray_DIMS(t)[1], typenum)
         memcpy(cnp.PyArray_DATA(o), cnp.PyArray_BYTES(t) + row * d * cnp.PyArray_ITEMSIZE(t),
                d * cnp.PyArray_ITEMSIZE(t))
@@ -339,7 +342,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
         or not _mask_ok(touched, L)
         or (touched is not None and not _apart(<cnp.ndarray>touched, G))
         or not -1 <= skip_row < L
-        or not PLAN_AUTO <= plan <= PLAN_SORT
+        or not <int>PLAN_AUTO <= plan <= <int>PLAN_SORT
     ):
         return None
     cdef Index ix
@@ -491,7 +494,7 @@ cdef bint _ids_positions(object token_ids, Py_ssize_t V, object positions, objec
     while k < ix.nd and ix.shape[k] == 1:
         k += 1
     core = ix.nd - k
-    if core > ids.nd:
+    if ix.nd > ids.nd:  # more axes than the ids: NumPy's result would have them
         _index_free(ix)
         _index_free(ids)
         return False

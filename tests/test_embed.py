@@ -387,3 +387,21 @@ def test_user_assigned_grads_are_checked_before_anything_moves():
     with pytest.raises(ValueError, match="shape"):
         m.sgd_step(0.1)
     assert np.array_equal(m.token_embeddings, wte)
+
+
+def test_positions_with_more_axes_than_the_ids_are_refused():
+    """NumPy's result would have the extra axes; the contract says positions
+    broadcast to token_ids.shape, so this is a ValueError, whatever the dtypes."""
+    wte = np.ones((10, 2), np.float32)
+    wpe = np.ones((8, 2), np.float32)
+    ids = np.zeros(3, np.int64)
+    pos = np.zeros((1, 1, 3), np.int64)
+    assert _core.embed(ids, wte, wpe, pos, 0, None, None) is None
+    for table in (wpe, wpe.astype(np.float64)):
+        with pytest.raises(ValueError, match="broadcast"):
+            cposembed.embed(ids, wte, table, pos)
+    g = np.zeros((3, 2), np.float32)
+    gt, gp = np.zeros_like(wte), np.zeros_like(wpe)
+    assert _core.embed_backward(gt, gp, g, ids, pos, 0, None) is None
+    with pytest.raises(ValueError, match="broadcast"):
+        cposembed.embed_backward(gt, gp, g, ids, pos)

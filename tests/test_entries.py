@@ -1688,15 +1688,9 @@ def test_class_equals_reference(dtype, pos):
     assert np.array_equal(pe.embeddings, ref.embeddings.astype(dtype))
 
 
-# ----------------------------------------------- package bugs, kept visible
+# ----------------------------------------------- regressions found by these tests
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="add/scatter_add entries accept positions with more axes than the rows "
-    "(leading 1s), where the normalised route raises ValueError: the same call "
-    "succeeds or fails depending on the tokens' dtype",
-)
 def test_entries_decline_positions_with_more_axes_than_the_rows():
     table = np.arange(20, dtype=np.float32).reshape(10, 2)
     tok = np.zeros((3, 2), np.float32)
@@ -1709,12 +1703,6 @@ def test_entries_decline_positions_with_more_axes_than_the_rows():
         cposembed.add_positions(tok, table, pos)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an empty output/gradient whose data pointer lies inside the table is "
-    "'not apart' for _core._apart but not for np.may_share_memory: the "
-    "normalised route calls the entry again and raises RuntimeError",
-)
 def test_empty_arrays_inside_the_table_give_numpys_result():
     t = np.ones((4, 3), np.float32)
     empty = t[1:][:0]  # shape (0, 3), data pointer 12 bytes into the table
@@ -1726,12 +1714,6 @@ def test_empty_arrays_inside_the_table_give_numpys_result():
     assert np.all(t == 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="byte-misaligned tables, tokens or gradients are not made aligned by the "
-    "normalised route (np.ascontiguousarray keeps them): the entry declines "
-    "again and the public functions raise RuntimeError",
-)
 @pytest.mark.parametrize(
     "which", ["lookup-table", "add-table", "add-tokens", "scatter-grad_output", "scatter-grad"]
 )
@@ -1759,11 +1741,6 @@ def test_misaligned_inputs_through_the_public_functions(which):
         _same_bits(grad, _scatter_expect(np.zeros((12, 5)), tok, np.arange(3), None, -1)[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lookup's single-row path (an integer position, no out, no num_threads) "
-    "does not set last_team(): it keeps the previous call's team",
-)
 def test_last_team_after_the_single_row_path():
     table = np.ones((100, 8), np.float32)
     with tuned(serial_below=0):
@@ -1773,11 +1750,6 @@ def test_last_team_after_the_single_row_path():
     assert _core.last_team() == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scatter_add's plan check `PLAN_AUTO <= plan` compares after a cast to the "
-    "(unsigned) C enum, so negative plans are accepted (and run as PLAN_AUTO)",
-)
 def test_scatter_entry_declines_negative_plans():
     grad = np.zeros((3, 2), np.float32)
     g = np.ones((2, 2), np.float32)

@@ -6,7 +6,7 @@ Order of precedence (API.md section 4): ``num_threads=`` on the call, then
 ``threadpoolctl.threadpool_limits``), capped by the CPUs this process may use.
 
 What a kernel really receives is observed with a spy on the compiled kernel
-functions (``functional`` calls them through the ``_kernels`` module).
+functions (``functional`` calls the entries of ``_core``).
 Environment variables are read by the OpenMP runtime at start-up, so those
 cases run in a fresh interpreter.
 """
