@@ -1,9 +1,9 @@
 # cposembed._core: one checked C entry per operation.
 #
-# lookup, add, scatter_add and sgd_step each take the caller's objects as
-# they are, check them (dtypes, layout, shapes, overlap, position ranges,
-# threads) with a few C comparisons, and either run the kernel or decline by
-# returning None with nothing written. The Python layer
+# lookup, add, scatter_add, embed, embed_backward and sgd_step each take the
+# caller's objects as they are, check them (dtypes, layout, shapes, overlap,
+# position ranges, threads) with a few C comparisons, and either run the
+# kernel or decline by returning None with nothing written. The Python layer
 # (cposembed/functional.py) normalises what was declined (other layouts and
 # dtypes, lists, NumPy's other index forms) or raises the worded error, then
 # calls the same entry again: there is no other way to a kernel.

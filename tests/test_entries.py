@@ -683,9 +683,11 @@ def test_lookup_entry_dimension_limits():
         deep = [deep]
     assert _core.lookup(table, deep, None, None).shape == (1,) * 31 + (2,)
     assert _core.lookup(table, [deep], None, None) is None
-    # ...and the function serves deeper ones with NumPy's indexing.
-    got = cposembed.lookup(table, np.ones((1,) * 40, np.int64))
-    _same_bits(got, table[np.ones((1,) * 40, np.int64)])
+    # ...and the function serves deeper ones with NumPy's indexing (NumPy 2
+    # allows 64 axes, NumPy 1.x 32).
+    if np.lib.NumpyVersion(np.__version__) >= "2.0.0":
+        got = cposembed.lookup(table, np.ones((1,) * 40, np.int64))
+        _same_bits(got, table[np.ones((1,) * 40, np.int64)])
 
 
 @pytest.mark.parametrize("idt", [np.int16, np.int32, np.int64, np.uint32, np.uint64])
