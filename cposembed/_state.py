@@ -168,8 +168,14 @@ def from_pickle(state: Any, current_version: int) -> State:
                 f"(one flag per table row); got {describe(touched)}"
             )
         # A mask says which rows of *this* gradient are non-zero: without a
-        # gradient there is nothing it could describe.
-        touched = None if grad is None else np.array(touched, dtype=bool, copy=True)
+        # gradient there is nothing it could describe, and a row it leaves out
+        # that holds gradient would be skipped by sgd_step, so such rows are
+        # marked too.
+        if grad is None:
+            touched = None
+        else:
+            touched = np.array(touched, dtype=bool, copy=True)
+            touched |= (grad != 0).any(axis=1)
     return State(table, grad, touched, pad)
 
 

@@ -85,12 +85,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
+_ASCII_SPACE = " \t\n\v\f\r"
+
+
 def env_num_threads_error() -> str | None:
     """What is wrong with ``CPOSEMBED_NUM_THREADS``, or None if it is unset or valid."""
     raw = os.environ.get("CPOSEMBED_NUM_THREADS", "")
-    if not raw.strip():
+    digits = raw.strip(_ASCII_SPACE)  # what the C side skips, no other white space
+    if not digits:
         return None
-    digits = raw.strip()
     if digits.isascii() and digits.isdigit() and int(digits) >= 1:
         return None
     return f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}"
@@ -120,7 +123,9 @@ def set_num_threads(n: int | None) -> None:
         A positive integer. Values above the CPUs this process may run on
         are capped when a call runs.
     """
-    _core.set_user_threads(0 if n is None else check_int(n, "num_threads", min_value=1))
+    value = None if n is None else check_int(n, "num_threads", min_value=1)
+    # Capped when a call runs; here only kept within a C int.
+    _core.set_user_threads(0 if value is None else min(value, 1 << 30))
 
 
 def check_num_threads(num_threads: Any) -> int | None:

@@ -36,12 +36,21 @@ def describe(value: Any) -> str:
     """Short description of a value for error messages (NumPy scalars as Python values)."""
     if isinstance(value, np.ndarray):
         return f"array of shape {value.shape} and dtype {value.dtype}"
-    if isinstance(value, np.generic):
-        value = value.item()
+    value = _python_values(value)
     text = repr(value)
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{type(value).__name__} {text}"
+
+
+def _python_values(value: Any, depth: int = 0) -> Any:
+    # NumPy scalars as Python values, also inside (nested) lists and tuples.
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)) and depth < 3 and len(value) <= 20:
+        items = [_python_values(x, depth + 1) for x in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
 
 
 def check_int(
@@ -248,11 +257,11 @@ def broadcast_positions(pos: np.ndarray, lead: tuple[int, ...], what: str) -> np
     any other shape that broadcasts is materialised to ``lead`` (positions
     are ``d`` times smaller than the rows they index).
     """
-    try:
-        full = np.broadcast_shapes(pos.shape, lead)
-    except ValueError:
-        full = None
-    if full != tuple(lead):
+    # By hand: np.broadcast_shapes stops at 32 axes, NumPy 2 arrays have up to 64.
+    fits = len(pos.shape) <= len(lead) and all(
+        p in (1, n) for p, n in zip(pos.shape[::-1], lead[::-1])
+    )
+    if not fits:
         raise ValueError(f"positions of shape {pos.shape} do not broadcast to {what} {lead}")
     core = pos.shape
     while core and core[0] == 1:

@@ -212,9 +212,11 @@ class LearnedPositionEmbedding:
         # As in torch, setting it later does not zero the row; it only stops
         # the row from receiving gradient from now on.
         pad = _padding_index(value, self.max_seq_len)
+        grad = self.grad
+        if pad is not None and grad is not None:
+            self._check_grad(grad)  # before anything changes
+            grad[pad] = 0
         self._padding_idx = pad
-        if pad is not None and self.grad is not None:
-            self.grad[pad] = 0
         if pad is not None and self._touched is not None:
             self._touched[pad] = False
 
@@ -351,10 +353,10 @@ class LearnedPositionEmbedding:
 
     def _check_grad(self, grad: Any) -> None:
         table = self._embeddings
-        if not isinstance(grad, np.ndarray) or grad.dtype.kind != "f":
+        if not isinstance(grad, np.ndarray) or v.native_dtype(grad.dtype) not in v.FLOAT_DTYPES:
             raise TypeError(
-                f"grad must be a float numpy.ndarray of the table's shape {table.shape}; "
-                f"got {v.describe(grad)}"
+                f"grad must be a float32 or float64 numpy.ndarray of the table's shape "
+                f"{table.shape}; got {v.describe(grad)}"
             )
         if grad.shape != table.shape:
             raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
@@ -452,7 +454,7 @@ class LearnedPositionEmbedding:
         """
         new_len = v.check_int(new_max_len, "new_max_len", min_value=1)
         if method not in ("linear", "repeat"):
-            raise ValueError(f'method must be "linear" or "repeat"; got {method!r}')
+            raise ValueError(f'method must be "linear" or "repeat"; got {v.describe(method)}')
         pad = self.padding_idx
         if pad is not None and pad >= new_len:
             raise ValueError(

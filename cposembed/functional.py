@@ -137,9 +137,15 @@ def _lookup_numpy(table: np.ndarray, positions: Any, out: Any) -> Any:
 
 
 def _row_positions(
-    positions: Any, offset: Any, lead: tuple[int, ...], n_rows: int, what: str
+    positions: Any,
+    offset: Any,
+    lead: tuple[int, ...],
+    n_rows: int,
+    what: str,
+    lead_name: str | None = None,
 ) -> tuple[np.ndarray | None, int]:
-    """``(positions, offset)`` for rows laid out as ``lead``, as the C entries take them."""
+    """``(positions, offset)`` for rows laid out as ``lead`` (``what.shape[:-1]``, or
+    ``lead_name``), as the C entries take them."""
     off = v.as_offset(offset)
     if positions is None:
         if not lead:
@@ -160,7 +166,7 @@ def _row_positions(
             "boolean masks or slices); an index into the embedding axis only works "
             "with lookup"
         )
-    return v.broadcast_positions(pos, lead, f"{what}.shape[:-1]"), 0
+    return v.broadcast_positions(pos, lead, lead_name or f"{what}.shape[:-1]"), 0
 
 
 def add_positions(
@@ -239,18 +245,33 @@ def _add_normalised(
         rows = t[np.arange(off, off + tok.shape[-2])] if pos is None else t[pos]
         return np.add(tok, rows, out=out)
     tok_c = v.plain_copy(tok, dtype)
+    rows, pos, off = _shallow(tok_c, pos, off)
     if out is None:
-        return _accepted(_core.add(tok_c, t, pos, off, None, nt))
+        return _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape)
     o = _base(out)
     if v.plain(o) and not v.overlaps(o, t):
         if _same_buffer(o, tok_c):
-            _accepted(_core.add(tok_c, t, pos, off, tok_c, nt))  # in place
+            _accepted(_core.add(rows, t, pos, off, rows, nt))  # in place
             return out
         if not v.overlaps(o, tok_c):
-            _accepted(_core.add(tok_c, t, pos, off, o, nt))
+            _accepted(_core.add(rows, t, pos, off, o.reshape(rows.shape), nt))
             return out
-    np.copyto(out, _accepted(_core.add(tok_c, t, pos, off, None, nt)))
+    np.copyto(out, _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape))
     return out
+
+
+def _shallow(
+    rows: np.ndarray, pos: np.ndarray | None, offset: int
+) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """Rows ``(..., d)`` and their positions as the C entries take them: at most
+    31 position axes. Deeper ones (NumPy 2 allows 64 axes) are broadcast and
+    flattened, with the rows seen as ``(N, d)``; the caller reshapes a result."""
+    lead = rows.shape[:-1]
+    if len(lead) <= _MAX_POSITION_DIMS and (pos is None or pos.ndim <= _MAX_POSITION_DIMS):
+        return rows, pos, offset
+    full = np.arange(offset, offset + lead[-1]) if pos is None else pos
+    flat = np.ascontiguousarray(np.broadcast_to(full, lead)).reshape(-1)
+    return rows.reshape(-1, rows.shape[-1]), flat, 0
 
 
 def scatter_add(
@@ -358,6 +379,7 @@ def _scatter_normalised(
     g_c = v.plain_copy(g, native)
     if v.overlaps(g_c, grad_table):
         g_c = g_c.copy()
+    g_c, pos, off = _shallow(g_c, pos, off)
     base = _base(grad_table)
     work = base if v.plain(base) else v.plain_copy(base, native)
     _accepted(_core.scatter_add(work, g_c, pos, off, nt, touched, skip_row))
@@ -466,7 +488,7 @@ def _id_positions(
             "token_ids must have shape (..., T) when positions is None; got a single id "
             "(pass positions=, e.g. the token's position)"
         )
-    return _row_positions(positions, offset, ids.shape, n_rows, "token_ids")
+    return _row_positions(positions, offset, ids.shape, n_rows, "token_ids", "token_ids.shape")
 
 
 def _embed_normalised(
@@ -653,8 +675,10 @@ def _embed_backward_normalised(
     nt = _threads.check_num_threads(num_threads)
     if gt is not None:
         ids = _ids(token_ids, gt.shape[0])
-    else:
+    else:  # no token table: the ids give the shape only
         ids = np.asarray(token_ids)
+        if ids.size == 0 and ids.dtype.kind == "f":
+            ids = ids.astype(np.int64)  # NumPy reads [] as an empty index
         if ids.dtype.kind not in "iu":
             raise IndexError(f"token_ids must be integers; got {v.describe(token_ids)}")
     if not tables:

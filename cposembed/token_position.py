@@ -385,10 +385,14 @@ class TokenPositionEmbedding:
                 f"version, tokens, positions); got {v.describe(state)}"
             )
         version = state["version"]
-        if type(version) is not int or not 1 <= version <= _PICKLE_VERSION:
+        if (
+            isinstance(version, (bool, np.bool_))
+            or not isinstance(version, (int, np.integer))
+            or not 1 <= version <= _PICKLE_VERSION
+        ):
             raise ValueError(
-                f"pickled TokenPositionEmbedding state has version {version!r}; this "
-                f"cposembed reads 1 to {_PICKLE_VERSION}"
+                f"pickled TokenPositionEmbedding state has version {v.describe(version)}; "
+                f"this cposembed reads 1 to {_PICKLE_VERSION}"
             )
         tokens = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)
         tokens.__setstate__(state["tokens"])
