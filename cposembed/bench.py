@@ -212,6 +212,12 @@ def _same(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> str:
     return "MISMATCH"
 
 
+def _grad_of(module: Any) -> np.ndarray:
+    grad = module.weight.grad
+    assert grad is not None, "no gradient after backward"
+    return np.asarray(grad.numpy())
+
+
 def _try_torch(enabled: bool, n_threads: int) -> Any:
     if not enabled:
         return None
@@ -718,8 +724,8 @@ def build_groups(
         theirs()
         terms = int(np.bincount(ids.ravel()).max())
         fb[1].check = _same(
-            np.concatenate([layer_t.tokens.weight.grad.numpy(), layer_t.positions.weight.grad]),
-            np.concatenate([tok_e.weight.grad.numpy(), pos_e.weight.grad.numpy()]),
+            np.concatenate([_grad_of(layer_t.tokens), _grad_of(layer_t.positions)]),
+            np.concatenate([_grad_of(tok_e), _grad_of(pos_e)]),
             rtol=1e-6 * terms,
             atol=1e-6 * terms,
         )

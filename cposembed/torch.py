@@ -227,7 +227,9 @@ _grads = _GradBuffers()
 
 
 @torch.library.custom_op("cposembed::lookup", mutates_args=(), device_types="cpu")
-def _lookup(table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+def _lookup(
+    table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
+) -> torch.Tensor:
     _check_table(table, "table")
     _check_index(positions, "positions")
     _skip_row(padding_idx, table.shape[0])
@@ -666,4 +668,3 @@ class TokenPositionEmbedding(nn.Module):
             offset,
             self.tokens.padding_idx,
         )
-

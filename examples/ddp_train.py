@@ -58,9 +58,7 @@ def new_model() -> TinyLM:
 def batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     # Skewed ids (many repeats), one token sequence per row.
-    return [
-        (torch.randint(0, 64, (BATCH, T + 1), generator=g) ** 2) % VOCAB for _ in range(STEPS)
-    ]
+    return [(torch.randint(0, 64, (BATCH, T + 1), generator=g) ** 2) % VOCAB for _ in range(STEPS)]
 
 
 def train(model: nn.Module, data: list[torch.Tensor]) -> list[float]:

@@ -11,7 +11,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import cposembed
@@ -63,13 +62,16 @@ def test_import_error_names_the_extra_without_torch() -> None:
         """
     )
     assert proc.returncode == 0, proc.stderr
-    assert 'ImportError cposembed.torch needs PyTorch: pip install "cposembed[torch]"' in proc.stdout
+    assert (
+        'ImportError cposembed.torch needs PyTorch: pip install "cposembed[torch]"' in proc.stdout
+    )
     assert "cause: ModuleNotFoundError" in proc.stdout
 
 
 torch = pytest.importorskip("torch")
-import cposembed.torch as ct  # noqa: E402
 from torch import nn  # noqa: E402
+
+import cposembed.torch as ct  # noqa: E402
 
 ops = torch.ops.cposembed
 
@@ -319,7 +321,9 @@ def recycled(monkeypatch):
 def _reference_grads(m, ids_list, offset=0):
     e_tok, e_pos = _embedding(m.tokens.weight), _embedding(m.positions.weight)
     for ids in ids_list:
-        (e_tok(ids) + e_pos(torch.arange(offset, offset + ids.shape[-1]).expand(ids.shape))).sum().backward()
+        (
+            e_tok(ids) + e_pos(torch.arange(offset, offset + ids.shape[-1]).expand(ids.shape))
+        ).sum().backward()
     return e_tok.weight.grad, e_pos.weight.grad
 
 
@@ -368,7 +372,7 @@ def test_gradient_changed_in_place_is_zeroed_whole_before_reuse(recycled, change
 def test_gradients_accumulate_across_backward_calls(recycled) -> None:
     m = ct.TokenPositionEmbedding(40, 8, 4)
     ids_list = [torch.randint(0, 40, (2, 5)) for _ in range(3)]
-    for step in range(2):
+    for _ in range(2):
         m.zero_grad(set_to_none=True)
         for ids in ids_list:  # no zero_grad in between: autograd adds into .grad
             m(ids).sum().backward()
@@ -394,7 +398,7 @@ def test_training_matches_nn_embedding(recycled, optimizer, set_to_none) -> None
     }[optimizer]
     opt_ours, opt_ref = make(m.parameters()), make([e_tok.weight, e_pos.weight])
     target = torch.randn(16, 8)
-    for step in range(5):
+    for _ in range(5):
         ids = torch.randint(0, 64, (4, 16))
         opt_ours.zero_grad(set_to_none=set_to_none)
         opt_ref.zero_grad(set_to_none=set_to_none)
