@@ -27,7 +27,7 @@ class ScatterPlan(enum.IntEnum):
     PLAN_SCAN = 2
     PLAN_SORT = 3
 
-PLAN_AUTO: ScatterPlan
+PLAN_AUTO: ScatterPlan  # the members, also at module level
 PLAN_DISTINCT: ScatterPlan
 PLAN_SCAN: ScatterPlan
 PLAN_SORT: ScatterPlan
@@ -63,6 +63,27 @@ def sgd_step(
     lr: float,  # double, rounded once to the table's dtype
     skip_row: int,  # Py_ssize_t
     num_threads: Any = None,
+) -> bool | None: ...
+def embed(
+    token_ids: Any,  # in [-V, V)
+    token_table: Any,  # plain (V, d)
+    position_table: Any,  # plain (L, d), same dtype and d
+    positions: Any,
+    offset: Any,
+    out: Any,  # None, or plain writable token_ids.shape + (d,), apart from both tables
+    num_threads: Any,
+) -> np.ndarray | None: ...
+def embed_backward(
+    grad_token_table: Any,  # plain writable (V, d)
+    grad_position_table: Any,  # plain writable (L, d), same dtype and d, apart
+    grad_output: Any,  # plain token_ids.shape + (d,), apart from both
+    token_ids: Any,
+    positions: Any,
+    offset: Any,
+    num_threads: Any,
+    token_touched: npt.NDArray[np.bool_] | None = None,  # (V,)
+    position_touched: npt.NDArray[np.bool_] | None = None,  # (L,)
+    token_skip_row: int = -1,  # Py_ssize_t
 ) -> bool | None: ...
 
 # Threads (src_c/_team.pxi).
