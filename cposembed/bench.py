@@ -90,6 +90,9 @@ TARGETS: dict[tuple[str, str], float] = {
     ("embed", "numpy wte[ids] + wpe[:T]"): 0.15,
     ("embed_backward", "limit: read once"): 1.8,
     ("embed_backward", "torch index_add_ + batch sum"): 0.35,
+    # PyTorch layers (issue 12): cposembed.torch against two nn.Embedding modules.
+    ("torch layer fwd+bwd", "torch 2 x nn.Embedding fwd+bwd"): 0.2,
+    ("torch layer fwd, no_grad", "torch 2 x nn.Embedding fwd"): 0.2,
 }
 
 # The names --only takes, in the order the comparisons run (threads_* only
@@ -112,6 +115,7 @@ GROUP_NAMES = (
     "embed_out",
     "embed_alloc",
     "embed_backward",
+    "torch_layer",
 )
 
 
@@ -206,6 +210,12 @@ def _same(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> str:
         diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
         return f"close (max |diff| {diff:.1e})"
     return "MISMATCH"
+
+
+def _grad_of(module: Any) -> np.ndarray:
+    grad = module.weight.grad
+    assert grad is not None, "no gradient after backward"
+    return np.asarray(grad.numpy())
 
 
 def _try_torch(enabled: bool, n_threads: int) -> Any:
@@ -668,6 +678,72 @@ def build_groups(
             )
         return Group("embed_backward", cs, "both tables, positions=None")
 
+    def g_torch_layer() -> list[Group]:
+        if t_ is None:
+            return []
+        import cposembed.torch as ct
+
+        a = layer_arrays()
+        wte, wpe, ids = a["wte"], a["wpe"], a["ids"]
+        ids_t = t_.from_numpy(ids)
+        pos_t = t_.arange(T)
+        layer_t = ct.TokenPositionEmbedding(args.vocab, wpe.shape[0], d, dtype=tdt)
+        tok_e = t_.nn.Embedding(args.vocab, d, dtype=tdt)
+        pos_e = t_.nn.Embedding(wpe.shape[0], d, dtype=tdt)
+        with t_.no_grad():
+            for w, src in (
+                (layer_t.tokens.weight, wte),
+                (layer_t.positions.weight, wpe),
+                (tok_e.weight, wte),
+                (pos_e.weight, wpe),
+            ):
+                w.copy_(t_.from_numpy(src))
+
+        def ours() -> None:
+            layer_t.zero_grad(set_to_none=True)
+            layer_t(ids_t).backward(gout_t)
+
+        def theirs() -> None:
+            tok_e.zero_grad(set_to_none=True)
+            pos_e.zero_grad(set_to_none=True)
+            (tok_e(ids_t) + pos_e(pos_t)).backward(gout_t)
+
+        def ours_fwd() -> None:
+            with t_.no_grad():
+                layer_t(ids_t)
+
+        def theirs_fwd() -> None:
+            with t_.no_grad():
+                tok_e(ids_t) + pos_e(pos_t)
+
+        fb = [
+            Contender(OURS, ours, 2 * rows_bytes),
+            Contender("torch 2 x nn.Embedding fwd+bwd", theirs, 2 * rows_bytes),
+        ]
+        ours()
+        theirs()
+        terms = int(np.bincount(ids.ravel()).max())
+        fb[1].check = _same(
+            np.concatenate([_grad_of(layer_t.tokens), _grad_of(layer_t.positions)]),
+            np.concatenate([_grad_of(tok_e), _grad_of(pos_e)]),
+            rtol=1e-6 * terms,
+            atol=1e-6 * terms,
+        )
+        fwd = [
+            Contender(OURS, ours_fwd, rows_bytes),
+            Contender("torch 2 x nn.Embedding fwd", theirs_fwd, rows_bytes),
+        ]
+        with t_.no_grad():
+            fwd[1].check = _same(layer_t(ids_t), tok_e(ids_t) + pos_e(pos_t))
+        note = (
+            f"cposembed.torch.TokenPositionEmbedding vs two nn.Embedding, vocab {args.vocab}, "
+            f"ids ({B}, {T}) Zipf 1.2"
+        )
+        return [
+            Group("torch layer fwd+bwd", fb, note + ", zero_grad(set_to_none=True) each step"),
+            Group("torch layer fwd, no_grad", fwd, note),
+        ]
+
     groups: list[tuple[str, Callable[[], Group | list[Group]]]] = [
         ("lookup", g_lookup),
         ("pe_alloc", g_pe_alloc),
@@ -690,6 +766,7 @@ def build_groups(
         ("embed_out", g_embed_out),
         ("embed_alloc", g_embed_alloc),
         ("embed_backward", g_embed_backward),
+        ("torch_layer", g_torch_layer),
     ]
     return groups
 
