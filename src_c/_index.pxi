@@ -34,8 +34,33 @@ cdef extern from *:
             || t == &PyUShortArrType_Type || t == &PyUIntArrType_Type
             || t == &PyULongArrType_Type || t == &PyULongLongArrType_Type;
     }
+    /* The value of an exact NumPy integer scalar (cpe_is_np_int_scalar), read
+     * from the scalar itself (no Python int made); 0 if it lies beyond int64
+     * (a uint64 above 2**63 - 1), else 1. */
+    static int cpe_np_int_value(PyObject *o, long long *value) {
+        PyTypeObject *t = Py_TYPE(o);
+        if (t == &PyByteArrType_Type) { *value = PyArrayScalar_VAL(o, Byte); return 1; }
+        if (t == &PyShortArrType_Type) { *value = PyArrayScalar_VAL(o, Short); return 1; }
+        if (t == &PyIntArrType_Type) { *value = PyArrayScalar_VAL(o, Int); return 1; }
+        if (t == &PyLongArrType_Type) { *value = PyArrayScalar_VAL(o, Long); return 1; }
+        if (t == &PyLongLongArrType_Type) { *value = PyArrayScalar_VAL(o, LongLong); return 1; }
+        if (t == &PyUByteArrType_Type) { *value = PyArrayScalar_VAL(o, UByte); return 1; }
+        if (t == &PyUShortArrType_Type) { *value = PyArrayScalar_VAL(o, UShort); return 1; }
+        if (t == &PyUIntArrType_Type) { *value = PyArrayScalar_VAL(o, UInt); return 1; }
+        if (t == &PyULongArrType_Type) {
+            npy_ulong v = PyArrayScalar_VAL(o, ULong);
+            *value = (long long)v;
+            return v <= (npy_ulong)0x7fffffffffffffffULL;
+        }
+        {
+            npy_ulonglong v = PyArrayScalar_VAL(o, ULongLong);
+            *value = (long long)v;
+            return v <= (npy_ulonglong)0x7fffffffffffffffULL;
+        }
+    }
     """
     bint cpe_is_np_int_scalar(object o)
+    bint cpe_np_int_value(object o, long long* value)
 
 # Dimensions of a positions array: NumPy 1.x allows 32 (2.x: 64), and the
 # result has one more.
@@ -80,11 +105,14 @@ cdef inline bint _int_value(object o, Py_ssize_t L, int64_t* row) noexcept:
     # `o` (a _is_integer value) wrapped into [0, L); False if out of range.
     cdef int overflow = 0
     cdef long long v
-    try:
-        v = PyLong_AsLongLongAndOverflow(o, &overflow)
-    except Exception:
-        return False
-    if overflow:
+    if PyLong_CheckExact(o):
+        try:
+            v = PyLong_AsLongLongAndOverflow(o, &overflow)
+        except Exception:
+            return False
+        if overflow:
+            return False
+    elif not cpe_np_int_value(o, &v):
         return False
     if v < 0:
         v += L
