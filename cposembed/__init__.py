@@ -10,7 +10,8 @@ from ._config import openmp_enabled, show_config
 from ._threads import get_num_threads, set_num_threads
 from ._version import __version__
 from .embedding import LearnedPositionEmbedding
-from .functional import add_positions, embed, embed_backward, lookup, scatter_add
+from .functional import add_positions, lookup, scatter_add
+from .layer import embed, embed_backward
 from .masks import positions_from_mask
 from .token_position import TokenPositionEmbedding
 

@@ -41,7 +41,8 @@ import numpy as np
 
 from . import _membench, _threads
 from .embedding import LearnedPositionEmbedding
-from .functional import add_positions, embed, embed_backward, lookup, scatter_add
+from .functional import add_positions, lookup, scatter_add
+from .layer import embed, embed_backward
 from .reference import LearnedPositionEmbedding as ReferenceEmbedding
 
 OURS = "cposembed"

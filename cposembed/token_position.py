@@ -10,7 +10,7 @@ import numpy as np
 from . import _state
 from . import _validation as v
 from .embedding import LearnedPositionEmbedding, _learning_rate, _table_dtype
-from .functional import embed, embed_backward_marking
+from .layer import embed, embed_backward_marking
 
 PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 

@@ -38,6 +38,7 @@ except ImportError as exc:  # torch is the optional extra "torch"
     raise ImportError('cposembed.torch needs PyTorch: pip install "cposembed[torch]"') from exc
 
 from cposembed import functional as _f
+from cposembed import layer as _layer
 from cposembed.embedding import _padding_index
 
 __all__ = ["LearnedPositionEmbedding", "TokenPositionEmbedding"]
@@ -289,7 +290,7 @@ def _embed(
     _check_embed(token_ids, token_table, position_table, positions)
     _skip_row(padding_idx, token_table.shape[0])
     pos = None if positions is None else _array(positions)
-    out = _f.embed(
+    out = _layer.embed(
         _array(token_ids), _array(token_table), _array(position_table), pos, offset=offset
     )
     return _tensor(out)
@@ -382,7 +383,7 @@ def _embed_backward(
     t_tok = np.zeros(vocab_size, dtype=bool) if s_tok is not None else None
     t_pos = np.zeros(max_seq_len, dtype=bool) if s_pos is not None else None
     pos = None if positions is None else _array(positions)
-    _f.embed_backward_marking(
+    _layer.embed_backward_marking(
         a_tok,
         a_pos,
         _array(grad_output),
