@@ -68,7 +68,7 @@ cdef enum:
     _MAX_DIMS = 31
 # Positions held inside the Index itself (no allocation for small calls).
 cdef enum:
-    _INLINE = 32
+    _INLINE = 512
 
 
 cdef struct Index:
