@@ -1,11 +1,12 @@
 # Stubs for the compiled module cposembed._core (src_c/_core.pyx): the one
 # checked C entry per operation, the thread rules and the output pool.
 #
-# The four entries take the caller's objects as they are and return the
+# The six entries take the caller's objects as they are and return the
 # result, or None (declined, nothing written) for anything but the plain
-# case; cposembed/functional.py normalises what was declined and calls the
-# same entry again. Positions: a Python int, an exact NumPy integer scalar,
-# a (nested) list of those, or an ndarray of a native-order integer dtype;
+# case; cposembed/functional.py, layer.py and the classes' sgd_step handle
+# what was declined and call the same entry again. Positions: a Python int,
+# an exact NumPy integer scalar, a (nested) list of those, or an ndarray of a
+# native-order integer dtype;
 # values in [-L, L).
 
 import enum

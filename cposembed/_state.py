@@ -19,9 +19,8 @@ from typing import IO, Any, NamedTuple
 
 import numpy as np
 
-from ._validation import describe
+from ._validation import FLOAT_DTYPES, describe, native_dtype
 
-_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # The keys __getstate__ writes, and those of an instance pickled before
 # __getstate__ existed (its __dict__).
 _STATE_KEYS = frozenset({"version", "embeddings", "grad", "touched", "padding_idx"})
@@ -66,23 +65,19 @@ def _kept_as_is(arr: np.ndarray, dtype: np.dtype) -> bool:
     )
 
 
-def _native(dtype: np.dtype) -> np.dtype:
-    return dtype.newbyteorder("=")
-
-
 def _table(value: Any, what: str) -> np.ndarray:
     """A float32/float64 ``(L, d)`` table, native and C-contiguous (a copy if needed)."""
     if (
         not isinstance(value, np.ndarray)
         or value.ndim != 2
         or min(value.shape) < 1
-        or _native(value.dtype) not in _FLOAT_DTYPES
+        or native_dtype(value.dtype) not in FLOAT_DTYPES
     ):
         raise ValueError(
             f"{what} must be a 2-D float32 or float64 array with both sizes >= 1; "
             f"got {describe(value)}"
         )
-    dtype = _native(value.dtype)
+    dtype = native_dtype(value.dtype)
     if _kept_as_is(value, dtype):
         return value
     return np.array(value, dtype=dtype, order="C", copy=True, subok=False)

@@ -19,7 +19,6 @@ import numpy as np
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _INT64 = np.dtype(np.int64)
-_INT64_MAX = np.iinfo(np.int64).max
 # Element kinds NumPy can add to a float table: bool, signed, unsigned, float.
 _REAL_KINDS = "biuf"
 
@@ -233,6 +232,27 @@ def as_rows(values: Any, d: int, name: str) -> np.ndarray:
             f"got shape {arr.shape}"
         )
     return arr
+
+
+def as_grad_table(grad: Any, name: str) -> np.ndarray:
+    """A gradient table the call accumulates into: a writable 2-D float32/float64
+    ndarray (any layout or byte order; masked arrays refused)."""
+    if not isinstance(grad, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray; got {describe(grad)}")
+    refuse_masked(grad, name)
+    if native_dtype(grad.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32 or float64; got {grad.dtype}")
+    if grad.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (L, d); got shape {grad.shape}")
+    if not grad.flags.writeable:
+        raise ValueError(f"{name} is read-only; pass a writable array")
+    return grad
+
+
+def default_positions(offset: int, n_tokens: int) -> np.ndarray:
+    """``offset + arange(T)``, what ``positions=None`` means (for the paths that
+    materialise it; the C entries make it themselves)."""
+    return np.arange(offset, offset + n_tokens)
 
 
 def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

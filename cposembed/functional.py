@@ -116,11 +116,10 @@ def lookup_normalised(table: Any, positions: Any, out: Any, num_threads: Any) ->
     if out is None:
         return _accepted(_core.lookup(t, pos, None, nt))
     v.check_out(out, pos.shape + (d,), t.dtype)
-    o = _base(out)
-    if v.plain(o) and not v.overlaps(o, t):
-        _accepted(_core.lookup(t, pos, o, nt))
-        return out
-    np.copyto(out, _accepted(_core.lookup(t, pos, None, nt)))
+    # The entry writes `out` itself if it can (it declines another layout or
+    # an `out` over the table); else the result is computed aside, as NumPy does.
+    if _core.lookup(t, pos, _base(out), nt) is None:
+        np.copyto(out, _accepted(_core.lookup(t, pos, None, nt)))
     return out
 
 
@@ -243,22 +242,34 @@ def _add_normalised(
         v.check_out(out, tok.shape, dtype)
     if dtype != t.dtype:
         # e.g. float64 tokens + float32 table: NumPy's own promotion decides.
-        rows = t[np.arange(off, off + tok.shape[-2])] if pos is None else t[pos]
+        rows = t[v.default_positions(off, tok.shape[-2])] if pos is None else t[pos]
         return np.add(tok, rows, out=out)
     tok_c = v.plain_copy(tok, dtype)
     rows, pos, off = _shallow(tok_c, pos, off)
     if out is None:
         return _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape)
     o = _base(out)
-    if v.plain(o) and not v.overlaps(o, t):
-        if _same_buffer(o, tok_c):
-            _accepted(_core.add(rows, t, pos, off, rows, nt))  # in place
-            return out
-        if not v.overlaps(o, tok_c):
-            _accepted(_core.add(rows, t, pos, off, o.reshape(rows.shape), nt))
-            return out
-    np.copyto(out, _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape))
+    if _same_buffer(o, tok_c):
+        # In place (the tokens may be a read-only view of out's memory):
+        # out's own writable view serves as both.
+        o_rows = o.reshape(rows.shape)
+        done = _core.add(o_rows, t, pos, off, o_rows, nt)
+    else:
+        # The entry writes `out` itself if it can (it declines another layout,
+        # or an `out` over the table or the tokens).
+        target = o if o.shape == rows.shape else _rows_view(o, rows.shape)
+        done = None if target is None else _core.add(rows, t, pos, off, target, nt)
+    if done is None:
+        np.copyto(out, _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape))
     return out
+
+
+def _rows_view(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``arr`` reshaped to ``shape`` as a view of its memory, or None (a reshape
+    that would copy)."""
+    if not arr.flags.c_contiguous:
+        return None
+    return arr.reshape(shape)
 
 
 def _shallow(
@@ -270,7 +281,7 @@ def _shallow(
     lead = rows.shape[:-1]
     if len(lead) <= _MAX_POSITION_DIMS and (pos is None or pos.ndim <= _MAX_POSITION_DIMS):
         return rows, pos, offset
-    full = np.arange(offset, offset + lead[-1]) if pos is None else pos
+    full = v.default_positions(offset, lead[-1]) if pos is None else pos
     flat = np.ascontiguousarray(np.broadcast_to(full, lead)).reshape(-1)
     return rows.reshape(-1, rows.shape[-1]), flat, 0
 
@@ -363,16 +374,8 @@ def _scatter_normalised(
     touched: np.ndarray | None,
     skip_row: int,
 ) -> None:
-    if not isinstance(grad_table, np.ndarray):
-        raise TypeError(f"grad_table must be a numpy.ndarray; got {v.describe(grad_table)}")
-    v.refuse_masked(grad_table, "grad_table")
+    v.as_grad_table(grad_table, "grad_table")
     native = v.native_dtype(grad_table.dtype)
-    if native not in v.FLOAT_DTYPES:
-        raise TypeError(f"grad_table must have dtype float32 or float64; got {grad_table.dtype}")
-    if grad_table.ndim != 2:
-        raise ValueError(f"grad_table must be 2-D (L, d); got shape {grad_table.shape}")
-    if not grad_table.flags.writeable:
-        raise ValueError("grad_table is read-only; pass a writable array")
     n_rows, d = grad_table.shape
     g = v.as_rows(grad_output, d, "grad_output")
     nt = _threads.check_num_threads(num_threads)

@@ -145,15 +145,14 @@ def _embed_normalised(
         v.check_out(out, shape, dtype)
     if tt.dtype != pt.dtype or ids.ndim > _MAX_POSITION_DIMS:
         # Mixed dtypes: NumPy's own promotion decides.
-        rows = pt[np.arange(off, off + ids.shape[-1])] if pos is None else pt[pos]
+        rows = pt[v.default_positions(off, ids.shape[-1])] if pos is None else pt[pos]
         return np.add(tt[ids], rows, out=out)
     if out is None:
         return _accepted(_core.embed(ids, tt, pt, pos, off, None, nt))
-    o = _base(out)
-    if v.plain(o) and not v.overlaps(o, tt) and not v.overlaps(o, pt):
-        _accepted(_core.embed(ids, tt, pt, pos, off, o, nt))
-        return out
-    np.copyto(out, _accepted(_core.embed(ids, tt, pt, pos, off, None, nt)))
+    # The entry writes `out` itself if it can (it declines another layout or
+    # an `out` over either table); else the result is computed aside.
+    if _core.embed(ids, tt, pt, pos, off, _base(out), nt) is None:
+        np.copyto(out, _accepted(_core.embed(ids, tt, pt, pos, off, None, nt)))
     return out
 
 
@@ -270,19 +269,6 @@ def embed_backward_marking(
     )
 
 
-def _grad_table(grad: Any, name: str) -> np.ndarray:
-    if not isinstance(grad, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray or None; got {v.describe(grad)}")
-    v.refuse_masked(grad, name)
-    if v.native_dtype(grad.dtype) not in v.FLOAT_DTYPES:
-        raise TypeError(f"{name} must have dtype float32 or float64; got {grad.dtype}")
-    if grad.ndim != 2:
-        raise ValueError(f"{name} must be 2-D; got shape {grad.shape}")
-    if not grad.flags.writeable:
-        raise ValueError(f"{name} is read-only; pass a writable array")
-    return grad
-
-
 def _embed_backward_normalised(
     grad_token_table: Any,
     grad_position_table: Any,
@@ -295,11 +281,11 @@ def _embed_backward_normalised(
     position_touched: np.ndarray | None,
     token_skip_row: int,
 ) -> None:
-    gt = None if grad_token_table is None else _grad_table(grad_token_table, "grad_token_table")
+    gt = None if grad_token_table is None else v.as_grad_table(grad_token_table, "grad_token_table")
     gp = (
         None
         if grad_position_table is None
-        else _grad_table(grad_position_table, "grad_position_table")
+        else v.as_grad_table(grad_position_table, "grad_position_table")
     )
     tables = [x for x in (gt, gp) if x is not None]
     if len(tables) == 2 and gt.shape[1] != gp.shape[1]:  # type: ignore[union-attr]
@@ -344,7 +330,7 @@ def _embed_backward_normalised(
             scatter_add_marking(gt, g, ids, 0, nt, token_touched, token_skip_row)
         if gp is not None:
             rows = (
-                np.broadcast_to(np.arange(off, off + ids.shape[-1]), ids.shape)
+                np.broadcast_to(v.default_positions(off, ids.shape[-1]), ids.shape)
                 if (pos is None)
                 else pos
             )

@@ -4,9 +4,10 @@
 # caller's objects as they are, check them (dtypes, layout, shapes, overlap,
 # position ranges, threads) with a few C comparisons, and either run the
 # kernel or decline by returning None with nothing written. The Python layer
-# (cposembed/functional.py) normalises what was declined (other layouts and
-# dtypes, lists, NumPy's other index forms) or raises the worded error, then
-# calls the same entry again: there is no other way to a kernel.
+# (cposembed/functional.py and layer.py; the classes' sgd_step) normalises what
+# was declined (other layouts and dtypes, lists, NumPy's other index forms) or
+# raises the worded error, then calls the same entry again: there is no other
+# way to a kernel.
 #
 # Accepted as they are: exact ndarrays, C-contiguous and aligned, in native
 # byte order, float32/float64 tables; positions as read by _index.pxi;
@@ -195,6 +196,7 @@ def lookup(table, positions, out, num_threads):
                d * cnp.PyArray_ITEMSIZE(t))
         return o
     if not _read_index(positions, L, &ix):
+        _raise_if_out_of_memory()
         return None
     try:
         ix.shape[ix.nd] = d
@@ -256,6 +258,7 @@ def add(tokens, table, positions, offset, out, num_threads):
     cdef cnp.ndarray o
     cdef int nt
     if not _row_positions(positions, offset, k, L, &ix, &m):
+        _raise_if_out_of_memory()
         return None
     try:
         if out is None:
@@ -351,6 +354,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     cdef uint8_t* mark
     cdef int nt
     if not _row_positions(positions, offset, g, L, &ix, &m):
+        _raise_if_out_of_memory()
         return None
     try:
         N = 1
@@ -529,6 +533,7 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
     cdef cnp.ndarray o
     cdef int nt
     if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
+        _raise_if_out_of_memory()
         return None
     try:
         ids.shape[ids.nd] = d
@@ -599,6 +604,8 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
         or not _apart(g, gp)
         or not _mask_ok(token_touched, V)
         or not _mask_ok(position_touched, L)
+        or (token_touched is not None and not _apart(<cnp.ndarray>token_touched, gt))
+        or (position_touched is not None and not _apart(<cnp.ndarray>position_touched, gp))
         or not -1 <= token_skip_row < V
     ):
         return None
@@ -607,6 +614,7 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
     cdef int nt
     cdef uint8_t* mark
     if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
+        _raise_if_out_of_memory()
         return None
     try:
         if nd != ids.nd + 1 or cnp.PyArray_DIMS(g)[nd - 1] != d:

@@ -16,11 +16,8 @@ from libc.stdint cimport int8_t, int16_t, int32_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 cdef extern from "Python.h":
-    ctypedef struct PyObject
-    ctypedef struct PyTypeObject
     bint PyLong_CheckExact(object o)
     bint PyList_CheckExact(object o)
-    PyTypeObject* Py_TYPE(object o)
     long long PyLong_AsLongLongAndOverflow(object o, int* overflow) except? -1
 
 cdef extern from *:
@@ -85,7 +82,14 @@ cdef inline void _index_free(Index* ix) noexcept:
     ix.rows = NULL
 
 
+# Set when a position buffer could not be allocated: the entry that declined
+# then raises MemoryError instead (_raise_if_out_of_memory), rather than have
+# the Python layer retry what cannot succeed.
+cdef bint _index_out_of_memory = False
+
+
 cdef inline bint _index_alloc(Index* ix, Py_ssize_t n) noexcept:
+    global _index_out_of_memory
     ix.n = n
     if n <= _INLINE:
         ix.rows = ix.inline
@@ -93,7 +97,18 @@ cdef inline bint _index_alloc(Index* ix, Py_ssize_t n) noexcept:
         ix.rows = NULL  # absurd: no machine holds it (and n * 8 could overflow)
     else:
         ix.rows = <int64_t*>malloc(n * sizeof(int64_t))
+    if ix.rows == NULL:
+        _index_out_of_memory = True
     return ix.rows != NULL
+
+
+cdef int _raise_if_out_of_memory() except -1:
+    # After a declined read of positions: MemoryError if that was the reason.
+    global _index_out_of_memory
+    if _index_out_of_memory:
+        _index_out_of_memory = False
+        raise MemoryError("cannot allocate the buffer for the call's positions")
+    return 0
 
 
 cdef inline bint _is_integer(object o) noexcept:

@@ -5,7 +5,8 @@
 # [0, L) in a buffer the call owns (_index.pxi), so nothing a kernel reads
 # can change under it or point outside the table.
 #
-# "Period" convention shared by _add and _scatter_add: `rows` has m entries
+# "Period" convention shared by _add, _scatter_add, _embed and _scatter_pair
+# (for the positions): `rows` has m entries
 # and the row arrays have N = nb * m rows; row i uses rows[i % m]. It lets
 # `positions=None` (offset + arange(T), the same for every sequence of a
 # batch) and positions that repeat along leading axes run without

@@ -4,6 +4,11 @@ framework tensors in from_pretrained."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -211,3 +216,39 @@ def test_from_pretrained_big_endian_and_lists():
     assert np.array_equal(pe.embeddings, big)
     pe = LearnedPositionEmbedding.from_pretrained([[1, 2], [3, 4]])
     assert pe.embeddings.dtype == np.float32
+
+
+def test_in_place_add_with_read_only_tokens_viewing_out():
+    """The tokens a read-only view of `out`'s memory: NumPy's np.add(tok, rows, out=buf)."""
+    table = np.random.default_rng(3).standard_normal((8, 3)).astype(np.float32)
+    buf = np.ones((2, 4, 3), np.float32)
+    tok = buf.view()
+    tok.flags.writeable = False
+    want = np.asarray(tok) + table[:4]
+    assert cposembed.add_positions(tok, table, out=buf) is buf
+    assert np.array_equal(buf, want)
+
+
+@pytest.mark.skipif(
+    "asan" in os.environ.get("LD_PRELOAD", ""), reason="ASan needs far more address space"
+)
+def test_no_memory_for_the_positions_buffer_is_a_memory_error():
+    """Not an internal error: the entry says why it cannot run."""
+    code = textwrap.dedent(
+        """
+        import resource
+        import numpy as np
+        import cposembed
+        table = np.zeros((4, 1), np.float32)
+        pos = np.zeros(80_000_000, ">i8")  # byte-swapped: normalised into a fresh copy
+        resource.setrlimit(resource.RLIMIT_AS, (1_700_000_000, resource.RLIM_INFINITY))
+        try:
+            cposembed.lookup(table, pos)
+        except MemoryError as exc:
+            print("MemoryError", exc)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("MemoryError"), proc.stdout + proc.stderr[-1000:]
+    assert "positions" in proc.stdout  # the entry's own, not a later allocation's

@@ -1417,8 +1417,9 @@ _HUGE_SCRIPT = textwrap.dedent(
 
 
 def test_huge_broadcast_positions_never_crash():
-    """Stride-0 positions of 2**62 elements: declined, or MemoryError/ValueError
-    (a crash would kill only the child, and fail here)."""
+    """Stride-0 positions of 2**62 elements: MemoryError (no buffer for them can be
+    had) or ValueError, from the entries and the public functions alike (a crash
+    would kill only the child, and fail here)."""
     res = subprocess.run(
         [sys.executable, "-c", _HUGE_SCRIPT], capture_output=True, text=True, timeout=120
     )
@@ -1426,10 +1427,7 @@ def test_huge_broadcast_positions_never_crash():
     results = json.loads(res.stdout)
     assert len(results) == 4 * 2 * 8
     for name, outcome in results.items():
-        if name.startswith("core."):
-            assert outcome == "None", name
-        else:
-            assert outcome in ("MemoryError", "ValueError"), (name, outcome)
+        assert outcome in ("MemoryError", "ValueError"), (name, outcome)
 
 
 # --------------------------------------------------------- the public route
@@ -1462,6 +1460,10 @@ def entry_calls(monkeypatch):
 
 ONCE = [True]
 TWICE = [False, True]
+# An `out` the entry cannot write (another layout, or over an input): declined
+# as given, declined again when offered after normalising, then the result is
+# computed aside and copied in.
+ASIDE = [False, False, True]
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -1499,13 +1501,13 @@ def test_public_functions_call_each_entry_once_or_twice(entry_calls, dtype):
     check(lambda: cposembed.lookup(table, slice(2, 5)), {"lookup": TWICE}, table[2:5])
     check(lambda: cposembed.lookup(table, np.int64(-1)), {"lookup": ONCE}, table[-1])
     fortran_out = np.empty((T, B, d), dtype, order="F").transpose(1, 0, 2)
-    check(lambda: cposembed.lookup(table, pos, out=fortran_out), {"lookup": TWICE}, table[pos])
+    check(lambda: cposembed.lookup(table, pos, out=fortran_out), {"lookup": ASIDE}, table[pos])
     on_table = np.zeros(L * d + 8, dtype)
     t_view = on_table[: L * d].reshape(L, d)
     t_view[...] = table
     check(
         lambda: cposembed.lookup(t_view, pos[0], out=on_table[8 : 8 + T * d].reshape(T, d)),
-        {"lookup": TWICE},
+        {"lookup": ASIDE},
         table[pos[0]],
     )
     check(lambda: cposembed.lookup(table, (slice(None), 0)), {"lookup": [False]}, table[:, 0])
@@ -1554,7 +1556,7 @@ def test_public_functions_call_each_entry_once_or_twice(entry_calls, dtype):
     t_in[...] = tok
     check(
         lambda: cposembed.add_positions(t_in, table, out=buf[d:].reshape(tok.shape)),
-        {"add": TWICE},
+        {"add": ASIDE},
         tok + table[:T],
     )
     with pytest.raises(IndexError):
