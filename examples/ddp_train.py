@@ -86,7 +86,7 @@ def worker(rank: int, world: int) -> None:
             alone = new_model()
             losses = train(alone, batches())
             worst = max(
-                float((a - b).abs().max())
+                float((a - b).detach().abs().max())
                 for a, b in zip(ddp.module.parameters(), alone.parameters())
             )
             ok = all(
@@ -100,6 +100,9 @@ def worker(rank: int, world: int) -> None:
             )
             if not ok:
                 raise SystemExit(1)
+        # Every rank done before any tears gloo down: a rank that destroys its
+        # group while another still works can abort in gloo's threads.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
