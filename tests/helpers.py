@@ -1,6 +1,18 @@
-"""Shared test helpers: the NumPy answers the package must reproduce."""
+"""Shared test helpers: the NumPy answers the package must reproduce, and child
+interpreters for what might crash."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
+
+import cposembed
+
+# The directory holding the cposembed under test, for child interpreters.
+PACKAGE_ROOT = str(pathlib.Path(cposembed.__file__).resolve().parents[1])
 
 INDEX_DTYPES = [
     np.int8,
@@ -25,3 +37,33 @@ def reference_scatter(grad, grad_output, positions):
 
 def default_positions(tokens_shape, offset=0):
     return offset + np.arange(tokens_shape[-2])
+
+
+def run_python(args, timeout=120, env=None, cwd=None):
+    """``python *args`` in a fresh interpreter on this cposembed (``["-c", code]``,
+    ``["-m", "cposembed", ...]``): a crash there is a return code here, not the
+    end of the test run."""
+    full_env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd or PACKAGE_ROOT,
+        timeout=timeout,
+    )
+
+
+def assert_clean_exit(proc):
+    assert proc.returncode == 0, (
+        f"the child exited with {proc.returncode} (negative: killed by a signal, "
+        f"-11 a segfault, -6 an abort)\nstderr:\n{proc.stderr[-3000:]}"
+    )
+
+
+def last_json(proc):
+    """The child's last stdout line, as JSON."""
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"the child printed nothing\nstderr:\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])

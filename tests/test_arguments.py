@@ -5,12 +5,11 @@ framework tensors in from_pretrained."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from helpers import run_python
 
 import cposembed
 from cposembed import LearnedPositionEmbedding
@@ -248,7 +247,7 @@ def test_no_memory_for_the_positions_buffer_is_a_memory_error():
             print("MemoryError", exc)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = run_python(["-c", code])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("MemoryError"), proc.stdout + proc.stderr[-1000:]
     assert "positions" in proc.stdout  # the entry's own, not a later allocation's

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import re
 import subprocess
-import sys
 
 import pytest
+from helpers import run_python
 
-import cposembed
 from cposembed import __main__ as cli
 from cposembed import bench
 
-# The directory holding the cposembed under test, for child interpreters.
-PACKAGE_ROOT = str(pathlib.Path(cposembed.__file__).resolve().parents[1])
 SUBCOMMANDS = ("demo", "info", "bench", "train")
 QUICK_SUMMARY = "summary: quick run, targets not judged; 0 check mismatches"
 SUMMARY = re.compile(
@@ -25,15 +21,7 @@ SUMMARY = re.compile(
 
 
 def run_module(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    return subprocess.run(
-        [sys.executable, "-m", "cposembed", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd or PACKAGE_ROOT,
-        timeout=300,
-    )
+    return run_python(["-m", "cposembed", *args], timeout=300, cwd=cwd)
 
 
 # -- no subcommand ------------------------------------------------------------------

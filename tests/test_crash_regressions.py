@@ -9,18 +9,11 @@ call, and on an error checks that nothing was written.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import assert_clean_exit, last_json, run_python
 
-import cposembed
-
-PACKAGE_ROOT = str(pathlib.Path(cposembed.__file__).resolve().parents[1])
 DOCUMENTED = ("ValueError", "IndexError", "TypeError")
 
 # Defines `outcome(fn, expect, watched)` in the child: runs fn(); on success
@@ -53,24 +46,10 @@ def outcome(fn, expect, watched):
 
 def run_child(body: str, timeout: float = 120) -> dict:
     """Run the prelude and ``body`` in a child; its last stdout line as JSON."""
-    code = CHILD_PRELUDE + textwrap.dedent(body)
-    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=PACKAGE_ROOT,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, (
-        f"the child exited with {proc.returncode} (negative: killed by signal "
-        f"{-proc.returncode}, e.g. -11 a segfault, -6 an abort)\nstderr:\n{proc.stderr[-3000:]}"
-    )
+    proc = run_python(["-c", CHILD_PRELUDE + textwrap.dedent(body)], timeout)
+    assert_clean_exit(proc)
     assert "Thread creation failed" not in proc.stderr, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert lines, f"the child printed nothing\nstderr:\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1])
+    return last_json(proc)
 
 
 def assert_numpy_or_refused(result: dict, allowed: tuple[str, ...], words: str = "") -> None:

@@ -11,17 +11,14 @@ runs in a child process; the child imports the package from this checkout.
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import pickle
-import subprocess
-import sys
 import textwrap
 import warnings
 
 import numpy as np
 import pytest
+from helpers import assert_clean_exit, last_json, run_python
 
 import cposembed
 from cposembed import LearnedPositionEmbedding, TokenPositionEmbedding
@@ -31,7 +28,6 @@ needs_numpy2 = pytest.mark.skipif(
     np.lib.NumpyVersion(np.__version__) < "2.0.0", reason="NumPy 1.x allows 32 axes"
 )
 
-PACKAGE_ROOT = str(pathlib.Path(cposembed.__file__).resolve().parents[1])
 DTYPES = (np.float32, np.float64)
 # Large enough that the kernels release the GIL and may run on several threads.
 BIG = (64, 512)
@@ -39,23 +35,9 @@ BIG = (64, 512)
 
 def run_child(code: str, timeout: float = 120, env: dict | None = None) -> dict:
     """Run ``code`` in a child interpreter; its last stdout line as JSON."""
-    full_env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=PACKAGE_ROOT,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, (
-        f"the child exited with {proc.returncode} (negative: killed by a signal, "
-        f"-11 a segfault, -6 an abort)\nstderr:\n{proc.stderr[-3000:]}"
-    )
-    lines = proc.stdout.strip().splitlines()
-    assert lines, f"the child printed nothing\nstderr:\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1])
+    proc = run_python(["-c", textwrap.dedent(code)], timeout, env)
+    assert_clean_exit(proc)
+    return last_json(proc)
 
 
 def assert_same(got, expect) -> None:

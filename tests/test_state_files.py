@@ -9,42 +9,23 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 import pathlib
 import pickle
-import subprocess
-import sys
 import zipfile
 
 import numpy as np
 import pytest
+from helpers import run_python
 
-import cposembed
 from cposembed import LearnedPositionEmbedding
 
 DTYPES = [np.float32, np.float64]
 KIND = "cposembed.LearnedPositionEmbedding"
-# The directory holding the cposembed under test, for child interpreters.
-PACKAGE_ROOT = str(pathlib.Path(cposembed.__file__).resolve().parents[1])
 
 
 def same_bits(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
-def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter on this cposembed: a crash there is a
-    non-zero return code here, not the end of the test run."""
-    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=PACKAGE_ROOT,
-        timeout=timeout,
-    )
 
 
 def trained(dtype=np.float32, padding_idx=None) -> LearnedPositionEmbedding:
@@ -321,7 +302,7 @@ except ValueError as exc:
     print("ValueError:", exc)
 assert np.array_equal(pe.embeddings, before), "the table changed"
 """
-    proc = run_python(code)
+    proc = run_python(["-c", code])
     assert proc.returncode == 0, (
         f"the child exited with {proc.returncode} (negative: killed by signal)\n{proc.stderr}"
     )
@@ -343,7 +324,7 @@ try:
 except ValueError as exc:
     print("ValueError:", exc)
 """
-    proc = run_python(code)
+    proc = run_python(["-c", code])
     assert proc.returncode == 0, f"the child exited with {proc.returncode}\n{proc.stderr}"
     assert "ValueError: pickled state: grad" in proc.stdout, proc.stdout + proc.stderr
 

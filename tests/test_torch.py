@@ -12,23 +12,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import PACKAGE_ROOT, run_python
 
-import cposembed
-
-PACKAGE_ROOT = str(Path(cposembed.__file__).resolve().parents[1])
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _run(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=PACKAGE_ROOT,
-    )
+    return run_python(["-c", textwrap.dedent(code)], timeout)
 
 
 def test_core_package_never_imports_torch() -> None:
