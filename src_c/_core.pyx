@@ -130,22 +130,21 @@ cdef bint _offset_value(object offset, Py_ssize_t lo, Py_ssize_t hi,
     return True
 
 
-cdef bint _row_positions(object positions, object offset, cnp.ndarray rows_array,
-                         Py_ssize_t L, Index* ix, Py_ssize_t* m) noexcept:
-    """Positions for the rows of `rows_array` (shape (..., d)): row i takes
+cdef bint _positions_for(object positions, object offset, Py_ssize_t L,
+                         const cnp.npy_intp* lead, int n_lead, Index* ix,
+                         Py_ssize_t* m) noexcept:
+    """Positions for rows laid out as lead[:n_lead]: row i takes
     ix.rows[i % m]. `positions=None`: offset + arange(T) over the last lead
     axis; else positions whose shape, without leading 1s, equals the
     trailing axes of the lead shape (anything else that broadcasts is
     materialised by the Python layer). False: declined, nothing held."""
-    cdef int nd = cnp.PyArray_NDIM(rows_array)
-    cdef cnp.npy_intp* dims = cnp.PyArray_DIMS(rows_array)
     cdef Py_ssize_t T, start, zero
     cdef int k, core
     ix.rows = NULL
     if positions is None:
-        if nd < 2:
+        if n_lead < 1:
             return False
-        T = dims[nd - 2]
+        T = lead[n_lead - 1]
         if not _offset_value(offset, 0, L - T if T else (<Py_ssize_t>1 << 62), &start):
             return False
         m[0] = T
@@ -158,15 +157,22 @@ cdef bint _row_positions(object positions, object offset, cnp.ndarray rows_array
     while k < ix.nd and ix.shape[k] == 1:
         k += 1
     core = ix.nd - k
-    if ix.nd > nd - 1:  # more axes than the rows: NumPy's result would have them
+    if ix.nd > n_lead:  # more axes than the rows: NumPy's result would have them
         _index_free(ix)
         return False
     for k in range(core):
-        if ix.shape[ix.nd - core + k] != dims[nd - 1 - core + k]:
+        if ix.shape[ix.nd - core + k] != lead[n_lead - core + k]:
             _index_free(ix)
             return False
     m[0] = ix.n
     return True
+
+
+cdef bint _row_positions(object positions, object offset, cnp.ndarray rows_array,
+                         Py_ssize_t L, Index* ix, Py_ssize_t* m) noexcept:
+    """_positions_for the rows of `rows_array` (shape (..., d))."""
+    return _positions_for(positions, offset, L, cnp.PyArray_DIMS(rows_array),
+                          cnp.PyArray_NDIM(rows_array) - 1, ix, m)
 
 
 def lookup(table, positions, out, num_threads):
@@ -474,40 +480,14 @@ cdef int _pair_type(object token_table, object position_table) noexcept:
 
 cdef bint _ids_positions(object token_ids, Py_ssize_t V, object positions, object offset,
                          Py_ssize_t L, Index* ids, Index* ix, Py_ssize_t* m) noexcept:
-    """Token ids (checked against V) and the positions for them: None is
-    offset + arange(T) over the last axis of the ids; explicit positions
-    must match the trailing axes of the ids' shape once leading 1s are
-    dropped (a period m). False: declined, nothing held."""
-    cdef Py_ssize_t T, start, zero
-    cdef int k, core
+    """Token ids (checked against V) and _positions_for them (laid out as the
+    ids). False: declined, nothing held."""
     ix.rows = NULL
     if not _read_index(token_ids, V, ids):
         return False
-    if positions is None:
-        T = ids.shape[ids.nd - 1] if ids.nd >= 1 else -1
-        if T < 0 or not _offset_value(offset, 0, L - T if T else (<Py_ssize_t>1 << 62),
-                                      &start) or not _arange_index(start, T, ix):
-            _index_free(ids)
-            return False
-        m[0] = T
-        return True
-    if not _offset_value(offset, 0, 0, &zero) or not _read_index(positions, L, ix):
+    if not _positions_for(positions, offset, L, ids.shape, ids.nd, ix, m):
         _index_free(ids)
         return False
-    k = 0
-    while k < ix.nd and ix.shape[k] == 1:
-        k += 1
-    core = ix.nd - k
-    if ix.nd > ids.nd:  # more axes than the ids: NumPy's result would have them
-        _index_free(ix)
-        _index_free(ids)
-        return False
-    for k in range(core):
-        if ix.shape[ix.nd - core + k] != ids.shape[ids.nd - core + k]:
-            _index_free(ix)
-            _index_free(ids)
-            return False
-    m[0] = ix.n
     return True
 
 
