@@ -270,12 +270,9 @@ def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def broadcast_positions(pos: np.ndarray, lead: tuple[int, ...], what: str) -> np.ndarray:
-    """Positions for rows laid out as ``lead`` (e.g. ``(B, T)``).
-
-    Positions that only repeat along leading axes (``(T,)`` against
-    ``(B, T)``) come back as they are (the C entries take them as a period);
-    any other shape that broadcasts is materialised to ``lead`` (positions
-    are ``d`` times smaller than the rows they index).
+    """Positions for rows laid out as ``lead`` (e.g. ``(B, T)``), checked to
+    broadcast there and materialised to ``lead`` (positions are ``d`` times
+    smaller than the rows they index; the C entries find repeating rows again).
     """
     # By hand: np.broadcast_shapes stops at 32 axes, NumPy 2 arrays have up to 64.
     fits = len(pos.shape) <= len(lead) and all(
@@ -283,10 +280,7 @@ def broadcast_positions(pos: np.ndarray, lead: tuple[int, ...], what: str) -> np
     )
     if not fits:
         raise ValueError(f"positions of shape {pos.shape} do not broadcast to {what} {lead}")
-    core = pos.shape
-    while core and core[0] == 1:
-        core = core[1:]
-    if core == tuple(lead[len(lead) - len(core) :]):
+    if pos.shape == tuple(lead):
         return pos
     return np.ascontiguousarray(np.broadcast_to(pos, lead))
 
