@@ -74,37 +74,42 @@ def train(model: nn.Module, data: list[torch.Tensor]) -> list[float]:
     return losses
 
 
+def check(rank: int, world: int) -> bool:
+    """Train this rank's halves with DDP; rank 0 also trains alone and compares."""
+    torch.set_num_threads(1)
+    ddp = DistributedDataParallel(new_model())
+    half = BATCH // world
+    mine = [ids[rank * half : (rank + 1) * half] for ids in batches()]
+    train(ddp, mine)
+    if rank != 0:
+        return True
+    alone = new_model()
+    losses = train(alone, batches())
+    pairs = list(zip(ddp.module.parameters(), alone.parameters()))
+    worst = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
+    print(f"one process, whole batches: losses {' '.join(f'{x:.4f}' for x in losses)}")
+    print(
+        f"{world} processes (DDP, gloo) vs one: largest parameter difference "
+        f"{worst:.1e}: {'match' if ok else 'MISMATCH'}"
+    )
+    return ok
+
+
 def worker(rank: int, world: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    ok = False
     try:
-        torch.set_num_threads(1)
-        ddp = DistributedDataParallel(new_model())
-        half = BATCH // world
-        mine = [ids[rank * half : (rank + 1) * half] for ids in batches()]
-        train(ddp, mine)
-        if rank == 0:
-            alone = new_model()
-            losses = train(alone, batches())
-            worst = max(
-                float((a - b).detach().abs().max())
-                for a, b in zip(ddp.module.parameters(), alone.parameters())
-            )
-            ok = all(
-                torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-                for a, b in zip(ddp.module.parameters(), alone.parameters())
-            )
-            print(f"one process, whole batches: losses {' '.join(f'{x:.4f}' for x in losses)}")
-            print(
-                f"{world} processes (DDP, gloo) vs one: largest parameter difference "
-                f"{worst:.1e}: {'match' if ok else 'MISMATCH'}"
-            )
-            if not ok:
-                raise SystemExit(1)
-        # Every rank done before any tears gloo down: a rank that destroys its
-        # group while another still works can abort in gloo's threads.
-        dist.barrier()
+        ok = check(rank, world)  # the DDP model, and its hold on the group, end here
+        dist.barrier()  # every rank done before any rank tears gloo down
     finally:
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # the last reference: gloo's threads are joined here
+    # The result is settled and the group is gone: leave without the interpreter's
+    # and C++ runtime's exit-time teardown, where PyTorch's distributed threads
+    # have been seen to abort a finished worker (std::terminate) on a loaded machine.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)
 
 
 def free_port() -> int:
