@@ -19,7 +19,7 @@
 
 from cython.parallel cimport prange
 from libc.stdint cimport int64_t, uint8_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 
 from _openmp cimport CPOSEMBED_OPENMP_ENABLED, omp_get_max_threads
 
@@ -28,6 +28,7 @@ cdef extern from "_stream.h" nogil:
     int cpe_have_stream()
     void cpe_sfence()
     void cpe_prefetch(const void* p)
+    void cpe_prefetch_l2(const void* p)
     void cpe_prefetch_nta(const void* p)
     void cpe_copy_f32(float* dst, const float* src, Py_ssize_t n, int stream)
     void cpe_copy_f64(double* dst, const double* src, Py_ssize_t n, int stream)
@@ -35,13 +36,13 @@ cdef extern from "_stream.h" nogil:
     void cpe_add_f64(double* out, const double* a, const double* b, Py_ssize_t n,
                      int stream)
     void cpe_acc_f32(float* acc, const float* src, const float* nxt, const float* far,
-                     float* nacc, Py_ssize_t n)
+                     float* nacc, const float* far_acc, Py_ssize_t n)
     void cpe_acc_f64(double* acc, const double* src, const double* nxt, const double* far,
-                     double* nacc, Py_ssize_t n)
+                     double* nacc, const double* far_acc, Py_ssize_t n)
     void cpe_acc2_f32(float* acc1, float* acc2, const float* src, const float* nxt,
-                      float* nacc, Py_ssize_t n)
+                      const float* far, const float* far_acc, Py_ssize_t n)
     void cpe_acc2_f64(double* acc1, double* acc2, const double* src, const double* nxt,
-                      double* nacc, Py_ssize_t n)
+                      const double* far, const double* far_acc, Py_ssize_t n)
 
 
 ctypedef fused real_t:
@@ -60,7 +61,7 @@ cpdef enum ScatterPlan:
     PLAN_DISTINCT = 1
     # Each thread owns the table rows holding about 1/n of the contributions
     # and reads only their gradient rows, front to back, updating its rows in
-    # cache (in column blocks when they would not fit).
+    # cache.
     PLAN_SCAN = 2
     # A counting sort by row, then each row sums all its contributions at
     # once, read at random: for owned rows too large to stay in cache.
@@ -74,23 +75,33 @@ cdef enum:
     _BLOCK_BYTES = 262144
 # The scan plan keeps each thread's share of the table in cache while the
 # gradient streams by: this many bytes of it per thread (most of a shared L3
-# of a few MiB per core). A variable only so that tests can force the column
-# blocks and the sort (_core.set_tuning).
+# of a few MiB per core); larger shares take the sort. A variable only so
+# that tests can force the sort (_core.set_tuning).
 cdef Py_ssize_t _scan_block_bytes = 8388608
 # Lookups prefetch the next row from tables larger than this (beyond L2).
 cdef enum:
     _PREFETCH_TABLE_BYTES = 524288
-# How many rows ahead the streamed-once rows are prefetched.
+# How many rows ahead the streamed-once rows, and the rows to add into, are
+# prefetched.
 cdef enum:
     _AHEAD = 4
+# How many rows ahead a thread reading gradient rows out of order (a sparse
+# subset, or at random) asks for one into L2: the hardware prefetcher does
+# not follow such reads.
+cdef enum:
+    _GATHER_AHEAD = 8
 
 
 cdef struct ScatterScratch:
-    # The scratch of one scatter-add call (_scatter_add allocates and frees).
-    int64_t* row_start   # (L + 1,) counts, then first slot per row, then owners
-    int64_t* order       # (m,) contribution numbers grouped by row or by owner
-    int64_t* bounds      # (n_threads + 1,) first table row of each thread
-    int64_t* q_start     # (n_threads + 1,) first slot in `order` of each thread
+    # The scratch of one scatter-add call (_scatter_add allocates and frees
+    # it as one block, starting at row_start).
+    int64_t* row_start   # (L + 1,) counts, then first slot of each row in `order`
+    int64_t* order       # (m,) contribution numbers grouped by row (sort) or by
+                         # owner (scan)
+    int64_t* q_start     # (n_threads + 1,) where each thread's part of `order`
+                         # (scan) or of `row_list` (sort) begins
+    int64_t* owner       # (L + 1,) the thread that sums each row (several threads)
+    int64_t* row_list    # (L,) the rows hit, grouped by owner (sort, several threads)
 
 
 cdef bint _repeats(const int64_t* p, Py_ssize_t n, Py_ssize_t period) noexcept nogil:
@@ -123,24 +134,26 @@ cdef inline void _add_row(const real_t* a, const real_t* b, real_t* out,
 
 
 cdef inline void _acc_row(real_t* acc, const real_t* src, const real_t* nxt,
-                          const real_t* far, real_t* nacc, Py_ssize_t d) noexcept nogil:
+                          const real_t* far, real_t* nacc, const real_t* far_acc,
+                          Py_ssize_t d) noexcept nogil:
     # acc += src; asks for the lines of `nxt` (next source row, L1), `far`
-    # (a source row further ahead, L2) and `nacc` (the next row to add
-    # into) as it goes; any may be NULL (see _stream.h).
+    # (a source row further ahead, L2), `nacc` (the next row to add into)
+    # and `far_acc` (a row to add into further ahead, L2) as it goes; any may
+    # be NULL (see _stream.h).
     if real_t is float:
-        cpe_acc_f32(acc, src, nxt, far, nacc, d)
+        cpe_acc_f32(acc, src, nxt, far, nacc, far_acc, d)
     else:
-        cpe_acc_f64(acc, src, nxt, far, nacc, d)
-
+        cpe_acc_f64(acc, src, nxt, far, nacc, far_acc, d)
 
 cdef inline void _acc2_row(real_t* acc1, real_t* acc2, const real_t* src,
-                           const real_t* nxt, real_t* nacc, Py_ssize_t d) noexcept nogil:
-    # acc1 += src and acc2 += src in one pass over src (see _stream.h).
+                           const real_t* nxt, const real_t* far, const real_t* far_acc,
+                           Py_ssize_t d) noexcept nogil:
+    # acc1 += src and acc2 += src in one pass over src, with the prefetches
+    # of _acc_row (far_acc: a row of acc1's table; see _stream.h).
     if real_t is float:
-        cpe_acc2_f32(acc1, acc2, src, nxt, nacc, d)
+        cpe_acc2_f32(acc1, acc2, src, nxt, far, far_acc, d)
     else:
-        cpe_acc2_f64(acc1, acc2, src, nxt, nacc, d)
-
+        cpe_acc2_f64(acc1, acc2, src, nxt, far, far_acc, d)
 
 cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
     # The next row of a random gather: ask for all its cache lines now, so
@@ -149,6 +162,16 @@ cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
     cdef Py_ssize_t step = 64 // sizeof(real_t)
     while k < d:
         cpe_prefetch(src + k)
+        k += step
+
+
+cdef inline void _prefetch_row_l2(const real_t* src, Py_ssize_t d) noexcept nogil:
+    # A row of a random gather a few rows ahead, into L2: the memory latency
+    # of a row that misses every cache is longer than one row's work.
+    cdef Py_ssize_t k = 0
+    cdef Py_ssize_t step = 64 // sizeof(real_t)
+    while k < d:
+        cpe_prefetch_l2(src + k)
         k += step
 
 
@@ -286,34 +309,81 @@ cdef Py_ssize_t _first_row_at(const int64_t* row_start, Py_ssize_t L,
     return lo
 
 
-cdef void _sum_rows(real_t* grad, const real_t* g,
-                    const int64_t* row_start, const int64_t* order,
-                    Py_ssize_t r_lo, Py_ssize_t r_hi, Py_ssize_t nb,
-                    Py_ssize_t m, Py_ssize_t d) noexcept nogil:
-    # Rows r_lo..r_hi-1 of grad, each summing its contributions in input
-    # order (i = k*m + j ascending): the order np.add.at uses. The source
-    # rows come in random order, so the next one is prefetched.
-    cdef Py_ssize_t r, k, t
-    cdef int64_t s, e, last = row_start[r_hi]
-    cdef real_t* acc
-    cdef const real_t* nxt
-    for r in range(r_lo, r_hi):
-        s = row_start[r]
-        e = row_start[r + 1]
-        if s == e:
-            continue
-        acc = grad + r * d
-        for k in range(nb):
-            for t in range(s, e):
-                if t + 1 < e:
-                    nxt = g + (k * m + order[t + 1]) * d
-                elif k + 1 < nb:
-                    nxt = g + ((k + 1) * m + order[s]) * d
-                elif e < last:
-                    nxt = g + order[e] * d
-                else:
-                    nxt = NULL
-                _acc_row(acc, g + (k * m + order[t]) * d, nxt, NULL, NULL, d)
+cdef struct RowCursor:
+    # A place in the sort plan's reading order: row `r` (entry q of the row
+    # list), batch k, slot t of its contributions order[s:e].
+    Py_ssize_t q
+    int64_t r, s, e, t
+    Py_ssize_t k
+    bint done
+
+
+cdef inline void _cursor_row(RowCursor* c, const int64_t* row_start, const int64_t* row_list,
+                             Py_ssize_t q_hi) noexcept nogil:
+    # Moves c to the first row from entry c.q on that has contributions.
+    while c.q < q_hi:
+        c.r = row_list[c.q] if row_list != NULL else c.q
+        c.s = row_start[c.r]
+        c.e = row_start[c.r + 1]
+        if c.s < c.e:
+            c.k = 0
+            c.t = c.s
+            return
+        c.q += 1
+    c.done = True
+
+
+cdef inline void _cursor_start(RowCursor* c, const int64_t* row_start, const int64_t* row_list,
+                               Py_ssize_t q_lo, Py_ssize_t q_hi) noexcept nogil:
+    c.q = q_lo
+    c.done = False
+    _cursor_row(c, row_start, row_list, q_hi)
+
+
+cdef inline void _cursor_next(RowCursor* c, const int64_t* row_start, const int64_t* row_list,
+                              Py_ssize_t q_hi, Py_ssize_t nb) noexcept nogil:
+    if c.done:
+        return
+    c.t += 1
+    if c.t < c.e:
+        return
+    c.k += 1
+    if c.k < nb:
+        c.t = c.s
+        return
+    c.q += 1
+    _cursor_row(c, row_start, row_list, q_hi)
+
+
+cdef void _sum_rows(real_t* grad, const real_t* g, const int64_t* row_start,
+                    const int64_t* order, const int64_t* row_list, Py_ssize_t q_lo,
+                    Py_ssize_t q_hi, Py_ssize_t nb, Py_ssize_t m, Py_ssize_t d) noexcept nogil:
+    # The rows row_list[q_lo:q_hi] of grad (rows q_lo..q_hi-1 if row_list is
+    # NULL), each summing its contributions in input order (i = k*m + j
+    # ascending): the order np.add.at uses. One row at a time, so it stays in
+    # L1 while its source rows come at random: the next one is asked for
+    # line by line (L1) and the one _GATHER_AHEAD further (L2).
+    cdef RowCursor cur, nxt, far
+    cdef int k
+    cdef const real_t* pn
+    cdef const real_t* pf
+    _cursor_start(&cur, row_start, row_list, q_lo, q_hi)
+    nxt = cur
+    _cursor_next(&nxt, row_start, row_list, q_hi, nb)
+    far = nxt
+    for k in range(_GATHER_AHEAD - 1):
+        _cursor_next(&far, row_start, row_list, q_hi, nb)
+    while not cur.done:
+        pn = NULL
+        pf = NULL
+        if not nxt.done:
+            pn = g + (nxt.k * m + order[nxt.t]) * d
+        if not far.done:
+            pf = g + (far.k * m + order[far.t]) * d
+        _acc_row(grad + cur.r * d, g + (cur.k * m + order[cur.t]) * d, pn, pf, NULL, NULL, d)
+        cur = nxt
+        _cursor_next(&nxt, row_start, row_list, q_hi, nb)
+        _cursor_next(&far, row_start, row_list, q_hi, nb)
 
 
 cdef void _sum_distinct(real_t* grad, const real_t* g, const int64_t* rows,
@@ -342,55 +412,39 @@ cdef void _sum_distinct(real_t* grad, const real_t* g, const int64_t* rows,
                     nxt = g + ((k + 1) * m + b0) * d
                 else:
                     nxt = NULL
-                _acc_row(grad + rows[j] * d, g + (k * m + j) * d, nxt, NULL, NULL, d)
+                _acc_row(grad + rows[j] * d, g + (k * m + j) * d, nxt, NULL, NULL, NULL, d)
         b0 = b1
 
 
 cdef void _scan_rows(real_t* grad, const real_t* g, const int64_t* rows,
                      const int64_t* order, Py_ssize_t q_lo, Py_ssize_t q_hi,
-                     Py_ssize_t n_rows, Py_ssize_t nb, Py_ssize_t m,
-                     Py_ssize_t d) noexcept nogil:
+                     Py_ssize_t nb, Py_ssize_t m, Py_ssize_t d) noexcept nogil:
     # Takes the contributions j = order[q] (j = q if order is NULL) for q in
     # q_lo..q_hi-1, ascending, for every batch k: input order i = k*m + j,
     # so np.add.at's, while reading g front to back. The caller hands each
-    # thread only the j that fall in its own n_rows table rows, so no two
-    # threads write the same row. Those rows are updated at random, so they
-    # must stay in cache: columns are done in blocks small enough for that
-    # (one block, the whole row, for GPT-2-size tables).
-    cdef Py_ssize_t k, q, j, j1, c0, c1, bd
+    # thread only the j that fall in its own table rows, so no two threads
+    # write the same row; those rows are updated at random, in cache.
+    cdef Py_ssize_t k, q, j, j1
     cdef const real_t* nxt
     cdef const real_t* far
     cdef real_t* nacc
-    if q_hi <= q_lo:
-        return
-    bd = _scan_block_bytes // (n_rows * sizeof(real_t)) if n_rows > 0 else d
-    bd = (bd // 16) * 16
-    if bd < 16:
-        bd = 16
-    c0 = 0
-    while c0 < d:
-        c1 = c0 + bd
-        if c1 > d:
-            c1 = d
-        for k in range(nb):
-            for q in range(q_lo, q_hi):
-                j = order[q] if order != NULL else q
-                # The rows read next are at random distances: the next one
-                # line by line into L1, the one _AHEAD further into L2; the
-                # row added into next is at random in the cache.
-                nxt = NULL
-                far = NULL
-                nacc = NULL
-                if q + 1 < q_hi:
-                    j1 = order[q + 1] if order != NULL else q + 1
-                    nxt = g + (k * m + j1) * d + c0
-                    nacc = grad + rows[j1] * d + c0
-                if q + _AHEAD < q_hi:
-                    j1 = order[q + _AHEAD] if order != NULL else q + _AHEAD
-                    far = g + (k * m + j1) * d + c0
-                _acc_row(grad + rows[j] * d + c0, g + (k * m + j) * d + c0,
-                         nxt, far, nacc, c1 - c0)
-        c0 = c1
+    for k in range(nb):
+        for q in range(q_lo, q_hi):
+            j = order[q] if order != NULL else q
+            # The rows read next are at random distances: the next one line
+            # by line into L1, the one _GATHER_AHEAD further into L2; the row
+            # added into next is at random in the cache.
+            nxt = NULL
+            far = NULL
+            nacc = NULL
+            if q + 1 < q_hi:
+                j1 = order[q + 1] if order != NULL else q + 1
+                nxt = g + (k * m + j1) * d
+                nacc = grad + rows[j1] * d
+            if q + _GATHER_AHEAD < q_hi:
+                j1 = order[q + _GATHER_AHEAD] if order != NULL else q + _GATHER_AHEAD
+                far = g + (k * m + j1) * d
+            _acc_row(grad + rows[j] * d, g + (k * m + j) * d, nxt, far, nacc, NULL, d)
 
 
 cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, Py_ssize_t m,
@@ -401,20 +455,6 @@ cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, Py_ssize_t m,
     for t in range(n_threads):
         bounds[t] = _first_row_at(row_start, L, (t * <int64_t>m) // n_threads)
     bounds[n_threads] = L
-
-
-cdef void _mark_owners(int64_t* row_start, int n_threads, const int64_t* bounds,
-                       int64_t* q_start) noexcept nogil:
-    # q_start[t]: where thread t's contributions begin in `order` (q_start[n]
-    # = m); then row_start[:L] is overwritten with each row's owner, so that
-    # finding the owner of a position is one load.
-    cdef int t
-    cdef Py_ssize_t r
-    for t in range(n_threads + 1):
-        q_start[t] = row_start[bounds[t]]
-    for t in range(n_threads):
-        for r in range(bounds[t], bounds[t + 1]):
-            row_start[r] = t
 
 
 cdef Py_ssize_t _collect_own(const int64_t* rows, Py_ssize_t m, const int64_t* owner,
@@ -432,48 +472,181 @@ cdef Py_ssize_t _collect_own(const int64_t* rows, Py_ssize_t m, const int64_t* o
     return n
 
 
-cdef ScatterPlan _choose_plan(ScatterPlan plan, const int64_t* bounds, Py_ssize_t L,
-                              Py_ssize_t d, Py_ssize_t esz, int n_threads) noexcept nogil:
-    # The plan for rows that are not distinct (or a forced scan or sort):
-    # the scan while each thread's rows stay in cache (one thread: column
-    # blocks of at least 16 columns; several: whole rows), else the sort.
-    # A forced distinct plan for repeated rows falls back to this choice.
-    cdef Py_ssize_t owned = 0
+# A thread's cost for a table row it sums: one unit per contribution, plus
+# this many for the row's first load from memory.
+cdef enum:
+    _ROW_COST = 3
+
+
+cdef int _least_loaded(const int64_t* load, int n_threads) noexcept nogil:
+    cdef int t, best = 0
+    for t in range(1, n_threads):
+        if load[t] < load[best]:
+            best = t
+    return best
+
+
+cdef bint _own_by_cost(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int n_threads,
+                       int64_t* owner) noexcept nogil:
+    # owner[r] (r < L; owner needs L + 1) = the thread that sums table row r,
+    # chosen so that the threads share both the contributions and the rows:
+    # the token ids of a Zipf-like batch put thousands of contributions on a
+    # few rows, which stay in cache, and one or two each on thousands of rows
+    # that come from memory. The rows go, most contributions first, each to
+    # the thread with the least cost so far (_ROW_COST plus its
+    # contributions per row): the frequent rows are spread first, then the
+    # rare ones dealt out in turn. False (nothing decided) if the scratch
+    # cannot be allocated.
+    cdef int64_t c, max_c = 0, k, acc = 0
+    cdef Py_ssize_t r, q, n_rows = 0
     cdef int t
+    _count_rows(rows, m, L, owner)
+    for r in range(L):
+        c = owner[r + 1]
+        owner[r] = c
+        if c:
+            n_rows += 1
+            if c > max_c:
+                max_c = c
+    # A counting sort of the rows hit, by count descending (rows ascending
+    # within a count): slot[c] is where the rows of count c begin in `order`.
+    cdef int64_t* slot = <int64_t*>calloc(max_c + 1, sizeof(int64_t))
+    cdef int64_t* order = <int64_t*>malloc((n_rows if n_rows else 1) * sizeof(int64_t))
+    cdef int64_t* load = <int64_t*>calloc(n_threads, sizeof(int64_t))
+    if slot == NULL or order == NULL or load == NULL:
+        free(slot)
+        free(order)
+        free(load)
+        return False
+    for r in range(L):
+        c = owner[r]
+        if c:
+            slot[c] += 1
+    for c in range(max_c, 0, -1):
+        k = slot[c]
+        slot[c] = acc
+        acc += k
+    for r in range(L):
+        c = owner[r]
+        if c:
+            order[slot[c]] = r
+            slot[c] += 1
+    for q in range(n_rows):
+        r = order[q]
+        t = _least_loaded(load, n_threads)
+        load[t] += owner[r] + _ROW_COST
+        owner[r] = t
+    free(slot)
+    free(order)
+    free(load)
+    return True
+
+
+cdef int64_t _rereads(const int64_t* row_start, Py_ssize_t L, Py_ssize_t cached) noexcept nogil:
+    # The contributions beyond the first of each row other than the `cached`
+    # most hit ones: what a scan in input order reads from memory again when
+    # only those rows stay in cache. -1 if the scratch cannot be allocated.
+    cdef Py_ssize_t r
+    cdef int64_t c, max_c = 0, extra = 0, n
+    for r in range(L):
+        c = row_start[r + 1] - row_start[r]
+        if c > max_c:
+            max_c = c
+    cdef int64_t* rows_of = <int64_t*>calloc(max_c + 1, sizeof(int64_t))
+    if rows_of == NULL:
+        return -1
+    for r in range(L):
+        rows_of[row_start[r + 1] - row_start[r]] += 1
+    for c in range(max_c, 1, -1):
+        n = rows_of[c]
+        if cached >= n:
+            cached -= n
+        else:
+            extra += (n - cached) * (c - 1)
+            cached = 0
+    free(rows_of)
+    return extra
+
+
+cdef ScatterPlan _choose_plan(ScatterPlan plan, const int64_t* row_start, Py_ssize_t L,
+                              Py_ssize_t m, Py_ssize_t d, Py_ssize_t esz,
+                              int n_threads) noexcept nogil:
+    # The plan for rows that are not distinct (or a forced scan or sort).
+    # The scan while each thread's rows stay in cache, or while the rows that
+    # would not (beyond the cache's worth of the most hit) take few
+    # contributions more than once: then the scan, reading the gradient in
+    # order, beats the sort's reads at random (the token ids of a Zipf-like
+    # batch: a few rows hit thousands of times, thousands once or twice).
+    # Else the sort, which takes each row from memory once. A forced
+    # distinct plan for repeated rows falls back to this choice.
+    cdef Py_ssize_t r, hit = 0, owned
+    cdef int64_t extra
     if plan == PLAN_SCAN or plan == PLAN_SORT:
         return plan
-    if n_threads <= 1:
-        return PLAN_SCAN if L * 16 * esz <= _scan_block_bytes else PLAN_SORT
+    for r in range(L):
+        hit += row_start[r] < row_start[r + 1]
+    owned = (hit + n_threads - 1) // n_threads
+    if owned * d * esz <= _scan_block_bytes:
+        return PLAN_SCAN
+    extra = _rereads(row_start, L, _scan_block_bytes // (d * esz))
+    return PLAN_SCAN if 0 <= extra <= m // 4 else PLAN_SORT
+
+
+cdef void _list_owned_rows(const int64_t* row_start, Py_ssize_t L, const int64_t* owner,
+                           int n_threads, int64_t* row_list, int64_t* list_start) noexcept nogil:
+    # row_list = the rows with contributions, grouped by owner (ascending
+    # within a thread): thread t's are row_list[list_start[t]:list_start[t + 1]].
+    cdef Py_ssize_t r
+    cdef int t
+    cdef int64_t k
+    for t in range(n_threads + 1):
+        list_start[t] = 0
+    for r in range(L):
+        if row_start[r] < row_start[r + 1]:
+            list_start[owner[r] + 1] += 1
     for t in range(n_threads):
-        if bounds[t + 1] - bounds[t] > owned:
-            owned = bounds[t + 1] - bounds[t]
-    return PLAN_SCAN if owned * d * esz <= _scan_block_bytes else PLAN_SORT
+        list_start[t + 1] += list_start[t]
+    for r in range(L):
+        if row_start[r] < row_start[r + 1]:
+            t = <int>owner[r]
+            k = list_start[t]
+            row_list[k] = r
+            list_start[t] = k + 1
+    # list_start[t] now holds the end of thread t's rows; shift back to starts.
+    for t in range(n_threads, 0, -1):
+        list_start[t] = list_start[t - 1]
+    list_start[0] = 0
 
 
 cdef bint _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
                        Py_ssize_t L, Py_ssize_t d, Py_ssize_t m, Py_ssize_t nb,
                        int n_threads, ScatterPlan plan) noexcept nogil:
     # grad[rows[i % m], :] += g[i, :] for i < nb * m, each row summed in
-    # input order by one thread. False (nothing written) if the scratch
-    # cannot be allocated.
+    # input order by one thread; several threads share the rows out by cost
+    # (_own_by_cost). False (nothing written) if the scratch cannot be
+    # allocated.
     cdef ScatterScratch s
     cdef int t
-    cdef Py_ssize_t q_lo, q_hi, r_lo, r_hi
-    s.row_start = <int64_t*>malloc((L + 1) * sizeof(int64_t))
-    s.order = <int64_t*>malloc((m if m > 0 else 1) * sizeof(int64_t))
-    s.bounds = <int64_t*>malloc(2 * (n_threads + 1) * sizeof(int64_t))
-    if s.row_start == NULL or s.order == NULL or s.bounds == NULL:
-        free(s.row_start)
-        free(s.order)
-        free(s.bounds)
+    cdef Py_ssize_t j, q_lo, q_hi
+    cdef Py_ssize_t n_scratch = (L + 1) + m + (n_threads + 1)
+    if n_threads > 1:
+        n_scratch += (L + 1) + L
+    # One block for all the scratch (see _scatter_pair).
+    s.row_start = <int64_t*>malloc(n_scratch * sizeof(int64_t))
+    if s.row_start == NULL:
         return False
-    s.q_start = s.bounds + (n_threads + 1)
+    s.order = s.row_start + (L + 1)
+    s.q_start = s.order + m
+    s.owner = s.q_start + (n_threads + 1)
+    s.row_list = s.owner + (L + 1)
     if _count_rows(rows, m, L, s.row_start) and (plan == PLAN_AUTO or plan == PLAN_DISTINCT):
         plan = PLAN_DISTINCT
     else:
         _prefix_rows(L, s.row_start)
-        _owner_bounds(s.row_start, L, m, n_threads, s.bounds)
-        plan = _choose_plan(plan, s.bounds, L, d, sizeof(real_t), n_threads)
+        plan = _choose_plan(plan, s.row_start, L, m, d, sizeof(real_t), n_threads)
+        if n_threads > 1 and not _own_by_cost(rows, m, L, n_threads, s.owner):
+            free(s.row_start)
+            return False
     if plan == PLAN_DISTINCT:
         if n_threads <= 1:
             _sum_distinct(grad, g, rows, 0, m, nb, m, d)
@@ -483,30 +656,31 @@ cdef bint _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
                               _block_lo(m, t + 1, n_threads), nb, m, d)
     elif plan == PLAN_SCAN:
         if n_threads <= 1:
-            _scan_rows(grad, g, rows, NULL, 0, m, L, nb, m, d)
+            _scan_rows(grad, g, rows, NULL, 0, m, nb, m, d)
         else:
-            # Thread t lists its own contributions, then scans them in order.
-            _mark_owners(s.row_start, n_threads, s.bounds, s.q_start)
+            # q_start[t]: where thread t's contributions begin in `order`;
+            # each thread lists its own, then scans them in order.
+            for t in range(n_threads + 1):
+                s.q_start[t] = 0
+            for j in range(m):
+                s.q_start[s.owner[rows[j]] + 1] += 1
+            for t in range(n_threads):
+                s.q_start[t + 1] += s.q_start[t]
             for t in prange(n_threads, schedule="static", num_threads=n_threads):
                 q_lo = s.q_start[t]
                 q_hi = s.q_start[t + 1]
-                _collect_own(rows, m, s.row_start, t, q_hi - q_lo, s.order + q_lo)
-                _scan_rows(grad, g, rows, s.order, q_lo, q_hi,
-                           s.bounds[t + 1] - s.bounds[t], nb, m, d)
+                _collect_own(rows, m, s.owner, t, q_hi - q_lo, s.order + q_lo)
+                _scan_rows(grad, g, rows, s.order, q_lo, q_hi, nb, m, d)
     else:
         _sort_by_row(rows, m, L, s.row_start, s.order)
         if n_threads <= 1:
-            _sum_rows(grad, g, s.row_start, s.order, 0, L, nb, m, d)
+            _sum_rows(grad, g, s.row_start, s.order, NULL, 0, L, nb, m, d)
         else:
-            # Thread t owns the rows holding about the t-th 1/n of the
-            # contributions (s.bounds, from the same prefixed counts).
+            _list_owned_rows(s.row_start, L, s.owner, n_threads, s.row_list, s.q_start)
             for t in prange(n_threads, schedule="static", num_threads=n_threads):
-                r_lo = s.bounds[t]
-                r_hi = s.bounds[t + 1]
-                _sum_rows(grad, g, s.row_start, s.order, r_lo, r_hi, nb, m, d)
+                _sum_rows(grad, g, s.row_start, s.order, s.row_list, s.q_start[t],
+                          s.q_start[t + 1], nb, m, d)
     free(s.row_start)
-    free(s.order)
-    free(s.bounds)
     return True
 
 
@@ -545,6 +719,8 @@ cdef void _embed_block(const real_t* tokens, const int64_t* ids, const real_t* t
     for i in range(lo, hi):
         if prefetch and i + 1 < hi:
             _prefetch_row(tokens + ids[i + 1] * d, d)
+            if i + _AHEAD < hi:
+                _prefetch_row_l2(tokens + ids[i + _AHEAD] * d, d)
         _add_row(tokens + ids[i] * d, table + rows[j] * d, out + i * d, d, stream)
         j += 1
         if j == m:
@@ -558,7 +734,8 @@ cdef void _embed(const real_t* tokens, const int64_t* ids, Py_ssize_t V,
                  Py_ssize_t m, Py_ssize_t d, int n_threads, int stream) noexcept nogil:
     # out[i, :] = tokens[ids[i], :] + table[rows[i % m], :] for i < N: the
     # token rows are gathered at random from a vocabulary table far larger
-    # than the caches, so the next one is prefetched.
+    # than the caches, so the next one is prefetched into L1 and the one
+    # _AHEAD rows on into L2.
     cdef int t
     cdef int prefetch = V * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
     if n_threads <= 1:
@@ -572,9 +749,8 @@ cdef void _embed(const real_t* tokens, const int64_t* ids, Py_ssize_t V,
 cdef void _count_owned(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int n_threads,
                        int64_t* owner, int64_t* bounds) noexcept nogil:
     # owner[r] (r < L) = the thread that owns table row r: rows are split into
-    # n_threads ranges holding about 1/n of the m contributions each, so a
-    # thread's share follows the work, not the row count (a Zipf-frequent
-    # token is one row with thousands of contributions). owner needs L + 1.
+    # n_threads ranges holding about 1/n of the m contributions each (the
+    # positions, where every row has about as many). owner needs L + 1.
     _count_rows(rows, m, L, owner)
     _prefix_rows(L, owner)
     _owner_bounds(owner, L, m, n_threads, bounds)
@@ -604,37 +780,47 @@ cdef Py_ssize_t _collect_pair(const int64_t* ids, const int64_t* tok_owner,
     return n
 
 
+# How far ahead the pair kernel asks for the gradient row (into L2) and for
+# the token row it will add into: a thread's rows are a sparse subset of the
+# gradient, which the hardware prefetcher does not follow, and token rows
+# come from memory at random.
+cdef enum:
+    _PAIR_AHEAD = 8
+    _TOKEN_AHEAD = 4
+
+
 cdef void _sum_pair(real_t* gtok, const int64_t* ids, real_t* gpos, const int64_t* rows,
                     const int64_t* pos_owner, int64_t t, const real_t* g,
                     const int64_t* work, Py_ssize_t n, Py_ssize_t m,
                     Py_ssize_t d) noexcept nogil:
     # For each listed contribution i, ascending: gtok[ids[i]] += g[i] if this
     # thread owns the token row, gpos[rows[i % m]] += g[i] if it owns the
-    # position row. One read of g[i] serves both (the second add finds it
-    # in L1). The next listed row is prefetched, and the next token row to
-    # add into.
-    cdef Py_ssize_t q, i, i1
+    # position row; one read of g[i] serves both. As it goes it asks for the
+    # next listed gradient row (L1), the one _PAIR_AHEAD further (L2) and the
+    # token row _TOKEN_AHEAD further that it owns (L2).
+    cdef Py_ssize_t q, i, w
     cdef int64_t p
     cdef const real_t* src
     cdef const real_t* nxt
-    cdef real_t* nacc
+    cdef const real_t* far
+    cdef const real_t* far_acc
     for q in range(n):
         i = work[q] >> 1
         src = g + i * d
-        nxt = NULL
-        nacc = NULL
-        if q + 1 < n:
-            i1 = work[q + 1] >> 1
-            nxt = g + i1 * d
-            if work[q + 1] & 1:
-                nacc = gtok + ids[i1] * d
+        nxt = g + (work[q + 1] >> 1) * d if q + 1 < n else NULL
+        far = g + (work[q + _PAIR_AHEAD] >> 1) * d if q + _PAIR_AHEAD < n else NULL
+        far_acc = NULL
+        if q + _TOKEN_AHEAD < n:
+            w = work[q + _TOKEN_AHEAD]
+            if w & 1:
+                far_acc = gtok + ids[w >> 1] * d
         p = rows[i % m]
         if not work[q] & 1:
-            _acc_row(gpos + p * d, src, nxt, NULL, nacc, d)
+            _acc_row(gpos + p * d, src, nxt, far, NULL, NULL, d)
         elif pos_owner[p] == t:
-            _acc2_row(gtok + ids[i] * d, gpos + p * d, src, nxt, nacc, d)
+            _acc2_row(gtok + ids[i] * d, gpos + p * d, src, nxt, far, far_acc, d)
         else:
-            _acc_row(gtok + ids[i] * d, src, nxt, NULL, nacc, d)
+            _acc_row(gtok + ids[i] * d, src, nxt, far, NULL, far_acc, d)
 
 
 cdef bint _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* gpos,
@@ -643,10 +829,11 @@ cdef bint _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
     # Both gradients of the token + position layer from one pass over g:
     # gtok[ids[i]] += g[i] and gpos[rows[i % m]] += g[i] for i < N, each
     # table row summed in input order by one thread (bitwise np.add.at on
-    # each table). Thread t owns token rows and position rows holding about
-    # 1/n of each table's contributions, and reads, in order, every g[i] that
-    # either of its rows needs: with two threads about 1.5 reads of g in all.
-    # False (nothing written) if the scratch cannot be allocated.
+    # each table). Thread t owns position rows holding about 1/n of their
+    # contributions and token rows holding about 1/n of the tokens' cost
+    # (_own_by_cost), and reads, in order, every g[i] that either of its rows
+    # needs: with two threads about 1.5 reads of g in all. False (nothing
+    # written) if the scratch cannot be allocated.
     cdef Py_ssize_t i, t_lo, t_n
     cdef int t
     cdef int64_t* tok_owner
@@ -656,27 +843,25 @@ cdef bint _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
     if n_threads <= 1:
         for i in range(N):
             _acc2_row(gtok + ids[i] * d, gpos + rows[i % m] * d, g + i * d,
-                      g + (i + 1) * d if i + 1 < N else NULL,
-                      gtok + ids[i + 1] * d if i + 1 < N else NULL, d)
+                      g + (i + 1) * d if i + 1 < N else NULL, NULL,
+                      gtok + ids[i + _TOKEN_AHEAD] * d if i + _TOKEN_AHEAD < N else NULL, d)
         return True
-    tok_owner = <int64_t*>malloc((V + 1) * sizeof(int64_t))
-    pos_owner = <int64_t*>malloc((L + 1) * sizeof(int64_t))
-    bounds = <int64_t*>malloc((n_threads + 1) * sizeof(int64_t))
-    work = <int64_t*>malloc(n_threads * N * sizeof(int64_t))
-    if tok_owner == NULL or pos_owner == NULL or bounds == NULL or work == NULL:
-        free(tok_owner)
-        free(pos_owner)
-        free(bounds)
-        free(work)
+    # One block for all the scratch: the allocator then keeps reusing it from
+    # call to call instead of mapping (and faulting in) fresh pages each time.
+    tok_owner = <int64_t*>malloc((V + L + 2 + n_threads + 1 + n_threads * N)
+                                 * sizeof(int64_t))
+    if tok_owner == NULL:
         return False
-    _count_owned(ids, N, V, n_threads, tok_owner, bounds)
+    pos_owner = tok_owner + (V + 1)
+    bounds = pos_owner + (L + 1)
+    work = bounds + (n_threads + 1)
+    if not _own_by_cost(ids, N, V, n_threads, tok_owner):
+        free(tok_owner)
+        return False
     _count_owned(rows, m, L, n_threads, pos_owner, bounds)
     for t in prange(n_threads, schedule="static", num_threads=n_threads):
         t_lo = t * N
         t_n = _collect_pair(ids, tok_owner, rows, pos_owner, N, m, t, work + t_lo)
         _sum_pair(gtok, ids, gpos, rows, pos_owner, t, g, work + t_lo, t_n, m, d)
     free(tok_owner)
-    free(pos_owner)
-    free(bounds)
-    free(work)
     return True

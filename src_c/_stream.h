@@ -185,11 +185,12 @@ static inline void cpe_add_f64(double *out, const double *a, const double *b, pt
  * own vectorisation adds a run-time overlap check and scalar fallback per
  * call, which measured 1.2-1.5x slower on 3 KB rows. While summing each
  * 64-byte line it asks for the matching line of `nxt` (the next source row,
- * into L1), of `far` (a source row further ahead, into L2) and of `nacc`
- * (the next row to be added into, with intent to write); any may be NULL. The
- * prefetches so trickle out at the pace of the work: a whole row requested
- * at once overflows the core's miss buffers (measured slower). Element k
- * only ever computes acc[k] + src[k], so the bits are the scalar loop's. */
+ * into L1), of `far` (a source row further ahead, into L2), of `nacc` (the
+ * next row to be added into, with intent to write) and of `far_acc` (a row
+ * to be added into further ahead, into L2); any may be NULL. The prefetches
+ * so trickle out at the pace of the work: a whole row requested at once
+ * overflows the core's miss buffers (measured slower). Element k only ever
+ * computes acc[k] + src[k], so the bits are the scalar loop's. */
 static inline void cpe_prefetch_l2(const void *p) {
 #if CPE_HAVE_STREAM
     _mm_prefetch((const char *)p, _MM_HINT_T1);
@@ -200,13 +201,15 @@ static inline void cpe_prefetch_l2(const void *p) {
 #endif
 }
 static inline void cpe_acc_f32(float *acc, const float *src, const float *nxt,
-                               const float *far, float *nacc, ptrdiff_t n) {
+                               const float *far, float *nacc, const float *far_acc,
+                               ptrdiff_t n) {
     ptrdiff_t k = 0;
 #if CPE_HAVE_STREAM
     for (; k + 16 <= n; k += 16) {
         if (nxt) cpe_prefetch(nxt + k);
         if (far) cpe_prefetch_l2(far + k);
         if (nacc) cpe_prefetch_w(nacc + k);
+        if (far_acc) cpe_prefetch_l2(far_acc + k);
         __m128 x0 = _mm_add_ps(_mm_loadu_ps(acc + k), _mm_loadu_ps(src + k));
         __m128 x1 = _mm_add_ps(_mm_loadu_ps(acc + k + 4), _mm_loadu_ps(src + k + 4));
         __m128 x2 = _mm_add_ps(_mm_loadu_ps(acc + k + 8), _mm_loadu_ps(src + k + 8));
@@ -220,17 +223,20 @@ static inline void cpe_acc_f32(float *acc, const float *src, const float *nxt,
     (void)nxt;
     (void)far;
     (void)nacc;
+    (void)far_acc;
 #endif
     for (; k < n; k++) acc[k] += src[k];
 }
 static inline void cpe_acc_f64(double *acc, const double *src, const double *nxt,
-                               const double *far, double *nacc, ptrdiff_t n) {
+                               const double *far, double *nacc, const double *far_acc,
+                               ptrdiff_t n) {
     ptrdiff_t k = 0;
 #if CPE_HAVE_STREAM
     for (; k + 8 <= n; k += 8) {
         if (nxt) cpe_prefetch(nxt + k);
         if (far) cpe_prefetch_l2(far + k);
         if (nacc) cpe_prefetch_w(nacc + k);
+        if (far_acc) cpe_prefetch_l2(far_acc + k);
         __m128d x0 = _mm_add_pd(_mm_loadu_pd(acc + k), _mm_loadu_pd(src + k));
         __m128d x1 = _mm_add_pd(_mm_loadu_pd(acc + k + 2), _mm_loadu_pd(src + k + 2));
         __m128d x2 = _mm_add_pd(_mm_loadu_pd(acc + k + 4), _mm_loadu_pd(src + k + 4));
@@ -244,20 +250,22 @@ static inline void cpe_acc_f64(double *acc, const double *src, const double *nxt
     (void)nxt;
     (void)far;
     (void)nacc;
+    (void)far_acc;
 #endif
     for (; k < n; k++) acc[k] += src[k];
 }
 /* Both accumulators of the token + position layer from one load of each
  * source line: acc1 += src and acc2 += src (acc1 and acc2 distinct rows),
- * with the prefetches of cpe_acc_*. Element k computes acc1[k] + src[k] and
+ * with the prefetches of cpe_acc_* (`far_acc`: a row of acc1's table). Element k computes acc1[k] + src[k] and
  * acc2[k] + src[k], so the bits are those of two cpe_acc_* calls. */
 static inline void cpe_acc2_f32(float *acc1, float *acc2, const float *src, const float *nxt,
-                                float *nacc, ptrdiff_t n) {
+                                const float *far, const float *far_acc, ptrdiff_t n) {
     ptrdiff_t k = 0;
 #if CPE_HAVE_STREAM
     for (; k + 16 <= n; k += 16) {
         if (nxt) cpe_prefetch(nxt + k);
-        if (nacc) cpe_prefetch_w(nacc + k);
+        if (far) cpe_prefetch_l2(far + k);
+        if (far_acc) cpe_prefetch_l2(far_acc + k);
         __m128 s0 = _mm_loadu_ps(src + k), s1 = _mm_loadu_ps(src + k + 4);
         __m128 s2 = _mm_loadu_ps(src + k + 8), s3 = _mm_loadu_ps(src + k + 12);
         __m128 a0 = _mm_add_ps(_mm_loadu_ps(acc1 + k), s0);
@@ -279,7 +287,8 @@ static inline void cpe_acc2_f32(float *acc1, float *acc2, const float *src, cons
     }
 #else
     (void)nxt;
-    (void)nacc;
+    (void)far;
+    (void)far_acc;
 #endif
     for (; k < n; k++) {
         acc1[k] += src[k];
@@ -287,12 +296,16 @@ static inline void cpe_acc2_f32(float *acc1, float *acc2, const float *src, cons
     }
 }
 static inline void cpe_acc2_f64(double *acc1, double *acc2, const double *src,
-                                const double *nxt, double *nacc, ptrdiff_t n) {
+                                const double *nxt, const double *far, const double *far_acc,
+                                ptrdiff_t n) {
     ptrdiff_t k = 0;
 #if CPE_HAVE_STREAM
     for (; k + 4 <= n; k += 4) {
-        if (nxt && (k & 7) == 0) cpe_prefetch(nxt + k);
-        if (nacc && (k & 7) == 0) cpe_prefetch_w(nacc + k);
+        if ((k & 7) == 0) {
+            if (nxt) cpe_prefetch(nxt + k);
+            if (far) cpe_prefetch_l2(far + k);
+            if (far_acc) cpe_prefetch_l2(far_acc + k);
+        }
         __m128d s0 = _mm_loadu_pd(src + k), s1 = _mm_loadu_pd(src + k + 2);
         _mm_storeu_pd(acc1 + k, _mm_add_pd(_mm_loadu_pd(acc1 + k), s0));
         _mm_storeu_pd(acc1 + k + 2, _mm_add_pd(_mm_loadu_pd(acc1 + k + 2), s1));
@@ -301,7 +314,8 @@ static inline void cpe_acc2_f64(double *acc1, double *acc2, const double *src,
     }
 #else
     (void)nxt;
-    (void)nacc;
+    (void)far;
+    (void)far_acc;
 #endif
     for (; k < n; k++) {
         acc1[k] += src[k];
