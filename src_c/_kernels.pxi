@@ -95,13 +95,10 @@ cdef enum:
 cdef struct ScatterScratch:
     # The scratch of one scatter-add call (_scatter_add allocates and frees
     # it as one block, starting at row_start).
-    int64_t* row_start   # (L + 1,) counts, then first slot of each row in `order`
-    int64_t* order       # (m,) contribution numbers grouped by row (sort) or by
-                         # owner (scan)
-    int64_t* q_start     # (n_threads + 1,) where each thread's part of `order`
-                         # (scan) or of `row_list` (sort) begins
-    int64_t* owner       # (L + 1,) the thread that sums each row (several threads)
-    int64_t* row_list    # (L,) the rows hit, grouped by owner (sort, several threads)
+    int64_t* row_start   # (L + 1,) counts, then first slot per row, then owners
+    int64_t* order       # (m,) contribution numbers grouped by row or by owner
+    int64_t* bounds      # (n_threads + 1,) first table row of each thread
+    int64_t* q_start     # (n_threads + 1,) first slot in `order` of each thread
 
 
 cdef bint _repeats(const int64_t* p, Py_ssize_t n, Py_ssize_t period) noexcept nogil:
@@ -145,6 +142,7 @@ cdef inline void _acc_row(real_t* acc, const real_t* src, const real_t* nxt,
     else:
         cpe_acc_f64(acc, src, nxt, far, nacc, far_acc, d)
 
+
 cdef inline void _acc2_row(real_t* acc1, real_t* acc2, const real_t* src,
                            const real_t* nxt, const real_t* far, const real_t* far_acc,
                            Py_ssize_t d) noexcept nogil:
@@ -154,6 +152,7 @@ cdef inline void _acc2_row(real_t* acc1, real_t* acc2, const real_t* src,
         cpe_acc2_f32(acc1, acc2, src, nxt, far, far_acc, d)
     else:
         cpe_acc2_f64(acc1, acc2, src, nxt, far, far_acc, d)
+
 
 cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
     # The next row of a random gather: ask for all its cache lines now, so
@@ -296,52 +295,30 @@ cdef void _sort_by_row(const int64_t* rows, Py_ssize_t m, Py_ssize_t L,
     row_start[0] = 0
 
 
-cdef Py_ssize_t _first_row_at(const int64_t* row_start, Py_ssize_t L,
-                              int64_t target) noexcept nogil:
-    # First row r in [0, L] with row_start[r] >= target (row_start ascends).
-    cdef Py_ssize_t lo = 0, hi = L, mid
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if row_start[mid] < target:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
 cdef struct RowCursor:
-    # A place in the sort plan's reading order: row `r` (entry q of the row
-    # list), batch k, slot t of its contributions order[s:e].
-    Py_ssize_t q
+    # A place in the sort plan's reading order: row r, batch k, slot t of the
+    # row's contributions order[s:e].
     int64_t r, s, e, t
     Py_ssize_t k
     bint done
 
 
-cdef inline void _cursor_row(RowCursor* c, const int64_t* row_start, const int64_t* row_list,
-                             Py_ssize_t q_hi) noexcept nogil:
-    # Moves c to the first row from entry c.q on that has contributions.
-    while c.q < q_hi:
-        c.r = row_list[c.q] if row_list != NULL else c.q
+cdef inline void _cursor_row(RowCursor* c, const int64_t* row_start,
+                             Py_ssize_t r_hi) noexcept nogil:
+    # Moves c to the first row from c.r on (below r_hi) with contributions.
+    while c.r < r_hi:
         c.s = row_start[c.r]
         c.e = row_start[c.r + 1]
         if c.s < c.e:
             c.k = 0
             c.t = c.s
             return
-        c.q += 1
+        c.r += 1
     c.done = True
 
 
-cdef inline void _cursor_start(RowCursor* c, const int64_t* row_start, const int64_t* row_list,
-                               Py_ssize_t q_lo, Py_ssize_t q_hi) noexcept nogil:
-    c.q = q_lo
-    c.done = False
-    _cursor_row(c, row_start, row_list, q_hi)
-
-
-cdef inline void _cursor_next(RowCursor* c, const int64_t* row_start, const int64_t* row_list,
-                              Py_ssize_t q_hi, Py_ssize_t nb) noexcept nogil:
+cdef inline void _cursor_next(RowCursor* c, const int64_t* row_start, Py_ssize_t r_hi,
+                              Py_ssize_t nb) noexcept nogil:
     if c.done:
         return
     c.t += 1
@@ -351,28 +328,30 @@ cdef inline void _cursor_next(RowCursor* c, const int64_t* row_start, const int6
     if c.k < nb:
         c.t = c.s
         return
-    c.q += 1
-    _cursor_row(c, row_start, row_list, q_hi)
+    c.r += 1
+    _cursor_row(c, row_start, r_hi)
 
 
 cdef void _sum_rows(real_t* grad, const real_t* g, const int64_t* row_start,
-                    const int64_t* order, const int64_t* row_list, Py_ssize_t q_lo,
-                    Py_ssize_t q_hi, Py_ssize_t nb, Py_ssize_t m, Py_ssize_t d) noexcept nogil:
-    # The rows row_list[q_lo:q_hi] of grad (rows q_lo..q_hi-1 if row_list is
-    # NULL), each summing its contributions in input order (i = k*m + j
-    # ascending): the order np.add.at uses. One row at a time, so it stays in
-    # L1 while its source rows come at random: the next one is asked for
-    # line by line (L1) and the one _GATHER_AHEAD further (L2).
+                    const int64_t* order, Py_ssize_t r_lo, Py_ssize_t r_hi, Py_ssize_t nb,
+                    Py_ssize_t m, Py_ssize_t d) noexcept nogil:
+    # Rows r_lo..r_hi-1 of grad, each summing its contributions in input
+    # order (i = k*m + j ascending): the order np.add.at uses. One row at a
+    # time, so it stays in L1 while its source rows come at random: the next
+    # one is asked for line by line (L1) and the one _GATHER_AHEAD further
+    # (L2).
     cdef RowCursor cur, nxt, far
     cdef int k
     cdef const real_t* pn
     cdef const real_t* pf
-    _cursor_start(&cur, row_start, row_list, q_lo, q_hi)
+    cur.r = r_lo
+    cur.done = False
+    _cursor_row(&cur, row_start, r_hi)
     nxt = cur
-    _cursor_next(&nxt, row_start, row_list, q_hi, nb)
+    _cursor_next(&nxt, row_start, r_hi, nb)
     far = nxt
     for k in range(_GATHER_AHEAD - 1):
-        _cursor_next(&far, row_start, row_list, q_hi, nb)
+        _cursor_next(&far, row_start, r_hi, nb)
     while not cur.done:
         pn = NULL
         pf = NULL
@@ -382,8 +361,8 @@ cdef void _sum_rows(real_t* grad, const real_t* g, const int64_t* row_start,
             pf = g + (far.k * m + order[far.t]) * d
         _acc_row(grad + cur.r * d, g + (cur.k * m + order[cur.t]) * d, pn, pf, NULL, NULL, d)
         cur = nxt
-        _cursor_next(&nxt, row_start, row_list, q_hi, nb)
-        _cursor_next(&far, row_start, row_list, q_hi, nb)
+        _cursor_next(&nxt, row_start, r_hi, nb)
+        _cursor_next(&far, row_start, r_hi, nb)
 
 
 cdef void _sum_distinct(real_t* grad, const real_t* g, const int64_t* rows,
@@ -432,8 +411,8 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const int64_t* rows,
         for q in range(q_lo, q_hi):
             j = order[q] if order != NULL else q
             # The rows read next are at random distances: the next one line
-            # by line into L1, the one _GATHER_AHEAD further into L2; the row
-            # added into next is at random in the cache.
+            # by line into L1, the one _AHEAD further into L2; the row added
+            # into next is at random in the cache.
             nxt = NULL
             far = NULL
             nacc = NULL
@@ -441,20 +420,58 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const int64_t* rows,
                 j1 = order[q + 1] if order != NULL else q + 1
                 nxt = g + (k * m + j1) * d
                 nacc = grad + rows[j1] * d
-            if q + _GATHER_AHEAD < q_hi:
-                j1 = order[q + _GATHER_AHEAD] if order != NULL else q + _GATHER_AHEAD
+            if q + _AHEAD < q_hi:
+                j1 = order[q + _AHEAD] if order != NULL else q + _AHEAD
                 far = g + (k * m + j1) * d
             _acc_row(grad + rows[j] * d, g + (k * m + j) * d, nxt, far, nacc, NULL, d)
 
 
-cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, Py_ssize_t m,
-                        int n_threads, int64_t* bounds) noexcept nogil:
-    # Thread t owns rows bounds[t]..bounds[t+1]-1, holding about the t-th
-    # 1/n of the contributions (row_start: prefixed counts).
+# A thread's cost for a table row it sums: one unit per contribution, plus
+# this many for fetching the row from memory.
+cdef enum:
+    _ROW_COST = 3
+
+
+cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, int n_threads,
+                        int64_t* bounds) noexcept nogil:
+    # Thread t owns rows bounds[t]..bounds[t+1]-1 (row_start: prefixed
+    # counts): ranges of about 1/n of the cost each, a row costing its
+    # contributions plus _ROW_COST if it has any. The token ids of a
+    # Zipf-like batch put thousands of contributions on a few rows, which
+    # stay in cache, and one or two on each of thousands of rows, each a
+    # trip to memory. Ranges, not rows dealt out one by one: a table row need
+    # not start on a cache line, so two threads' neighbouring rows would
+    # share one.
+    cdef Py_ssize_t r
+    cdef int64_t c, total = row_start[L], acc = 0
+    cdef int t = 1
+    for r in range(L):
+        total += _ROW_COST * (row_start[r] < row_start[r + 1])
+    bounds[0] = 0
+    for r in range(L):
+        while t < n_threads and acc * n_threads >= t * total:
+            bounds[t] = r
+            t += 1
+        c = row_start[r + 1] - row_start[r]
+        if c:
+            acc += c + _ROW_COST
+    while t <= n_threads:
+        bounds[t] = L
+        t += 1
+
+
+cdef void _mark_owners(int64_t* row_start, int n_threads, const int64_t* bounds,
+                       int64_t* q_start) noexcept nogil:
+    # q_start[t]: where thread t's contributions begin in `order` (q_start[n]
+    # = m); then row_start[:L] is overwritten with each row's owner, so that
+    # finding the owner of a position is one load.
     cdef int t
+    cdef Py_ssize_t r
+    for t in range(n_threads + 1):
+        q_start[t] = row_start[bounds[t]]
     for t in range(n_threads):
-        bounds[t] = _first_row_at(row_start, L, (t * <int64_t>m) // n_threads)
-    bounds[n_threads] = L
+        for r in range(bounds[t], bounds[t + 1]):
+            row_start[r] = t
 
 
 cdef Py_ssize_t _collect_own(const int64_t* rows, Py_ssize_t m, const int64_t* owner,
@@ -472,77 +489,8 @@ cdef Py_ssize_t _collect_own(const int64_t* rows, Py_ssize_t m, const int64_t* o
     return n
 
 
-# A thread's cost for a table row it sums: one unit per contribution, plus
-# this many for the row's first load from memory.
-cdef enum:
-    _ROW_COST = 3
-
-
-cdef int _least_loaded(const int64_t* load, int n_threads) noexcept nogil:
-    cdef int t, best = 0
-    for t in range(1, n_threads):
-        if load[t] < load[best]:
-            best = t
-    return best
-
-
-cdef bint _own_by_cost(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int n_threads,
-                       int64_t* owner) noexcept nogil:
-    # owner[r] (r < L; owner needs L + 1) = the thread that sums table row r,
-    # chosen so that the threads share both the contributions and the rows:
-    # the token ids of a Zipf-like batch put thousands of contributions on a
-    # few rows, which stay in cache, and one or two each on thousands of rows
-    # that come from memory. The rows go, most contributions first, each to
-    # the thread with the least cost so far (_ROW_COST plus its
-    # contributions per row): the frequent rows are spread first, then the
-    # rare ones dealt out in turn. False (nothing decided) if the scratch
-    # cannot be allocated.
-    cdef int64_t c, max_c = 0, k, acc = 0
-    cdef Py_ssize_t r, q, n_rows = 0
-    cdef int t
-    _count_rows(rows, m, L, owner)
-    for r in range(L):
-        c = owner[r + 1]
-        owner[r] = c
-        if c:
-            n_rows += 1
-            if c > max_c:
-                max_c = c
-    # A counting sort of the rows hit, by count descending (rows ascending
-    # within a count): slot[c] is where the rows of count c begin in `order`.
-    cdef int64_t* slot = <int64_t*>calloc(max_c + 1, sizeof(int64_t))
-    cdef int64_t* order = <int64_t*>malloc((n_rows if n_rows else 1) * sizeof(int64_t))
-    cdef int64_t* load = <int64_t*>calloc(n_threads, sizeof(int64_t))
-    if slot == NULL or order == NULL or load == NULL:
-        free(slot)
-        free(order)
-        free(load)
-        return False
-    for r in range(L):
-        c = owner[r]
-        if c:
-            slot[c] += 1
-    for c in range(max_c, 0, -1):
-        k = slot[c]
-        slot[c] = acc
-        acc += k
-    for r in range(L):
-        c = owner[r]
-        if c:
-            order[slot[c]] = r
-            slot[c] += 1
-    for q in range(n_rows):
-        r = order[q]
-        t = _least_loaded(load, n_threads)
-        load[t] += owner[r] + _ROW_COST
-        owner[r] = t
-    free(slot)
-    free(order)
-    free(load)
-    return True
-
-
-cdef int64_t _rereads(const int64_t* row_start, Py_ssize_t L, Py_ssize_t cached) noexcept nogil:
+cdef int64_t _rereads(const int64_t* row_start, Py_ssize_t L,
+                      Py_ssize_t cached) noexcept nogil:
     # The contributions beyond the first of each row other than the `cached`
     # most hit ones: what a scan in input order reads from memory again when
     # only those rows stay in cache. -1 if the scratch cannot be allocated.
@@ -569,84 +517,55 @@ cdef int64_t _rereads(const int64_t* row_start, Py_ssize_t L, Py_ssize_t cached)
 
 
 cdef ScatterPlan _choose_plan(ScatterPlan plan, const int64_t* row_start, Py_ssize_t L,
-                              Py_ssize_t m, Py_ssize_t d, Py_ssize_t esz,
-                              int n_threads) noexcept nogil:
+                              Py_ssize_t m, const int64_t* bounds, Py_ssize_t d,
+                              Py_ssize_t esz, int n_threads) noexcept nogil:
     # The plan for rows that are not distinct (or a forced scan or sort).
-    # The scan while each thread's rows stay in cache, or while the rows that
-    # would not (beyond the cache's worth of the most hit) take few
+    # The scan while the rows each thread hits stay in cache, or while those
+    # that would not (beyond the cache's worth of the most hit) take few
     # contributions more than once: then the scan, reading the gradient in
     # order, beats the sort's reads at random (the token ids of a Zipf-like
     # batch: a few rows hit thousands of times, thousands once or twice).
     # Else the sort, which takes each row from memory once. A forced
     # distinct plan for repeated rows falls back to this choice.
-    cdef Py_ssize_t r, hit = 0, owned
+    cdef Py_ssize_t r, hit, owned = 0
     cdef int64_t extra
+    cdef int t
     if plan == PLAN_SCAN or plan == PLAN_SORT:
         return plan
-    for r in range(L):
-        hit += row_start[r] < row_start[r + 1]
-    owned = (hit + n_threads - 1) // n_threads
+    for t in range(n_threads):
+        hit = 0
+        for r in range(bounds[t], bounds[t + 1]):
+            hit += row_start[r] < row_start[r + 1]
+        if hit > owned:
+            owned = hit
     if owned * d * esz <= _scan_block_bytes:
         return PLAN_SCAN
     extra = _rereads(row_start, L, _scan_block_bytes // (d * esz))
-    return PLAN_SCAN if 0 <= extra <= m // 4 else PLAN_SORT
-
-
-cdef void _list_owned_rows(const int64_t* row_start, Py_ssize_t L, const int64_t* owner,
-                           int n_threads, int64_t* row_list, int64_t* list_start) noexcept nogil:
-    # row_list = the rows with contributions, grouped by owner (ascending
-    # within a thread): thread t's are row_list[list_start[t]:list_start[t + 1]].
-    cdef Py_ssize_t r
-    cdef int t
-    cdef int64_t k
-    for t in range(n_threads + 1):
-        list_start[t] = 0
-    for r in range(L):
-        if row_start[r] < row_start[r + 1]:
-            list_start[owner[r] + 1] += 1
-    for t in range(n_threads):
-        list_start[t + 1] += list_start[t]
-    for r in range(L):
-        if row_start[r] < row_start[r + 1]:
-            t = <int>owner[r]
-            k = list_start[t]
-            row_list[k] = r
-            list_start[t] = k + 1
-    # list_start[t] now holds the end of thread t's rows; shift back to starts.
-    for t in range(n_threads, 0, -1):
-        list_start[t] = list_start[t - 1]
-    list_start[0] = 0
+    return PLAN_SCAN if 0 <= extra <= m // 8 else PLAN_SORT
 
 
 cdef bint _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
                        Py_ssize_t L, Py_ssize_t d, Py_ssize_t m, Py_ssize_t nb,
                        int n_threads, ScatterPlan plan) noexcept nogil:
     # grad[rows[i % m], :] += g[i, :] for i < nb * m, each row summed in
-    # input order by one thread; several threads share the rows out by cost
-    # (_own_by_cost). False (nothing written) if the scratch cannot be
-    # allocated.
+    # input order by one thread. False (nothing written) if the scratch
+    # cannot be allocated.
     cdef ScatterScratch s
     cdef int t
-    cdef Py_ssize_t j, q_lo, q_hi
-    cdef Py_ssize_t n_scratch = (L + 1) + m + (n_threads + 1)
-    if n_threads > 1:
-        n_scratch += (L + 1) + L
+    cdef Py_ssize_t q_lo, q_hi, r_lo, r_hi
     # One block for all the scratch (see _scatter_pair).
-    s.row_start = <int64_t*>malloc(n_scratch * sizeof(int64_t))
+    s.row_start = <int64_t*>malloc(((L + 1) + m + 2 * (n_threads + 1)) * sizeof(int64_t))
     if s.row_start == NULL:
         return False
     s.order = s.row_start + (L + 1)
-    s.q_start = s.order + m
-    s.owner = s.q_start + (n_threads + 1)
-    s.row_list = s.owner + (L + 1)
+    s.bounds = s.order + m
+    s.q_start = s.bounds + (n_threads + 1)
     if _count_rows(rows, m, L, s.row_start) and (plan == PLAN_AUTO or plan == PLAN_DISTINCT):
         plan = PLAN_DISTINCT
     else:
         _prefix_rows(L, s.row_start)
-        plan = _choose_plan(plan, s.row_start, L, m, d, sizeof(real_t), n_threads)
-        if n_threads > 1 and not _own_by_cost(rows, m, L, n_threads, s.owner):
-            free(s.row_start)
-            return False
+        _owner_bounds(s.row_start, L, n_threads, s.bounds)
+        plan = _choose_plan(plan, s.row_start, L, m, s.bounds, d, sizeof(real_t), n_threads)
     if plan == PLAN_DISTINCT:
         if n_threads <= 1:
             _sum_distinct(grad, g, rows, 0, m, nb, m, d)
@@ -658,28 +577,22 @@ cdef bint _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
         if n_threads <= 1:
             _scan_rows(grad, g, rows, NULL, 0, m, nb, m, d)
         else:
-            # q_start[t]: where thread t's contributions begin in `order`;
-            # each thread lists its own, then scans them in order.
-            for t in range(n_threads + 1):
-                s.q_start[t] = 0
-            for j in range(m):
-                s.q_start[s.owner[rows[j]] + 1] += 1
-            for t in range(n_threads):
-                s.q_start[t + 1] += s.q_start[t]
+            # Thread t lists its own contributions, then scans them in order.
+            _mark_owners(s.row_start, n_threads, s.bounds, s.q_start)
             for t in prange(n_threads, schedule="static", num_threads=n_threads):
                 q_lo = s.q_start[t]
                 q_hi = s.q_start[t + 1]
-                _collect_own(rows, m, s.owner, t, q_hi - q_lo, s.order + q_lo)
+                _collect_own(rows, m, s.row_start, t, q_hi - q_lo, s.order + q_lo)
                 _scan_rows(grad, g, rows, s.order, q_lo, q_hi, nb, m, d)
     else:
         _sort_by_row(rows, m, L, s.row_start, s.order)
         if n_threads <= 1:
-            _sum_rows(grad, g, s.row_start, s.order, NULL, 0, L, nb, m, d)
+            _sum_rows(grad, g, s.row_start, s.order, 0, L, nb, m, d)
         else:
-            _list_owned_rows(s.row_start, L, s.owner, n_threads, s.row_list, s.q_start)
             for t in prange(n_threads, schedule="static", num_threads=n_threads):
-                _sum_rows(grad, g, s.row_start, s.order, s.row_list, s.q_start[t],
-                          s.q_start[t + 1], nb, m, d)
+                r_lo = s.bounds[t]
+                r_hi = s.bounds[t + 1]
+                _sum_rows(grad, g, s.row_start, s.order, r_lo, r_hi, nb, m, d)
     free(s.row_start)
     return True
 
@@ -748,12 +661,11 @@ cdef void _embed(const real_t* tokens, const int64_t* ids, Py_ssize_t V,
 
 cdef void _count_owned(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int n_threads,
                        int64_t* owner, int64_t* bounds) noexcept nogil:
-    # owner[r] (r < L) = the thread that owns table row r: rows are split into
-    # n_threads ranges holding about 1/n of the m contributions each (the
-    # positions, where every row has about as many). owner needs L + 1.
+    # owner[r] (r < L; owner needs L + 1) = the thread that owns table row r,
+    # by the ranges of _owner_bounds.
     _count_rows(rows, m, L, owner)
     _prefix_rows(L, owner)
-    _owner_bounds(owner, L, m, n_threads, bounds)
+    _owner_bounds(owner, L, n_threads, bounds)
     cdef int t
     cdef Py_ssize_t r
     for t in range(n_threads):
@@ -780,15 +692,6 @@ cdef Py_ssize_t _collect_pair(const int64_t* ids, const int64_t* tok_owner,
     return n
 
 
-# How far ahead the pair kernel asks for the gradient row (into L2) and for
-# the token row it will add into: a thread's rows are a sparse subset of the
-# gradient, which the hardware prefetcher does not follow, and token rows
-# come from memory at random.
-cdef enum:
-    _PAIR_AHEAD = 8
-    _TOKEN_AHEAD = 4
-
-
 cdef void _sum_pair(real_t* gtok, const int64_t* ids, real_t* gpos, const int64_t* rows,
                     const int64_t* pos_owner, int64_t t, const real_t* g,
                     const int64_t* work, Py_ssize_t n, Py_ssize_t m,
@@ -796,8 +699,10 @@ cdef void _sum_pair(real_t* gtok, const int64_t* ids, real_t* gpos, const int64_
     # For each listed contribution i, ascending: gtok[ids[i]] += g[i] if this
     # thread owns the token row, gpos[rows[i % m]] += g[i] if it owns the
     # position row; one read of g[i] serves both. As it goes it asks for the
-    # next listed gradient row (L1), the one _PAIR_AHEAD further (L2) and the
-    # token row _TOKEN_AHEAD further that it owns (L2).
+    # next listed gradient row (L1), the one _GATHER_AHEAD further (L2) and
+    # the token row _AHEAD further that it owns (L2): a thread's rows are a
+    # sparse subset of the gradient, which the hardware prefetcher does not
+    # follow, and token rows come from memory at random.
     cdef Py_ssize_t q, i, w
     cdef int64_t p
     cdef const real_t* src
@@ -808,10 +713,10 @@ cdef void _sum_pair(real_t* gtok, const int64_t* ids, real_t* gpos, const int64_
         i = work[q] >> 1
         src = g + i * d
         nxt = g + (work[q + 1] >> 1) * d if q + 1 < n else NULL
-        far = g + (work[q + _PAIR_AHEAD] >> 1) * d if q + _PAIR_AHEAD < n else NULL
+        far = g + (work[q + _GATHER_AHEAD] >> 1) * d if q + _GATHER_AHEAD < n else NULL
         far_acc = NULL
-        if q + _TOKEN_AHEAD < n:
-            w = work[q + _TOKEN_AHEAD]
+        if q + _AHEAD < n:
+            w = work[q + _AHEAD]
             if w & 1:
                 far_acc = gtok + ids[w >> 1] * d
         p = rows[i % m]
@@ -829,11 +734,11 @@ cdef bint _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
     # Both gradients of the token + position layer from one pass over g:
     # gtok[ids[i]] += g[i] and gpos[rows[i % m]] += g[i] for i < N, each
     # table row summed in input order by one thread (bitwise np.add.at on
-    # each table). Thread t owns position rows holding about 1/n of their
-    # contributions and token rows holding about 1/n of the tokens' cost
-    # (_own_by_cost), and reads, in order, every g[i] that either of its rows
-    # needs: with two threads about 1.5 reads of g in all. False (nothing
-    # written) if the scratch cannot be allocated.
+    # each table). Thread t owns a range of token rows and one of position
+    # rows, each about 1/n of its table's cost (_owner_bounds), and reads, in
+    # order, every g[i] that either of its rows needs: with two threads about
+    # 1.5 reads of g in all. False (nothing written) if the scratch cannot be
+    # allocated.
     cdef Py_ssize_t i, t_lo, t_n
     cdef int t
     cdef int64_t* tok_owner
@@ -844,7 +749,7 @@ cdef bint _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
         for i in range(N):
             _acc2_row(gtok + ids[i] * d, gpos + rows[i % m] * d, g + i * d,
                       g + (i + 1) * d if i + 1 < N else NULL, NULL,
-                      gtok + ids[i + _TOKEN_AHEAD] * d if i + _TOKEN_AHEAD < N else NULL, d)
+                      gtok + ids[i + _AHEAD] * d if i + _AHEAD < N else NULL, d)
         return True
     # One block for all the scratch: the allocator then keeps reusing it from
     # call to call instead of mapping (and faulting in) fresh pages each time.
@@ -855,9 +760,7 @@ cdef bint _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
     pos_owner = tok_owner + (V + 1)
     bounds = pos_owner + (L + 1)
     work = bounds + (n_threads + 1)
-    if not _own_by_cost(ids, N, V, n_threads, tok_owner):
-        free(tok_owner)
-        return False
+    _count_owned(ids, N, V, n_threads, tok_owner, bounds)
     _count_owned(rows, m, L, n_threads, pos_owner, bounds)
     for t in prange(n_threads, schedule="static", num_threads=n_threads):
         t_lo = t * N
