@@ -37,8 +37,9 @@ NEVER = 1 << 60  # a size no output reaches: streaming stores off
 SERIAL = _core.SERIAL_THRESHOLD
 STREAM = _core.STREAM_THRESHOLD_BYTES
 OPENMP = _core.openmp_enabled()
-# Scan budgets: the default (whole rows), column blocks of 16 and a few
-# more columns, and one so small that the auto plan takes the sort.
+# Scan budgets: the default, then smaller ones down to less than a row, under
+# which the auto plan weighs the scan against the sort (how often the rows
+# beyond the budget's worth of the most hit are hit again).
 SCAN_BLOCKS = [None, 8192, 4096, 64, 8]
 
 
@@ -234,6 +235,8 @@ def _scatter_positions(kind, rng, L, m):
         return rng.permutation(L)[:m]
     if kind == "random":
         return rng.integers(0, L, size=m)
+    if kind == "zipf":  # token ids: a few rows hit often, many once
+        return rng.permutation(L)[np.minimum(rng.zipf(1.3, size=m) - 1, L - 1)]
     if kind == "negative":
         return rng.integers(-L, L, size=m)
     return np.full(m, 5)
@@ -241,7 +244,7 @@ def _scatter_positions(kind, rng, L, m):
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize(
-    "kind", ["arange", "offset_arange", "permutation", "random", "negative", "one_row"]
+    "kind", ["arange", "offset_arange", "permutation", "random", "zipf", "negative", "one_row"]
 )
 @pytest.mark.parametrize("nb", [1, 3])
 @pytest.mark.parametrize("form", ["period", "tiled", "leading_ones"])
