@@ -256,8 +256,9 @@ static inline void cpe_acc_f64(double *acc, const double *src, const double *nxt
 }
 /* Both accumulators of the token + position layer from one load of each
  * source line: acc1 += src and acc2 += src (acc1 and acc2 distinct rows),
- * with the prefetches of cpe_acc_* (`far_acc`: a row of acc1's table). Element k computes acc1[k] + src[k] and
- * acc2[k] + src[k], so the bits are those of two cpe_acc_* calls. */
+ * with the prefetches of cpe_acc_* (`far_acc`: a row of acc1's table).
+ * Element k computes acc1[k] + src[k] and acc2[k] + src[k], so the bits are
+ * those of two cpe_acc_* calls. */
 static inline void cpe_acc2_f32(float *acc1, float *acc2, const float *src, const float *nxt,
                                 const float *far, const float *far_acc, ptrdiff_t n) {
     ptrdiff_t k = 0;
