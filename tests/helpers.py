@@ -1,6 +1,7 @@
 """Shared test helpers: the NumPy answers the package must reproduce, and child
 interpreters for what might crash."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -10,6 +11,7 @@ import sys
 import numpy as np
 
 import cposembed
+from cposembed import _core
 
 # The directory holding the cposembed under test, for child interpreters.
 PACKAGE_ROOT = str(pathlib.Path(cposembed.__file__).resolve().parents[1])
@@ -24,6 +26,21 @@ INDEX_DTYPES = [
     np.uint32,
     np.uint64,
 ]
+
+
+def bits(a):
+    """a's bytes, C order, as a uint8 array: for comparisons that must be bitwise."""
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+@contextlib.contextmanager
+def tuned(**kw):
+    """_core.set_tuning(**kw) for the block, the previous size rules restored after."""
+    old = _core.set_tuning(**kw)
+    try:
+        yield
+    finally:
+        _core.set_tuning(**old)
 
 
 def reference_scatter(grad, grad_output, positions):

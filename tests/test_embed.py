@@ -7,7 +7,7 @@ import pickle
 
 import numpy as np
 import pytest
-from helpers import INDEX_DTYPES
+from helpers import INDEX_DTYPES, bits
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -28,10 +28,6 @@ def threaded(request):
 def _zipf_ids(rng, vocab, shape, exponent=1.2):
     p = 1.0 / np.arange(1, vocab + 1) ** exponent
     return rng.permutation(vocab)[rng.choice(vocab, size=shape, p=p / p.sum())]
-
-
-def _bits(a):
-    return np.ascontiguousarray(a).view(np.uint8)
 
 
 def _expected_backward(gt, gp, g, ids, rows):
@@ -83,10 +79,10 @@ def test_embed_matches_numpy_bitwise(case, threads):
     want = wte[ids] + wpe[rows]
     got = cposembed.embed(ids, wte, wpe, positions, offset=offset, num_threads=threads)
     assert got.dtype == want.dtype and got.shape == want.shape
-    assert np.array_equal(_bits(got), _bits(want))
+    assert np.array_equal(bits(got), bits(want))
     out = np.full_like(want, np.nan)
     assert cposembed.embed(ids, wte, wpe, positions, offset=offset, out=out) is out
-    assert np.array_equal(_bits(out), _bits(want))
+    assert np.array_equal(bits(out), bits(want))
 
 
 @given(case=layer_case(), threads=st.sampled_from([None, 1, 2, 3, 4]))
@@ -97,8 +93,8 @@ def test_embed_backward_is_np_add_at_on_each_table(case, threads):
     gp = rng.standard_normal(wpe.shape).astype(wpe.dtype)
     et, ep = _expected_backward(gt, gp, g, ids, rows)
     cposembed.embed_backward(gt, gp, g, ids, positions, offset=offset, num_threads=threads)
-    assert np.array_equal(_bits(gt), _bits(et))
-    assert np.array_equal(_bits(gp), _bits(ep))
+    assert np.array_equal(bits(gt), bits(et))
+    assert np.array_equal(bits(gp), bits(ep))
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -117,7 +113,7 @@ def test_zipf_backward_every_thread_count(threaded, dtype, threads, positions):
     gp = np.zeros((L, d), dtype)
     et, ep = _expected_backward(gt, gp, g, ids, rows)
     cposembed.embed_backward(gt, gp, g, ids, pos, num_threads=threads)
-    assert np.array_equal(_bits(gt), _bits(et)) and np.array_equal(_bits(gp), _bits(ep))
+    assert np.array_equal(bits(gt), bits(et)) and np.array_equal(bits(gp), bits(ep))
     wte = rng.standard_normal((V, d)).astype(dtype)
     wpe = rng.standard_normal((L, d)).astype(dtype)
     assert np.array_equal(

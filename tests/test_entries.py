@@ -18,7 +18,6 @@ call; two, the second accepted, for a normalised one).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
 import subprocess
@@ -27,6 +26,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from helpers import tuned
 from hypothesis import assume, event, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -166,15 +166,6 @@ def _mark_team(avoid):
     old = _core.set_tuning(serial_below=0)
     try:
         _core.team(2 if avoid != 2 else 3, 1 << 20, 1 << 20)
-    finally:
-        _core.set_tuning(**old)
-
-
-@contextlib.contextmanager
-def tuned(**kw):
-    old = _core.set_tuning(**kw)
-    try:
-        yield
     finally:
         _core.set_tuning(**old)
 

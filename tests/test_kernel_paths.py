@@ -12,7 +12,6 @@ machine-limit probes and quick run of the benchmark.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -22,7 +21,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import INDEX_DTYPES, reference_scatter
+from helpers import INDEX_DTYPES, bits, reference_scatter, tuned
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,13 +42,9 @@ OPENMP = _core.openmp_enabled()
 SCAN_BLOCKS = [None, 8192, 4096, 64, 8]
 
 
-def _bits(a):
-    return np.ascontiguousarray(a).view(np.uint8)
-
-
 def _same_bits(got, expect):
     assert got.shape == expect.shape and got.dtype == expect.dtype
-    assert np.array_equal(_bits(got), _bits(expect))
+    assert np.array_equal(bits(got), bits(expect))
 
 
 def _team(threads):
@@ -69,15 +64,6 @@ def _unaligned(shape, dtype, byte_offset):
 def _positions(rng, n_rows, size, index_dtype):
     lo = 0 if np.dtype(index_dtype).kind == "u" else -n_rows
     return rng.integers(lo, n_rows, size=size).astype(index_dtype)
-
-
-@contextlib.contextmanager
-def tuned(**kw):
-    old = _core.set_tuning(**kw)
-    try:
-        yield
-    finally:
-        _core.set_tuning(**old)
 
 
 @pytest.fixture
@@ -265,7 +251,7 @@ def test_scatter_every_plan_bitwise_np_add_at(dtype, kind, nb, form):
         else:
             positions = np.tile(pos, (1, nb, 1)).astype(index_dtype)
         for key, got in _scatter_all_paths(grad0, g, positions).items():
-            assert np.array_equal(_bits(got), _bits(expect)), (index_dtype, key)
+            assert np.array_equal(bits(got), bits(expect)), (index_dtype, key)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -277,7 +263,7 @@ def test_scatter_default_positions_every_plan(dtype):
     for offset in (0, 7, L - T):
         expect = reference_scatter(grad0, g, np.arange(offset, offset + T))
         for key, got in _scatter_all_paths(grad0, g, None, offset).items():
-            assert np.array_equal(_bits(got), _bits(expect)), (offset, key)
+            assert np.array_equal(bits(got), bits(expect)), (offset, key)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -293,7 +279,7 @@ def test_scatter_functional_threads_bitwise_above_threshold(dtype, positions):
     expect = reference_scatter(np.zeros((L, d), dtype), g, np.arange(T) if pos is None else pos)
     for threads in THREADS:
         got = cposembed.scatter_add(np.zeros((L, d), dtype), g, pos, num_threads=threads)
-        assert np.array_equal(_bits(got), _bits(expect)), threads
+        assert np.array_equal(bits(got), bits(expect)), threads
 
 
 @pytest.mark.parametrize("block", [None, 8])
@@ -332,7 +318,7 @@ def test_scatter_paths_property(L, d, m, nb, seed, dtype, tiled):
     expect = reference_scatter(grad0, g, np.broadcast_to(pos, (nb, m)))
     positions = np.tile(pos, (nb, 1)) if tiled else pos
     for key, got in _scatter_all_paths(grad0, g, positions).items():
-        assert np.array_equal(_bits(got), _bits(expect)), key
+        assert np.array_equal(bits(got), bits(expect)), key
 
 
 @pytest.mark.parametrize("shape", [(4, 2), (2, 3, 2), (6, 2)])
