@@ -154,33 +154,30 @@ cdef inline void _acc2_row(real_t* acc1, real_t* acc2, const real_t* src,
         cpe_acc2_f64(acc1, acc2, src, nxt, far, far_acc, d)
 
 
-cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d) noexcept nogil:
-    # The next row of a random gather: ask for all its cache lines now, so
-    # they arrive while the current row is copied.
+# Where _prefetch_row asks a row's lines to go. _TO_L1: the next row of a
+# random gather, which arrives while the current one is done. _TO_L2: a row
+# of a random gather a few rows ahead (the memory latency of a row that
+# misses every cache is longer than one row's work). _ONCE: a row read once,
+# a few rows ahead, fetched without evicting the rows that are reused
+# (non-temporal hint).
+cdef enum:
+    _TO_L1 = 0
+    _TO_L2 = 1
+    _ONCE = 2
+
+
+cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d, int where) noexcept nogil:
+    # Asks for every cache line of a row now (where: _TO_L1, _TO_L2 or
+    # _ONCE, a constant at each call, so the test folds away).
     cdef Py_ssize_t k = 0
     cdef Py_ssize_t step = 64 // sizeof(real_t)
     while k < d:
-        cpe_prefetch(src + k)
-        k += step
-
-
-cdef inline void _prefetch_row_l2(const real_t* src, Py_ssize_t d) noexcept nogil:
-    # A row of a random gather a few rows ahead, into L2: the memory latency
-    # of a row that misses every cache is longer than one row's work.
-    cdef Py_ssize_t k = 0
-    cdef Py_ssize_t step = 64 // sizeof(real_t)
-    while k < d:
-        cpe_prefetch_l2(src + k)
-        k += step
-
-
-cdef inline void _prefetch_once(const real_t* src, Py_ssize_t d) noexcept nogil:
-    # A row read once, a few rows ahead: fetched without evicting the rows
-    # that are reused (non-temporal hint).
-    cdef Py_ssize_t k = 0
-    cdef Py_ssize_t step = 64 // sizeof(real_t)
-    while k < d:
-        cpe_prefetch_nta(src + k)
+        if where == _TO_L1:
+            cpe_prefetch(src + k)
+        elif where == _TO_L2:
+            cpe_prefetch_l2(src + k)
+        else:
+            cpe_prefetch_nta(src + k)
         k += step
 
 
@@ -197,7 +194,7 @@ cdef void _lookup_block(const real_t* table, const int64_t* rows, real_t* out,
     cdef Py_ssize_t i
     for i in range(lo, hi):
         if prefetch and i + 1 < hi:
-            _prefetch_row(table + rows[i + 1] * d, d)
+            _prefetch_row(table + rows[i + 1] * d, d, _TO_L1)
         _copy_row(out + i * d, table + rows[i] * d, d, stream)
     if stream:
         cpe_sfence()
@@ -229,7 +226,7 @@ cdef void _add_block(const real_t* tokens, const real_t* table, const int64_t* r
     cdef Py_ssize_t i, j = lo % m
     for i in range(lo, hi):
         if in_place and i + _AHEAD < hi:
-            _prefetch_once(tokens + (i + _AHEAD) * d, d)
+            _prefetch_row(tokens + (i + _AHEAD) * d, d, _ONCE)
         _add_row(tokens + i * d, table + rows[j] * d, out + i * d, d, stream)
         j += 1
         if j == m:
@@ -631,9 +628,9 @@ cdef void _embed_block(const real_t* tokens, const int64_t* ids, const real_t* t
     cdef Py_ssize_t i, j = lo % m
     for i in range(lo, hi):
         if prefetch and i + 1 < hi:
-            _prefetch_row(tokens + ids[i + 1] * d, d)
+            _prefetch_row(tokens + ids[i + 1] * d, d, _TO_L1)
             if i + _AHEAD < hi:
-                _prefetch_row_l2(tokens + ids[i + _AHEAD] * d, d)
+                _prefetch_row(tokens + ids[i + _AHEAD] * d, d, _TO_L2)
         _add_row(tokens + ids[i] * d, table + rows[j] * d, out + i * d, d, stream)
         j += 1
         if j == m:
