@@ -324,36 +324,49 @@ THREADS = st.integers(0, 9).flatmap(
 )
 
 
+def _array_form(a, kind):
+    """Array `a` in the form `kind` names, or `a` itself for any other kind.
+
+    The forms an array argument can take besides plain: another float dtype,
+    float16, int, byte-swapped, strided along the last axis, a subclass,
+    unaligned, read only, a list. Which of them an entry must decline
+    depends on the argument (a read-only input is fine, a read-only output
+    or gradient table is not)."""
+    if kind == "dtype":
+        return a.astype(np.float64 if a.dtype == np.float32 else np.float32)
+    if kind == "float16":
+        return a.astype(np.float16)
+    if kind == "int":
+        return a.astype(np.int64)
+    if kind == "swapped":
+        return a.astype(a.dtype.newbyteorder())
+    if kind == "strided":
+        return np.repeat(a, 2, axis=-1)[..., ::2]
+    if kind == "subclass":
+        return a.view(_Sub)
+    if kind == "unaligned" and a.size:
+        raw = np.zeros(a.nbytes + 1, np.uint8)[1:]
+        out = raw.view(a.dtype).reshape(a.shape)
+        out[...] = a
+        return out
+    if kind == "readonly":
+        a.flags.writeable = False
+    if kind == "list":
+        return a.tolist()
+    return a
+
+
 def _table_variant(draw, base, plain=False):
     """`base` as a table argument: plain (mostly) or in a form to be declined."""
     rare = ["swapped", "fortran", "strided", "subclass", "float16", "int", "1d", "3d"]
     kind = _pick(draw, ["plain"], rare + ["unaligned", "list", "readonly"], plain=plain)
-    if kind == "swapped":
-        return base.astype(base.dtype.newbyteorder())
     if kind == "fortran":
         return np.asfortranarray(base)
-    if kind == "strided":
-        return np.repeat(base, 2, axis=1)[:, ::2]
-    if kind == "subclass":
-        return base.view(_Sub)
-    if kind == "float16":
-        return base.astype(np.float16)
-    if kind == "int":
-        return base.astype(np.int64)
     if kind == "1d":
         return base.reshape(-1)
     if kind == "3d":
         return base[None]
-    if kind == "unaligned":
-        raw = np.zeros(base.nbytes + 1, np.uint8)[1:]
-        out = raw.view(base.dtype).reshape(base.shape) if base.size else base
-        out[...] = base
-        return out
-    if kind == "list":
-        return base.tolist()
-    if kind == "readonly":
-        base.flags.writeable = False
-    return base
+    return _array_form(base, kind)
 
 
 def _rng(seed):
@@ -817,28 +830,7 @@ def test_add_entry_accepts_exactly_the_plain_case(data):
         + ["list", "wrong_d", "on_table"],
         plain=plain,
     )
-    if tok_kind == "dtype":
-        tok = tok.astype(np.float64 if dtype == np.float32 else np.float32)
-    elif tok_kind == "float16":
-        tok = tok.astype(np.float16)
-    elif tok_kind == "int":
-        tok = tok.astype(np.int64)
-    elif tok_kind == "swapped":
-        tok = tok.astype(dtype.newbyteorder())
-    elif tok_kind == "strided":
-        tok = np.repeat(tok, 2, axis=-1)[..., ::2]
-    elif tok_kind == "subclass":
-        tok = tok.view(_Sub)
-    elif tok_kind == "unaligned" and tok.size:
-        raw = np.zeros(tok.nbytes + 1, np.uint8)[1:]
-        u = raw.view(dtype).reshape(tok.shape)
-        u[...] = tok
-        tok = u
-    elif tok_kind == "readonly":
-        tok.flags.writeable = False
-    elif tok_kind == "list":
-        tok = tok.tolist()
-    elif tok_kind == "wrong_d":
+    if tok_kind == "wrong_d":
         tok = np.ones(lead + (d + 1,), dtype)
     elif tok_kind == "on_table" and _plain_table(table) and tok.size:
         # Tokens that are the table's own memory: read only, so that is fine...
@@ -846,6 +838,8 @@ def test_add_entry_accepts_exactly_the_plain_case(data):
         buf[...] = rng.standard_normal(buf.size)
         table = buf[: table.size].reshape(table.shape)
         tok = buf[data.draw(st.integers(0, table.size)) :][: tok.size].reshape(tok.shape)
+    else:
+        tok = _array_form(tok, tok_kind)
     out_kind = _pick(
         data.draw,
         ["none", "plain", "tokens"],
@@ -1018,30 +1012,15 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
         + ["unaligned"],
         plain=plain,
     )
-    if g_kind == "dtype":
-        g = g.astype(np.float64 if dtype == np.float32 else np.float32)
-    elif g_kind == "swapped":
-        g = g.astype(dtype.newbyteorder())
-    elif g_kind == "strided":
-        g = np.repeat(g, 2, axis=-1)[..., ::2]
-    elif g_kind == "subclass":
-        g = g.view(_Sub)
-    elif g_kind == "list":
-        g = g.tolist()
-    elif g_kind == "wrong_d":
+    if g_kind == "wrong_d":
         g = np.ones(lead + (d + 1,), dtype)
-    elif g_kind == "readonly":
-        g.flags.writeable = False  # read only: fine
-    elif g_kind == "unaligned" and g.size:
-        raw = np.zeros(g.nbytes + 1, np.uint8)[1:]
-        u = raw.view(dtype).reshape(g.shape)
-        u[...] = g
-        g = u
     elif g_kind == "on_grad" and _plain_table(grad) and grad.size and g.size:
         buf = rng.standard_normal(grad.size + g.size).astype(dtype)
         grad = buf[: grad.size].reshape(grad.shape)
         start = data.draw(st.integers(0, grad.size - 1))
         g = buf[start : start + g.size].reshape(g.shape)
+    else:
+        g = _array_form(g, g_kind)  # read only is fine for g
     touched_kind = _pick(
         data.draw,
         ["none", "plain"],
@@ -1189,22 +1168,12 @@ def test_sgd_entry_accepts_exactly_the_plain_case(data):
         ["dtype", "shape", "strided", "subclass", "on_table", "readonly", "swapped", "list"],
         plain=plain,
     )
-    if grad_kind == "dtype":
-        grad = grad.astype(np.float64 if dtype == np.float32 else np.float32)
-    elif grad_kind == "shape":
+    if grad_kind == "shape":
         grad = np.ones((L, d + 1), dtype)
-    elif grad_kind == "strided":
-        grad = np.repeat(grad, 2, axis=1)[:, ::2]
-    elif grad_kind == "subclass":
-        grad = grad.view(_Sub)
     elif grad_kind == "on_table" and _plain_table(table) and table.size:
         grad = table[...]
-    elif grad_kind == "readonly":
-        grad.flags.writeable = False  # read only: fine
-    elif grad_kind == "swapped":
-        grad = grad.astype(dtype.newbyteorder())
-    elif grad_kind == "list":
-        grad = grad.tolist()
+    else:
+        grad = _array_form(grad, grad_kind)  # read only is fine: the step reads it
     touched_kind = _pick(
         data.draw, ["none", "plain"], ["length", "int8", "strided", "readonly"], plain=plain
     )
