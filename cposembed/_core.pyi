@@ -39,6 +39,13 @@ def lookup(
     out: Any,  # None, or plain writable positions.shape + (d,), apart from table
     num_threads: Any,  # None or an integer >= 1
 ) -> np.ndarray | None: ...
+
+class TableCall:
+    # Base of LearnedPositionEmbedding: pe(positions) is the lookup entry on
+    # self._embeddings, then self._lookup_declined(positions, out) for what
+    # it declined.
+    def __call__(self, positions: Any, *, out: np.ndarray | None = None) -> np.ndarray: ...
+
 def add(
     tokens: Any,  # plain (..., T, d), the table's dtype
     table: Any,

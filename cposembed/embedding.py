@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import math
 import os
 from typing import IO, Any, Union
@@ -10,10 +11,7 @@ import numpy as np
 
 from . import _core, _state
 from . import _validation as v
-from .functional import add_positions, lookup_normalised, scatter_add_marking
-
-# The C entry of lookup (one global lookup per call instead of two).
-_lookup_entry = _core.lookup
+from .functional import add_positions, lookup_normalised, scatter_add_normalised
 
 # Version of the .npz layout written by save(); load() refuses newer ones.
 SAVE_FORMAT_VERSION = 1
@@ -45,6 +43,11 @@ def _padding_index(value: Any, n_rows: int) -> int | None:
         return None
     p = v.check_int(value, "padding_idx", min_value=-n_rows, max_value=n_rows - 1)
     return p + n_rows if p < 0 else p
+
+
+def _skip_row(padding_idx: int | None) -> int:
+    """The row that gets no gradient, as the C entries take it (-1: none)."""
+    return -1 if padding_idx is None else padding_idx
 
 
 def _learning_rate(lr: Any) -> float:
@@ -85,7 +88,7 @@ def draw_table(max_seq_len: int, embed_dim: int, seed: Any = None) -> np.ndarray
     return rng.randn(max_seq_len, embed_dim) * (1.0 / np.sqrt(embed_dim))
 
 
-class LearnedPositionEmbedding:
+class LearnedPositionEmbedding(_core.TableCall):
     """Learned position embedding table with C-accelerated lookup, add and backward.
 
     A drop-in for the handbook's NumPy class (:mod:`cposembed.reference`):
@@ -118,6 +121,19 @@ class LearnedPositionEmbedding:
     padding_idx : int or None
     """
 
+    # Slots: reads of them are as fast as a plain class's attributes (those of
+    # an instance __dict__ are slower once the base is a C type, as here).
+    # "__dict__" keeps instances open to other attributes.
+    __slots__ = (
+        "_embeddings",
+        "grad",
+        "_skip_row",
+        "_touched",
+        "_touched_grad",
+        "__dict__",
+        "__weakref__",
+    )
+
     def __init__(
         self,
         max_seq_len: int,
@@ -137,7 +153,7 @@ class LearnedPositionEmbedding:
         self._init_state(pad)
 
     def _init_state(self, padding_idx: int | None) -> None:
-        self._padding_idx = padding_idx
+        self._skip_row = _skip_row(padding_idx)
         self.grad: np.ndarray | None = None
         # Rows some backward() touched since the last zero_grad(), and the grad
         # array that mask describes (if the user assigns another array to
@@ -205,7 +221,7 @@ class LearnedPositionEmbedding:
     @property
     def padding_idx(self) -> int | None:
         """The row that gets no gradient (normalised to ``[0, L)``), or None."""
-        return self._padding_idx
+        return None if self._skip_row < 0 else self._skip_row
 
     @padding_idx.setter
     def padding_idx(self, value: int | None) -> None:
@@ -216,7 +232,7 @@ class LearnedPositionEmbedding:
         if pad is not None and grad is not None:
             self._check_grad(grad)  # before anything changes
             grad[pad] = 0
-        self._padding_idx = pad
+        self._skip_row = _skip_row(pad)
         if pad is not None and self._touched is not None:
             self._touched[pad] = False
 
@@ -233,29 +249,10 @@ class LearnedPositionEmbedding:
         return self._embeddings.dtype
 
     # -- forward -----------------------------------------------------------
-    def __call__(self, positions: Any, *, out: np.ndarray | None = None) -> np.ndarray:
-        """Look up position embeddings: ``embeddings[positions]``.
-
-        Parameters
-        ----------
-        positions : int, array_like of int, or any NumPy index
-            ``-L <= p < L`` (negatives wrap), as :func:`cposembed.lookup`.
-        out : ndarray, optional
-            Destination of shape ``positions.shape + (embed_dim,)`` and the
-            table's dtype.
-
-        Returns
-        -------
-        ndarray
-            A new array (a scalar position gives a ``(embed_dim,)`` copy of its
-            row), or ``out``.
-        """
-        # lookup()'s route, entered directly: a tiny call costs about as
-        # much as one Python frame.
-        result = _lookup_entry(self._embeddings, positions, out, None)
-        if result is None:
-            result = lookup_normalised(self._embeddings, positions, out, None)
-        return result
+    # pe(positions) is TableCall.__call__ (src_c/_core.pyx): the lookup entry
+    # itself, then this for what it declined.
+    def _lookup_declined(self, positions: Any, out: np.ndarray | None) -> np.ndarray:
+        return lookup_normalised(self._embeddings, positions, out, None)
 
     def add_to(
         self,
@@ -319,15 +316,15 @@ class LearnedPositionEmbedding:
             array of the table's shape, or bad arguments (as
             :func:`cposembed.scatter_add`); nothing is written then.
         """
+        # scatter_add's route, entered directly (a small backward costs about
+        # what the C entry does).
         grad, touched = self._grad_to_accumulate()
-        scatter_add_marking(grad, grad_output, positions, offset, None, touched, self._skip_row)
-        self._keep_grad(grad, touched)
+        skip = self._skip_row
+        if _core.scatter_add(grad, grad_output, positions, offset, None, touched, skip) is None:
+            scatter_add_normalised(grad, grad_output, positions, offset, None, touched, skip)
+        if touched is not self._touched:
+            self._keep_grad(grad, touched)
         return grad
-
-    @property
-    def _skip_row(self) -> int:
-        # The row that gets no gradient, for the C entries (-1: none).
-        return -1 if self._padding_idx is None else self._padding_idx
 
     def _grad_to_accumulate(self) -> tuple[np.ndarray, np.ndarray]:
         """The gradient a backward adds into, and the touched-rows mask to mark.
@@ -533,6 +530,13 @@ class LearnedPositionEmbedding:
             "touched": touched,
             "padding_idx": self.padding_idx,
         }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # What protocol 2 does by default, for every protocol: protocols 0 and
+        # 1 cannot rebuild by default an instance of a class with a C base.
+        # (copyreg.__newobj__ is missing from typeshed's copyreg.)
+        newobj = copyreg.__newobj__  # type: ignore[attr-defined]
+        return (newobj, (type(self),), self.__getstate__())
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Checked whole before anything is kept: sgd_step and backward trust

@@ -360,12 +360,12 @@ def scatter_add_marking(
         grad_table, grad_output, positions, offset, num_threads, touched, skip_row
     )
     if done is None:
-        _scatter_normalised(
+        scatter_add_normalised(
             grad_table, grad_output, positions, offset, num_threads, touched, skip_row
         )
 
 
-def _scatter_normalised(
+def scatter_add_normalised(
     grad_table: Any,
     grad_output: Any,
     positions: Any,

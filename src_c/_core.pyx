@@ -16,6 +16,7 @@
 # Positions are always copied into a buffer the call owns before anything is
 # written, so an output may share memory with them.
 
+cimport cython
 cimport numpy as cnp
 from libc.string cimport memset
 
@@ -183,6 +184,10 @@ def lookup(table, positions, out, num_threads):
     of shape positions.shape + (d,) and the table's dtype, apart from the
     table; num_threads: None or an integer >= 1.
     """
+    return _lookup_entry(table, positions, out, num_threads)
+
+
+cdef object _lookup_entry(object table, object positions, object out, object num_threads):
     cdef int typenum = _table_type(table)
     if typenum < 0:
         return None
@@ -236,6 +241,42 @@ cdef void _run_lookup(cnp.ndarray t, Index* ix, cnp.ndarray o, int typenum,
     else:
         _lookup(<const double*>tp, rows, <double*>op, n, L, d, n_threads, stream)
     _take_gil(gil)
+
+
+@cython.auto_pickle(False)  # the subclass pickles its checked state itself
+cdef class TableCall:
+    """Base of :class:`cposembed.LearnedPositionEmbedding`: its ``pe(positions)``.
+
+    The call is the lookup entry itself on ``self._embeddings``, with no
+    Python frame in between: a tiny call costs about what NumPy's
+    ``table[i]`` does. What the entry declines goes to
+    ``self._lookup_declined(positions, out)``, the normalising route of
+    :func:`cposembed.lookup`. (No fields here: the subclass keeps its state
+    in ``__slots__``, whose reads Python specialises.)
+    """
+
+    @cython.embedsignature(False)  # docs/api.rst gives it, without `self`
+    def __call__(self, positions, *, out=None):
+        """Look up position embeddings: ``embeddings[positions]``.
+
+        Parameters
+        ----------
+        positions : int, array_like of int, or any NumPy index
+            ``-L <= p < L`` (negatives wrap), as :func:`cposembed.lookup`.
+        out : ndarray, optional
+            Destination of shape ``positions.shape + (embed_dim,)`` and the
+            table's dtype.
+
+        Returns
+        -------
+        ndarray
+            A new array (a scalar position gives a ``(embed_dim,)`` copy of its
+            row), or ``out``.
+        """
+        result = _lookup_entry(self._embeddings, positions, out, None)
+        if result is None:
+            result = self._lookup_declined(positions, out)
+        return result
 
 
 def add(tokens, table, positions, offset, out, num_threads):

@@ -1,6 +1,7 @@
 """The class's fused operations, gradient state, construction and pickling."""
 
 import pickle
+import weakref
 
 import numpy as np
 import pytest
@@ -20,6 +21,25 @@ def test_call_out(pe):
     positions = np.array([[0, 1, 2], [-1, -2, -3]])
     assert pe(positions, out=out) is out
     np.testing.assert_array_equal(out, pe.embeddings[positions])
+
+
+def test_instances_are_open_and_subclasses_may_override_the_call(pe):
+    """The call is written in C and the state lives in slots; the class still
+    behaves as a plain Python class would."""
+    pe.note = "mine"  # other attributes
+    assert weakref.ref(pe)() is pe
+    assert pe.note == "mine" and "note" in vars(pe)
+
+    class Scaled(LearnedPositionEmbedding):
+        def __call__(self, positions, *, out=None):
+            return 2 * super().__call__(positions, out=out)
+
+    sub = Scaled(32, 8, seed=1)
+    np.testing.assert_array_equal(sub([3, 4]), 2 * pe.embeddings[[3, 4]])
+    np.testing.assert_array_equal(sub(np.array([3]).astype(">i8")), 2 * pe.embeddings[[3]])
+    bare = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)  # no table yet
+    with pytest.raises(AttributeError, match="_embeddings"):
+        bare(0)
 
 
 def test_add_to_matches_numpy_and_decoding_offsets(pe):

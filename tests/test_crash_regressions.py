@@ -387,3 +387,51 @@ def test_add_to_masked_array_keeps_the_mask_or_refuses(positions):
         return
     assert result["masked"], "the result is a plain array: the mask was silently dropped"
     assert result["same_mask"] and result["same_values"], result
+
+
+# -- g. the class's table swapped during calls -------------------------------------------
+SWAP = """
+import threading, time
+L, d, n = 64, 256, 4096
+a = np.arange(L * d, dtype=np.float32).reshape(L, d)
+b = -a
+pe = LearnedPositionEmbedding.from_pretrained(a)
+pos = np.random.default_rng(0).integers(0, L, size=n)
+stop = threading.Event()
+
+def swapper():
+    k = 0
+    while not stop.is_set():
+        table = (a.copy(), b.copy(), None, "table", a[:, :8].copy())[k % 5]
+        pe._embeddings = table
+        k += 1
+        if isinstance(table, np.ndarray):  # (the others for a moment only)
+            time.sleep(20e-6)
+
+t = threading.Thread(target=swapper)
+t.start()
+counts, problems = {}, []
+for i in range(3000):
+    try:
+        got = pe(pos)
+    except (TypeError, ValueError) as exc:
+        counts[type(exc).__name__] = counts.get(type(exc).__name__, 0) + 1
+        continue
+    except Exception as exc:
+        problems.append(f"call {i}: {type(exc).__name__}: {exc}")
+        continue
+    counts["ok"] = counts.get("ok", 0) + 1
+    if not any(np.array_equal(got, t[pos]) for t in (a, b, a[:, :8])):
+        problems.append(f"call {i}: rows of no table")
+stop.set()
+t.join()
+print(json.dumps({"counts": counts, "problems": problems[:10]}))
+"""
+
+
+def test_class_table_swapped_by_another_thread_during_calls():
+    """g. pe(positions) (the C call) while another thread swaps ``pe._embeddings``
+    between tables, None and a string: one table's rows or a worded error."""
+    result = run_child(SWAP, timeout=180)
+    assert result["problems"] == [], result
+    assert result["counts"].get("ok", 0) > 0 and result["counts"].get("TypeError", 0) > 0, result

@@ -1407,7 +1407,6 @@ def entry_calls(monkeypatch):
             return result
 
         monkeypatch.setattr(_core, name, spy)
-    monkeypatch.setattr(embedding, "_lookup_entry", _core.lookup)
 
     def take():
         got = {k: list(v) for k, v in calls.items() if v}
@@ -1563,8 +1562,10 @@ def test_public_functions_call_each_entry_once_or_twice(entry_calls, dtype):
 
     # the class: lookup, backward and sgd_step
     pe = cposembed.LearnedPositionEmbedding.from_pretrained(table, dtype=dtype)
-    check(lambda: pe(pos), {"lookup": ONCE}, table[pos])
-    check(lambda: pe(pos.astype(">i4")), {"lookup": TWICE}, table[pos])
+    # (pe(...) enters the lookup entry from C, unseen by the spy; what it
+    # declines is normalised and offered again through cposembed._core.lookup.)
+    check(lambda: pe(pos), {}, table[pos])
+    check(lambda: pe(pos.astype(">i4")), {"lookup": ONCE}, table[pos])
     pe.backward(tok, pos)
     pe.sgd_step(0.5)
     assert entry_calls() == {"scatter_add": ONCE, "sgd_step": ONCE}

@@ -74,7 +74,11 @@ def test_pickle_round_trip(dtype, padding_idx, with_grad):
         if with_grad
         else LearnedPositionEmbedding(9, 4, seed=3, dtype=dtype, padding_idx=padding_idx)
     )
-    for back in (pickle.loads(pickle.dumps(pe)), copy.deepcopy(pe)):
+    copies = [
+        pickle.loads(pickle.dumps(pe, protocol=p)) for p in range(pickle.HIGHEST_PROTOCOL + 1)
+    ]
+    for back in [*copies, copy.deepcopy(pe)]:
+        assert type(back) is LearnedPositionEmbedding
         assert same_bits(back.embeddings, pe.embeddings)
         assert back.padding_idx == pe.padding_idx and back.dtype == pe.dtype
         if with_grad:
@@ -192,7 +196,7 @@ class _Crafted:
         self.state = state
 
     def __reduce__(self):
-        return (object.__new__, (LearnedPositionEmbedding,), self.state)
+        return (LearnedPositionEmbedding.__new__, (LearnedPositionEmbedding,), self.state)
 
 
 def test_unpickling_a_crafted_state_raises_value_error():
