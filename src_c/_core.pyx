@@ -442,16 +442,21 @@ cdef bint _run_scatter(cnp.ndarray G, cnp.ndarray g, const int64_t* rows, int ty
     cdef Py_ssize_t L = cnp.PyArray_DIMS(G)[0], d = cnp.PyArray_DIMS(G)[1]
     cdef void* gp = cnp.PyArray_DATA(G)
     cdef const void* sp = cnp.PyArray_DATA(g)
-    cdef bint ok
+    cdef size_t capacity
+    cdef int64_t* scratch = <int64_t*>_scratch_take(_scatter_scratch_bytes(L, m, n_threads),
+                                                    &capacity)
+    if scratch == NULL:
+        return False
     cdef PyThreadState* gil = _release_gil(N * d)
     if typenum == cnp.NPY_FLOAT:
-        ok = _scatter_add(<float*>gp, <const float*>sp, rows, L, d, m, N // m,
-                          n_threads, plan)
+        _scatter_add(<float*>gp, <const float*>sp, rows, L, d, m, N // m, n_threads, plan,
+                     scratch)
     else:
-        ok = _scatter_add(<double*>gp, <const double*>sp, rows, L, d, m, N // m,
-                          n_threads, plan)
+        _scatter_add(<double*>gp, <const double*>sp, rows, L, d, m, N // m, n_threads, plan,
+                     scratch)
     _take_gil(gil)
-    return ok
+    _scratch_give(scratch, capacity)
+    return True
 
 
 def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=None):
@@ -484,7 +489,9 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
     cdef const uint8_t* mark = NULL
     if touched is not None:
         mark = <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>touched)
-    cdef int64_t* rows = <int64_t*>malloc((L if L > 0 else 1) * sizeof(int64_t))
+    cdef size_t capacity
+    cdef int64_t* rows = <int64_t*>_scratch_take((L if L > 0 else 1) * sizeof(int64_t),
+                                                 &capacity)
     if rows == NULL:
         raise MemoryError("cannot allocate the SGD step's row list")
     cdef Py_ssize_t r, n = 0
@@ -494,7 +501,7 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
             n += 1
     cdef int nt = _threads_for(num_threads, n * d, n)
     if not nt:
-        free(rows)
+        _scratch_give(rows, capacity)
         return None
     cdef void* tp = cnp.PyArray_DATA(t)
     cdef const void* gp = cnp.PyArray_DATA(G)
@@ -504,7 +511,7 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
     else:
         _sgd_rows(<double*>tp, <const double*>gp, rows, n, d, lr, nt)
     _take_gil(gil)
-    free(rows)
+    _scratch_give(rows, capacity)
     return True
 
 
@@ -677,16 +684,22 @@ cdef bint _run_scatter_pair(cnp.ndarray gt, Index* ids, cnp.ndarray gp, Index* i
     cdef void* tp = cnp.PyArray_DATA(gt)
     cdef void* pp = cnp.PyArray_DATA(gp)
     cdef const void* sp = cnp.PyArray_DATA(g)
-    cdef bint ok
+    cdef size_t nbytes = _pair_scratch_bytes(V, L, N, n_threads), capacity = 0
+    cdef int64_t* scratch = NULL
+    if nbytes:
+        scratch = <int64_t*>_scratch_take(nbytes, &capacity)
+        if scratch == NULL:
+            return False
     cdef PyThreadState* gil = _release_gil(N * d)
     if typenum == cnp.NPY_FLOAT:
-        ok = _scatter_pair(<float*>tp, V, ids.rows, <float*>pp, L, ix.rows, m,
-                           <const float*>sp, N, d, n_threads)
+        _scatter_pair(<float*>tp, V, ids.rows, <float*>pp, L, ix.rows, m,
+                      <const float*>sp, N, d, n_threads, scratch)
     else:
-        ok = _scatter_pair(<double*>tp, V, ids.rows, <double*>pp, L, ix.rows, m,
-                           <const double*>sp, N, d, n_threads)
+        _scatter_pair(<double*>tp, V, ids.rows, <double*>pp, L, ix.rows, m,
+                      <const double*>sp, N, d, n_threads, scratch)
     _take_gil(gil)
-    return ok
+    _scratch_give(scratch, capacity)
+    return True
 
 # The scatter-add plans by name at module level too (tests force them).
 for _plan in ScatterPlan:

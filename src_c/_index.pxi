@@ -69,7 +69,8 @@ cdef enum:
 
 
 cdef struct Index:
-    int64_t* rows                 # n row numbers in [0, L): `inline` or malloc'ed
+    int64_t* rows                 # n row numbers in [0, L): `inline` or scratch
+    size_t capacity               # bytes of the scratch block
     Py_ssize_t n
     int nd
     cnp.npy_intp shape[_MAX_DIMS + 1]  # room for the result's last axis
@@ -78,7 +79,7 @@ cdef struct Index:
 
 cdef inline void _index_free(Index* ix) noexcept:
     if ix.rows != ix.inline:
-        free(ix.rows)
+        _scratch_give(ix.rows, ix.capacity)
     ix.rows = NULL
 
 
@@ -96,7 +97,7 @@ cdef inline bint _index_alloc(Index* ix, Py_ssize_t n) noexcept:
     elif n > (<Py_ssize_t>1 << 60) // <Py_ssize_t>sizeof(int64_t):
         ix.rows = NULL  # absurd: no machine holds it (and n * 8 could overflow)
     else:
-        ix.rows = <int64_t*>malloc(n * sizeof(int64_t))
+        ix.rows = <int64_t*>_scratch_take(n * sizeof(int64_t), &ix.capacity)
     if ix.rows == NULL:
         _index_out_of_memory = True
     return ix.rows != NULL

@@ -93,8 +93,8 @@ cdef enum:
 
 
 cdef struct ScatterScratch:
-    # The scratch of one scatter-add call (_scatter_add allocates and frees
-    # it as one block, starting at row_start).
+    # The scratch of one scatter-add call: one block from the caller
+    # (_scatter_scratch_bytes), starting at row_start.
     int64_t* row_start   # (L + 1,) counts, then first slot per row, then owners
     int64_t* order       # (m,) contribution numbers grouped by row or by owner
     int64_t* bounds      # (n_threads + 1,) first table row of each thread
@@ -541,19 +541,20 @@ cdef ScatterPlan _choose_plan(ScatterPlan plan, const int64_t* row_start, Py_ssi
     return PLAN_SCAN if 0 <= extra <= m // 8 else PLAN_SORT
 
 
-cdef bint _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
+cdef size_t _scatter_scratch_bytes(Py_ssize_t L, Py_ssize_t m, int n_threads) noexcept nogil:
+    # The bytes of _scatter_add's scratch (one block, see ScatterScratch).
+    return ((L + 1) + m + 2 * (n_threads + 1)) * sizeof(int64_t)
+
+
+cdef void _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
                        Py_ssize_t L, Py_ssize_t d, Py_ssize_t m, Py_ssize_t nb,
-                       int n_threads, ScatterPlan plan) noexcept nogil:
+                       int n_threads, ScatterPlan plan, int64_t* scratch) noexcept nogil:
     # grad[rows[i % m], :] += g[i, :] for i < nb * m, each row summed in
-    # input order by one thread. False (nothing written) if the scratch
-    # cannot be allocated.
+    # input order by one thread; `scratch`: _scatter_scratch_bytes of it.
     cdef ScatterScratch s
     cdef int t
     cdef Py_ssize_t q_lo, q_hi, r_lo, r_hi
-    # One block for all the scratch (see _scatter_pair).
-    s.row_start = <int64_t*>malloc(((L + 1) + m + 2 * (n_threads + 1)) * sizeof(int64_t))
-    if s.row_start == NULL:
-        return False
+    s.row_start = scratch
     s.order = s.row_start + (L + 1)
     s.bounds = s.order + m
     s.q_start = s.bounds + (n_threads + 1)
@@ -590,8 +591,6 @@ cdef bint _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
                 r_lo = s.bounds[t]
                 r_hi = s.bounds[t + 1]
                 _sum_rows(grad, g, s.row_start, s.order, r_lo, r_hi, nb, m, d)
-    free(s.row_start)
-    return True
 
 
 # ---- SGD ---------------------------------------------------------------------
@@ -725,17 +724,25 @@ cdef void _sum_pair(real_t* gtok, const int64_t* ids, real_t* gpos, const int64_
             _acc_row(gtok + ids[i] * d, src, nxt, far, NULL, far_acc, d)
 
 
-cdef bint _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* gpos,
+cdef size_t _pair_scratch_bytes(Py_ssize_t V, Py_ssize_t L, Py_ssize_t N,
+                                int n_threads) noexcept nogil:
+    # The bytes of _scatter_pair's scratch (none for one thread).
+    if n_threads <= 1:
+        return 0
+    return (V + L + 2 + n_threads + 1 + n_threads * N) * sizeof(int64_t)
+
+
+cdef void _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* gpos,
                         Py_ssize_t L, const int64_t* rows, Py_ssize_t m, const real_t* g,
-                        Py_ssize_t N, Py_ssize_t d, int n_threads) noexcept nogil:
+                        Py_ssize_t N, Py_ssize_t d, int n_threads,
+                        int64_t* scratch) noexcept nogil:
     # Both gradients of the token + position layer from one pass over g:
     # gtok[ids[i]] += g[i] and gpos[rows[i % m]] += g[i] for i < N, each
     # table row summed in input order by one thread (bitwise np.add.at on
     # each table). Thread t owns a range of token rows and one of position
     # rows, each about 1/n of its table's cost (_owner_bounds), and reads, in
     # order, every g[i] that either of its rows needs: with two threads about
-    # 1.5 reads of g in all. False (nothing written) if the scratch cannot be
-    # allocated.
+    # 1.5 reads of g in all. `scratch`: _pair_scratch_bytes of it.
     cdef Py_ssize_t i, t_lo, t_n
     cdef int t
     cdef int64_t* tok_owner
@@ -747,13 +754,8 @@ cdef bint _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
             _acc2_row(gtok + ids[i] * d, gpos + rows[i % m] * d, g + i * d,
                       g + (i + 1) * d if i + 1 < N else NULL, NULL,
                       gtok + ids[i + _AHEAD] * d if i + _AHEAD < N else NULL, d)
-        return True
-    # One block for all the scratch: the allocator then keeps reusing it from
-    # call to call instead of mapping (and faulting in) fresh pages each time.
-    tok_owner = <int64_t*>malloc((V + L + 2 + n_threads + 1 + n_threads * N)
-                                 * sizeof(int64_t))
-    if tok_owner == NULL:
-        return False
+        return
+    tok_owner = scratch
     pos_owner = tok_owner + (V + 1)
     bounds = pos_owner + (L + 1)
     work = bounds + (n_threads + 1)
@@ -763,5 +765,3 @@ cdef bint _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
         t_lo = t * N
         t_n = _collect_pair(ids, tok_owner, rows, pos_owner, N, m, t, work + t_lo)
         _sum_pair(gtok, ids, gpos, rows, pos_owner, t, g, work + t_lo, t_n, m, d)
-    free(tok_owner)
-    return True

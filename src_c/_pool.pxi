@@ -1,5 +1,6 @@
-# Large output buffers that are reused instead of returned to the OS
-# (included by _core.pyx, whose entries allocate fresh outputs from here).
+# Large output buffers, and the calls' scratch, reused instead of returned
+# to the OS (included by _core.pyx, whose entries allocate fresh outputs and
+# their scratch from here).
 #
 # A fresh multi-megabyte NumPy array comes from mmap: every page is faulted
 # in and zeroed by the kernel on first write, which costs more than the
@@ -36,7 +37,7 @@ cdef extern from *:
     void* cpe_alloc_block(size_t nbytes) nogil
 
 cdef enum:
-    _MAX_BLOCKS = 4
+    _MAX_BLOCKS = 8
 
 cdef void* _pool_ptr[_MAX_BLOCKS]
 cdef size_t _pool_size[_MAX_BLOCKS]
@@ -147,3 +148,30 @@ def clear_pool():
     while _pool_n > 0:
         _pool_n -= 1
         free(_pool_ptr[_pool_n])
+
+
+# The entries' scratch (the buffer of a call's positions, the scatter-adds'
+# counts and lists, the SGD step's rows): blocks of this many bytes and more
+# come from the pool and go back to it. Given back to glibc, blocks of a few
+# hundred KiB are returned to the OS and faulted in again by the next call of
+# the same size (up to a hundred page faults, 0.2 ms, per scatter-add).
+cdef enum:
+    _SCRATCH_POOLED = 65536
+
+
+cdef void* _scratch_take(size_t nbytes, size_t* capacity) noexcept:
+    """At least `nbytes` (> 0) of scratch, its size in `capacity`; NULL if
+    out of memory. With the GIL held; give it back with _scratch_give."""
+    cdef void* p = NULL
+    if nbytes >= _SCRATCH_POOLED and _enabled:
+        p = _take(nbytes, capacity)
+    if p == NULL:
+        p = malloc(nbytes)
+        capacity[0] = nbytes
+    return p
+
+
+cdef void _scratch_give(void* p, size_t capacity) noexcept:
+    """Scratch from _scratch_take, back to the pool or freed; with the GIL held."""
+    if p != NULL and (capacity < _SCRATCH_POOLED or not _give_back(p, capacity)):
+        free(p)

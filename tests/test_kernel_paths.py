@@ -601,6 +601,26 @@ def test_entry_outputs_below_the_pool_size_are_plain_numpy(pool_on):
     assert isinstance(got.base, _core._Block)
 
 
+@pytest.mark.parametrize("pool", [True, False])
+def test_scratch_of_large_calls_comes_back_to_the_pool(pool_on, pool):
+    """The positions' buffer and the scatter-add's scratch are kept for the next
+    call of the same size (or freed, with the pool off); results are unchanged."""
+    _core.set_pool(pool)
+    rng = np.random.default_rng(4)
+    L, d = 2048, 4
+    g = rng.standard_normal((16, 1024, d)).astype(np.float32)
+    pos = rng.integers(-L, L, size=(16, 1024))
+    want = reference_scatter(np.zeros((L, d), np.float32), g, pos)
+    kept = []
+    for _ in range(4):
+        for plan in (_core.PLAN_SCAN, _core.PLAN_SORT):
+            grad = np.zeros((L, d), np.float32)
+            assert _core.scatter_add(grad, g, pos, 0, 2, None, -1, plan) is grad
+            _same_bits(grad, want)
+        kept.append(_core.pool_info()[:2])
+    assert kept[0][0] == (2 if pool else 0) and len(set(kept)) == 1, kept
+
+
 def test_pool_can_be_switched_off_limited_and_cleared(pool_on):
     _core.set_pool(False)
     assert _core.pool_info()[0] == 0 and not _core.pool_info()[3]
@@ -631,7 +651,8 @@ def test_reuse_can_be_turned_off_by_environment():
         "    r = cposembed.lookup(t, np.zeros((8, 1024), np.int64)); del r\n"
         "print(_core.pool_info()[0], _core.pool_info()[3])\n"
     )
-    for value, expected in (("0", "0 False"), ("1", "1 True"), (" 0 ", "0 False")):
+    # Kept when on: the output's block and the positions' 64 KiB scratch.
+    for value, expected in (("0", "0 False"), ("1", "2 True"), (" 0 ", "0 False")):
         env = dict(os.environ, CPOSEMBED_REUSE_OUTPUTS=value)
         res = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
