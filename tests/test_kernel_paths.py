@@ -550,7 +550,7 @@ def test_add_to_both_sides_of_the_serial_threshold():
 @pytest.fixture
 def pool_on():
     """Reuse on (whatever the environment says) and an empty pool (earlier tests
-    may have filled its four places), the previous state restored after."""
+    may have filled its places), the previous state restored after."""
     _, _, limit, enabled = _core.pool_info()
     _core.clear_pool()
     _core.set_pool(True)
