@@ -494,11 +494,7 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
                                                  &capacity)
     if rows == NULL:
         raise MemoryError("cannot allocate the SGD step's row list")
-    cdef Py_ssize_t r, n = 0
-    for r in range(L):
-        if (mark == NULL or mark[r]) and r != skip_row:
-            rows[n] = r
-            n += 1
+    cdef Py_ssize_t n = _marked_rows(mark, L, skip_row, rows)
     cdef int nt = _threads_for(num_threads, n * d, n)
     if not nt:
         _scratch_give(rows, capacity)

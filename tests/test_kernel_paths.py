@@ -389,7 +389,7 @@ def test_scatter_marks_touched_rows_and_skips_one(tuning, dtype, threads):
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("touched_kind", ["all", "some", "none_marked"])
+@pytest.mark.parametrize("touched_kind", ["all", "some", "sparse", "none_marked"])
 @pytest.mark.parametrize("skip_row", [-1, 0, 7])
 def test_sgd_step_is_numpys_update_on_touched_rows(tuning, dtype, threads, touched_kind, skip_row):
     tuning(serial_below=0)
@@ -400,6 +400,8 @@ def test_sgd_step_is_numpys_update_on_touched_rows(tuning, dtype, threads, touch
     touched = {
         "all": None,
         "some": rng.random(L) < 0.4,
+        # (marks are read eight at a time: rows 8-15 have none, 24-29 are the tail)
+        "sparse": np.isin(np.arange(L), [0, 7, 17, L - 1]),
         "none_marked": np.zeros(L, bool),
     }[touched_kind]
     for lr in (0.1, -3.7, 1e-3, 0.0):
