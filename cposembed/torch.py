@@ -40,6 +40,7 @@ except ImportError as exc:  # torch is the optional extra "torch"
 from cposembed import functional as _f
 from cposembed import layer as _layer
 from cposembed.embedding import _padding_index
+from cposembed.embedding import _skip_row as _skip_row_of
 
 __all__ = ["LearnedPositionEmbedding", "TokenPositionEmbedding"]
 
@@ -80,8 +81,7 @@ def _check_rows(t: torch.Tensor, d: int, name: str) -> None:
 
 
 def _skip_row(padding_idx: int | None, n_rows: int) -> int:
-    pad = _padding_index(padding_idx, n_rows)
-    return -1 if pad is None else pad
+    return _skip_row_of(_padding_index(padding_idx, n_rows))
 
 
 # ---- dense gradients without zeroing a whole table every step ---------------------
