@@ -458,18 +458,24 @@ cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, int n_threads,
         t += 1
 
 
-cdef void _mark_owners(int64_t* row_start, int n_threads, const int64_t* bounds,
-                       int64_t* q_start) noexcept nogil:
-    # q_start[t]: where thread t's contributions begin in `order` (q_start[n]
-    # = m); then row_start[:L] is overwritten with each row's owner, so that
+cdef void _set_owners(int64_t* owner, int n_threads, const int64_t* bounds) noexcept nogil:
+    # owner[r] = the thread whose range of _owner_bounds holds row r, so that
     # finding the owner of a position is one load.
     cdef int t
     cdef Py_ssize_t r
-    for t in range(n_threads + 1):
-        q_start[t] = row_start[bounds[t]]
     for t in range(n_threads):
         for r in range(bounds[t], bounds[t + 1]):
-            row_start[r] = t
+            owner[r] = t
+
+
+cdef void _mark_owners(int64_t* row_start, int n_threads, const int64_t* bounds,
+                       int64_t* q_start) noexcept nogil:
+    # q_start[t]: where thread t's contributions begin in `order` (q_start[n]
+    # = m); then row_start[:L] is overwritten with each row's owner.
+    cdef int t
+    for t in range(n_threads + 1):
+        q_start[t] = row_start[bounds[t]]
+    _set_owners(row_start, n_threads, bounds)
 
 
 cdef Py_ssize_t _collect_own(const int64_t* rows, Py_ssize_t m, const int64_t* owner,
@@ -690,11 +696,7 @@ cdef void _count_owned(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int n_th
     _count_rows(rows, m, L, owner)
     _prefix_rows(L, owner)
     _owner_bounds(owner, L, n_threads, bounds)
-    cdef int t
-    cdef Py_ssize_t r
-    for t in range(n_threads):
-        for r in range(bounds[t], bounds[t + 1]):
-            owner[r] = t
+    _set_owners(owner, n_threads, bounds)
 
 
 cdef Py_ssize_t _collect_pair(const int64_t* ids, const int64_t* tok_owner,
