@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _core, _state
 from . import _validation as v
-from .functional import add_positions, lookup_normalised, scatter_add_normalised
+from .functional import add_positions, lookup_normalised, scatter_add_marking
 
 # Version of the .npz layout written by save(); load() refuses newer ones.
 SAVE_FORMAT_VERSION = 1
@@ -316,12 +316,8 @@ class LearnedPositionEmbedding(_core.TableCall):
             array of the table's shape, or bad arguments (as
             :func:`cposembed.scatter_add`); nothing is written then.
         """
-        # scatter_add's route, entered directly (a small backward costs about
-        # what the C entry does).
         grad, touched = self._grad_to_accumulate()
-        skip = self._skip_row
-        if _core.scatter_add(grad, grad_output, positions, offset, None, touched, skip) is None:
-            scatter_add_normalised(grad, grad_output, positions, offset, None, touched, skip)
+        scatter_add_marking(grad, grad_output, positions, offset, None, touched, self._skip_row)
         if touched is not self._touched:
             self._keep_grad(grad, touched)
         return grad

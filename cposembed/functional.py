@@ -361,12 +361,12 @@ def scatter_add_marking(
         grad_table, grad_output, positions, offset, num_threads, touched, skip_row
     )
     if done is None:
-        scatter_add_normalised(
+        _scatter_normalised(
             grad_table, grad_output, positions, offset, num_threads, touched, skip_row
         )
 
 
-def scatter_add_normalised(
+def _scatter_normalised(
     grad_table: Any,
     grad_output: Any,
     positions: Any,
