@@ -17,6 +17,11 @@ from typing import Any
 
 import numpy as np
 
+# Imported now, not on first use: NumPy imports submodules lazily, and a
+# process forked while another thread holds that import's lock would wait
+# for it forever in its first call.
+from numpy import ma as _ma
+
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _INT64 = np.dtype(np.int64)
 # Element kinds NumPy can add to a float table: bool, signed, unsigned, float.
@@ -90,7 +95,7 @@ def _int_range_text(lo: int | None, hi: int | None) -> str:
 def refuse_masked(value: Any, name: str) -> None:
     """Masked arrays are refused: the kernels cannot keep a mask, and dropping it
     would turn padding into data."""
-    if isinstance(value, np.ma.MaskedArray):
+    if isinstance(value, _ma.MaskedArray):
         raise TypeError(
             f"{name} is a masked array; cposembed does not propagate masks. Pass "
             f"{name}.filled(...) or {name}.data, and apply the mask to the result"

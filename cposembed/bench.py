@@ -94,6 +94,7 @@ TARGETS: dict[tuple[str, str], float] = {
     # PyTorch layers (issue 12): cposembed.torch against two nn.Embedding modules.
     ("torch layer fwd+bwd", "torch 2 x nn.Embedding fwd+bwd"): 0.2,
     ("torch layer fwd, no_grad", "torch 2 x nn.Embedding fwd"): 0.2,
+    ("torch converted nn.Embedding fwd+bwd", "torch nn.Embedding fwd+bwd"): 0.3,
 }
 
 # The names --only takes, in the order the comparisons run (threads_* only
@@ -700,14 +701,21 @@ def build_groups(
             ):
                 w.copy_(t_.from_numpy(src))
 
+        # Each step keeps the last step's gradients alive (as a user logging
+        # them or an optimizer holding them would) and starts from .grad None.
+        kept: dict[str, list[Any]] = {"ours": [], "theirs": []}
+
+        def step(name: str, modules: list[Any], forward: Callable[[], Any]) -> None:
+            kept[name] = [m.weight.grad for m in modules]
+            for m in modules:
+                m.zero_grad(set_to_none=True)
+            forward().backward(gout_t)
+
         def ours() -> None:
-            layer_t.zero_grad(set_to_none=True)
-            layer_t(ids_t).backward(gout_t)
+            step("ours", [layer_t.tokens, layer_t.positions], lambda: layer_t(ids_t))
 
         def theirs() -> None:
-            tok_e.zero_grad(set_to_none=True)
-            pos_e.zero_grad(set_to_none=True)
-            (tok_e(ids_t) + pos_e(pos_t)).backward(gout_t)
+            step("theirs", [tok_e, pos_e], lambda: tok_e(ids_t) + pos_e(pos_t))
 
         def ours_fwd() -> None:
             with t_.no_grad():
@@ -740,9 +748,39 @@ def build_groups(
             f"cposembed.torch.TokenPositionEmbedding vs two nn.Embedding, vocab {args.vocab}, "
             f"ids ({B}, {T}) Zipf 1.2"
         )
+        # One nn.Embedding (GPT-2's wte) as convert_embeddings leaves it.
+        plain_e = t_.nn.Embedding(args.vocab, d, dtype=tdt)
+        conv_e: Any = ct.convert_embeddings(t_.nn.Embedding(args.vocab, d, dtype=tdt))
+        with t_.no_grad():
+            plain_e.weight.copy_(t_.from_numpy(wte))
+            conv_e.weight.copy_(t_.from_numpy(wte))
+
+        def conv_ours() -> None:
+            step("ours", [conv_e], lambda: conv_e(ids_t))
+
+        def conv_theirs() -> None:
+            step("theirs", [plain_e], lambda: plain_e(ids_t))
+
+        conv = [
+            Contender(OURS, conv_ours, 2 * rows_bytes),
+            Contender("torch nn.Embedding fwd+bwd", conv_theirs, 2 * rows_bytes),
+        ]
+        conv_ours()
+        conv_theirs()
+        conv[1].check = _same(_grad_of(conv_e), _grad_of(plain_e), rtol=0, atol=0)
         return [
-            Group("torch layer fwd+bwd", fb, note + ", zero_grad(set_to_none=True) each step"),
+            Group(
+                "torch layer fwd+bwd",
+                fb,
+                note + ", zero_grad(set_to_none=True) each step, last step's .grad kept",
+            ),
             Group("torch layer fwd, no_grad", fwd, note),
+            Group(
+                "torch converted nn.Embedding fwd+bwd",
+                conv,
+                f"convert_embeddings(nn.Embedding({args.vocab}, {d})) vs nn.Embedding, "
+                f"ids ({B}, {T}) Zipf 1.2, last step's .grad kept",
+            ),
         ]
 
     groups: list[tuple[str, Callable[[], Group | list[Group]]]] = [

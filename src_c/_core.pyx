@@ -24,6 +24,7 @@ include "_kernels.pxi"
 include "_pool.pxi"
 include "_index.pxi"
 include "_team.pxi"
+include "_zeros.pxi"
 
 cnp.import_array()
 

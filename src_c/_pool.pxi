@@ -133,9 +133,11 @@ def pool_info():
 
 
 def set_pool(bint enabled=True, limit_bytes=None):
-    """Turn reuse on/off and set the byte limit; turning it off frees the pool."""
+    """Turn reuse on/off and set the byte limit; turning it off frees the pool
+    (and the kept zeroed tables of _zeros.pxi)."""
     global _enabled, _pool_limit
     _enabled = enabled
+    zeroed_kept(enabled)
     if limit_bytes is not None:
         _pool_limit = <size_t>max(0, limit_bytes)
     if not enabled:

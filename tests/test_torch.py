@@ -1,23 +1,22 @@
-"""cposembed.torch: the operators, the modules, the gradient buffers, DDP.
+"""cposembed.torch: the modules against torch.nn.Embedding, the operators, state dicts.
 
-Skipped as a whole without PyTorch (the ImportError test runs without it).
+Every value and gradient is compared bitwise with ``torch.nn.Embedding`` on the
+same weights. Skipped as a whole without PyTorch (the ImportError test runs
+without it).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
+import numpy as np
 import pytest
-from helpers import PACKAGE_ROOT, run_python
+from helpers import run_python
+from hypothesis import given
+from hypothesis import strategies as st
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-
-def _run(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _run(code: str, timeout: float = 120):
     return run_python(["-c", textwrap.dedent(code)], timeout)
 
 
@@ -33,7 +32,7 @@ def test_core_package_never_imports_torch() -> None:
     assert proc.stdout.strip() == "ok"
 
 
-def test_import_error_names_the_extra_without_torch() -> None:
+def test_import_error_gives_the_install_commands_without_torch() -> None:
     proc = _run(
         """
         import sys
@@ -52,9 +51,9 @@ def test_import_error_names_the_extra_without_torch() -> None:
         """
     )
     assert proc.returncode == 0, proc.stderr
-    assert (
-        'ImportError cposembed.torch needs PyTorch: pip install "cposembed[torch]"' in proc.stdout
-    )
+    assert "ImportError cposembed.torch needs PyTorch" in proc.stdout
+    assert "--index-url https://download.pytorch.org/whl/cpu" in proc.stdout
+    assert 'pip install ".[torch]"' in proc.stdout
     assert "cause: ModuleNotFoundError" in proc.stdout
 
 
@@ -64,11 +63,30 @@ from torch import nn  # noqa: E402
 import cposembed.torch as ct  # noqa: E402
 
 ops = torch.ops.cposembed
+ALL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def _twins(weight: torch.Tensor, **kw) -> tuple[ct.Embedding, nn.Embedding]:
+    """A ct.Embedding and an nn.Embedding with copies of ``weight``."""
+    ours = ct.Embedding(*weight.shape, dtype=weight.dtype, **kw)
+    ref = nn.Embedding(*weight.shape, dtype=weight.dtype, **kw)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        ref.weight.copy_(weight)
+    return ours, ref
+
+
+def _grad_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    if a.is_sparse or b.is_sparse:
+        a, b = a.to_dense(), b.to_dense()
+    return a.dtype == b.dtype and torch.equal(a, b)
 
 
 def _embedding(weight: torch.Tensor, padding_idx: int | None = None) -> nn.Embedding:
@@ -78,7 +96,212 @@ def _embedding(weight: torch.Tensor, padding_idx: int | None = None) -> nn.Embed
     return e
 
 
-# ---- values and gradients against nn.Embedding ------------------------------------
+# ---- ct.Embedding is nn.Embedding ---------------------------------------------------
+
+
+ARGUMENTS = [
+    {},
+    {"padding_idx": 3},
+    {"padding_idx": -1},
+    {"max_norm": 1.0},
+    {"max_norm": 0.5, "norm_type": 1.0},
+    {"scale_grad_by_freq": True},
+    {"sparse": True},
+    {"sparse": True, "padding_idx": 0},
+]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("kw", ARGUMENTS, ids=lambda kw: ",".join(map(str, kw.items())) or "plain")
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_values_and_gradients_equal_nn_embedding(dtype, kw, index_dtype) -> None:
+    ours, ref = _twins(torch.randn(40, 6).to(dtype), **kw)
+    ids = torch.randint(0, 40, (4, 9), dtype=index_dtype)
+    ids[:, :3] = 3  # repeated ids (several terms in a row's gradient), the padding row
+    ids[0, 5] = 39
+    x, y = ours(ids), ref(ids)
+    assert x.dtype == y.dtype and torch.equal(x, y)
+    assert torch.equal(ours.weight, ref.weight)  # max_norm renormalised both alike
+    g = torch.randn_like(x)
+    x.backward(g)
+    y.backward(g)
+    assert _grad_equal(ours.weight.grad, ref.weight.grad)
+    assert ours.weight.grad.is_sparse == ref.weight.grad.is_sparse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sparse_gradient_is_coalesced_and_its_dense_form_is_the_dense_gradient(dtype) -> None:
+    ours, dense = _twins(torch.randn(30, 4).to(dtype), sparse=True, padding_idx=2)
+    dense.sparse = False
+    ids = torch.tensor([[2, 5, 5, 29], [5, 1, 2, 0]])
+    g = torch.randn(2, 4, 4, dtype=dtype)
+    (grad,) = torch.autograd.grad(ours(ids), ours.weight, g)
+    dense(ids).backward(g)
+    assert grad.is_sparse and grad.is_coalesced()
+    assert grad._indices().tolist() == [[0, 1, 5, 29]]  # no padding row
+    assert torch.equal(grad.to_dense(), dense.weight.grad)
+    # Sparse gradients feed torch's sparse optimizers as nn.Embedding's do.
+    ours.weight.grad = grad
+    torch.optim.SparseAdam([ours.weight], lr=0.1).step()
+
+
+@given(
+    n_rows=st.integers(1, 70),
+    d=st.integers(1, 9),
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    pad=st.one_of(st.none(), st.integers(0, 69)),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_values_and_gradients_equal_nn_embedding(n_rows, d, shape, pad, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    pad = None if pad is None else pad % n_rows
+    ours, ref = _twins(torch.randn(n_rows, d, generator=gen).to(dtype), padding_idx=pad)
+    ids = torch.randint(0, n_rows, tuple(shape), generator=gen)
+    x, y = ours(ids), ref(ids)
+    assert torch.equal(x, y)
+    g = torch.randn(x.shape, generator=gen).to(dtype)
+    x.backward(g)
+    y.backward(g)
+    assert _grad_equal(ours.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.parametrize("n_tokens", [3, 20_000])  # both sides of the serial threshold
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_large_tables_equal_nn_embedding_for_any_thread_count(n_tokens, threads) -> None:
+    import cposembed
+
+    ours, ref = _twins(torch.randn(5000, 64))  # 1.25 MiB .. the gradient from mmap
+    big_ours, big_ref = _twins(torch.randn(9000, 96))
+    ids = (torch.randint(1, 90, (n_tokens,)) ** 2) % 5000
+    old = cposembed.get_num_threads()
+    cposembed.set_num_threads(threads)
+    try:
+        for a, b in ((ours, ref), (big_ours, big_ref)):
+            x, y = a(ids), b(ids)
+            assert torch.equal(x, y)
+            g = torch.randn_like(x)
+            x.backward(g)
+            y.backward(g)
+            assert torch.equal(a.weight.grad, b.weight.grad)
+    finally:
+        cposembed.set_num_threads(old)
+
+
+def test_attributes_constructor_and_repr_are_nn_embeddings() -> None:
+    e = ct.Embedding(12, 5, padding_idx=-2, max_norm=2.0, norm_type=3.0, sparse=True)
+    ref = nn.Embedding(12, 5, padding_idx=-2, max_norm=2.0, norm_type=3.0, sparse=True)
+    assert isinstance(e, nn.Embedding)
+    for name in (
+        "num_embeddings",
+        "embedding_dim",
+        "padding_idx",
+        "max_norm",
+        "norm_type",
+        "scale_grad_by_freq",
+        "sparse",
+    ):
+        assert getattr(e, name) == getattr(ref, name), name
+    assert (
+        repr(e)
+        == repr(ref)
+        == "Embedding(12, 5, padding_idx=10, max_norm=2.0, norm_type=3.0, sparse=True)"
+    )
+    assert not e.weight[10].any()
+    w = torch.randn(4, 3)
+    shared = ct.Embedding(4, 3, _weight=w, _freeze=True)
+    assert shared.weight.data_ptr() == w.data_ptr() and not shared.weight.requires_grad
+    assert ct.Embedding(4, 3, device="cpu", dtype=torch.float64).weight.dtype == torch.float64
+    e.reset_parameters()
+    assert not e.weight[10].any()
+    for name in ("LearnedPositionEmbedding", "TokenPositionEmbedding"):
+        assert "_Table" not in repr(
+            getattr(ct, name)(8, 4) if name[0] == "L" else ct.TokenPositionEmbedding(8, 4, 2)
+        )
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_from_pretrained_as_nn_embedding(freeze) -> None:
+    w = torch.randn(7, 3)
+    ours = ct.Embedding.from_pretrained(w, freeze=freeze, padding_idx=1, max_norm=5.0)
+    ref = nn.Embedding.from_pretrained(w, freeze=freeze, padding_idx=1, max_norm=5.0)
+    assert type(ours) is ct.Embedding
+    assert ours.weight.requires_grad == ref.weight.requires_grad == (not freeze)
+    assert ours.weight.data_ptr() == w.data_ptr()  # used, not copied, as nn.Embedding
+    assert (ours.padding_idx, ours.max_norm) == (ref.padding_idx, ref.max_norm)
+    pe = ct.LearnedPositionEmbedding.from_pretrained(w, freeze=freeze)
+    assert type(pe) is ct.LearnedPositionEmbedding and pe.max_seq_len == 7 and pe.embed_dim == 3
+    assert pe.weight.requires_grad == (not freeze)
+    with pytest.raises(ValueError, match="2-D"):
+        ct.LearnedPositionEmbedding.from_pretrained(torch.randn(3))
+
+
+def test_other_devices_and_meta_tensors_go_to_torch() -> None:
+    with torch.device("meta"):
+        e = ct.Embedding(50257, 768)
+        ids = torch.zeros(2, 5, dtype=torch.long)
+        out = e(ids)
+    assert out.is_meta and out.shape == (2, 5, 768)
+    m = ct.TokenPositionEmbedding(100, 16, 8, device="meta")
+    x = m(torch.zeros(3, 4, dtype=torch.long, device="meta"))
+    assert x.is_meta and x.shape == (3, 4, 8)
+
+
+def test_numpy_and_list_indices_are_copied_at_the_forward() -> None:
+    m = ct.TokenPositionEmbedding(20, 8, 4)
+    ref_tok = _embedding(m.tokens.weight)
+    ids = np.array([[1, 2, 3]])
+    x = m(ids)
+    ids[:] = 7  # the batch array refilled before backward
+    x.sum().backward()
+    ref_tok(torch.tensor([[1, 2, 3]])).sum().backward()
+    assert torch.equal(m.tokens.weight.grad, ref_tok.weight.grad)
+    pe = ct.LearnedPositionEmbedding(8, 2)
+    pos = [0, 1, 1]
+    y = pe(pos)
+    pos[0] = 5
+    y.sum().backward()
+    assert pe.weight.grad[:, 0].tolist() == [1, 2, 0, 0, 0, 0, 0, 0]
+
+
+def test_index_tensors_changed_in_place_fail_the_backward_as_in_nn_embedding() -> None:
+    e = ct.Embedding(10, 3)
+    ids = torch.tensor([1, 2])
+    x = e(ids)
+    ids.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        x.sum().backward()
+
+
+def test_convert_embeddings_in_place_keeps_parameters_and_ties() -> None:
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(30, 4), nn.Embedding(16, 4)
+            self.head = nn.Linear(4, 30, bias=False)
+            self.head.weight = self.wte.weight  # tied, as GPT-2's lm_head
+            self.custom = _Scaled(10, 4)
+
+    class _Scaled(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 2
+
+    model = LM()
+    weights = dict(model.named_parameters())
+    wte = model.wte
+    assert ct.convert_embeddings(model) is model
+    assert model.wte is wte and type(model.wte) is ct.Embedding
+    assert type(model.wpe) is ct.Embedding
+    assert type(model.custom) is _Scaled  # subclasses keep their own forward
+    assert model.head.weight is model.wte.weight
+    assert dict(model.named_parameters()) == weights
+    single = nn.Embedding(3, 2)
+    assert ct.convert_embeddings(single) is single and type(single) is ct.Embedding
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        ct.convert_embeddings("not a module")
+
+
+# ---- the position modules -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -100,8 +323,54 @@ def test_token_position_equals_two_nn_embeddings(dtype, index_dtype) -> None:
     assert torch.equal(m.positions.weight.grad, e_pos.weight.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_token_position_in_half_precision_equals_two_nn_embeddings(dtype) -> None:
+    m = ct.TokenPositionEmbedding(50, 12, 6, dtype=dtype)
+    e_tok, e_pos = _embedding(m.tokens.weight), _embedding(m.positions.weight)
+    ids = torch.randint(0, 50, (3, 10))
+    x, y = m(ids), e_tok(ids) + e_pos(torch.arange(10).expand(3, 10))
+    assert x.dtype == dtype and torch.equal(x, y)
+    g = torch.randn_like(x)
+    x.backward(g)
+    y.backward(g)
+    assert torch.equal(m.tokens.weight.grad, e_tok.weight.grad)
+    assert torch.equal(m.positions.weight.grad, e_pos.weight.grad)
+
+
+def test_token_position_attributes_and_from_pretrained() -> None:
+    m = ct.TokenPositionEmbedding(30, 16, 4, padding_idx=-1)
+    assert (m.vocab_size, m.max_seq_len, m.embed_dim, m.padding_idx) == (30, 16, 4, 29)
+    assert type(m.tokens) is ct.Embedding and type(m.positions) is ct.LearnedPositionEmbedding
+    wte, wpe = torch.randn(30, 4), torch.randn(16, 4)
+    p = ct.TokenPositionEmbedding.from_pretrained(wte, wpe, padding_idx=0)
+    assert p.tokens.weight.requires_grad and p.padding_idx == 0
+    assert p.tokens.weight.data_ptr() == wte.data_ptr()
+    assert torch.equal(p(torch.tensor([[3, 0]])), wte[torch.tensor([[3, 0]])] + wpe[:2])
+    frozen = ct.TokenPositionEmbedding.from_pretrained(wte, wpe, freeze=True)
+    assert not frozen.tokens.weight.requires_grad and not frozen.positions.weight.requires_grad
+    with pytest.raises(ValueError, match="embed_dim"):
+        ct.TokenPositionEmbedding.from_pretrained(wte, torch.randn(16, 5))
+
+
+def test_token_position_with_renormalised_or_sparse_tables_equals_nn_embeddings() -> None:
+    m = ct.TokenPositionEmbedding(40, 12, 6)
+    m.tokens.max_norm = 1.0
+    m.positions.sparse = True
+    e_tok, e_pos = _embedding(m.tokens.weight), _embedding(m.positions.weight)
+    e_tok.max_norm, e_pos.sparse = 1.0, True
+    ids = torch.randint(0, 40, (2, 8))
+    x, y = m(ids, offset=3), e_tok(ids) + e_pos(torch.arange(3, 11).expand(2, 8))
+    assert torch.equal(x, y) and torch.equal(m.tokens.weight, e_tok.weight)
+    g = torch.randn_like(x)
+    x.backward(g)
+    y.backward(g)
+    assert _grad_equal(m.tokens.weight.grad, e_tok.weight.grad)
+    assert _grad_equal(m.positions.weight.grad, e_pos.weight.grad)
+
+
 def test_learned_position_embedding_forward_and_add_to() -> None:
     pe = ct.LearnedPositionEmbedding(16, 4)
+    assert isinstance(pe, ct.Embedding) and isinstance(pe, nn.Embedding)
     e = _embedding(pe.weight)
     pos = torch.tensor([[0, 5, 5, 15], [3, 3, 3, 1]])
     out = pe(pos)
@@ -116,14 +385,17 @@ def test_learned_position_embedding_forward_and_add_to() -> None:
     tok_ref = tok.detach().clone().requires_grad_(True)
     pe.weight.grad = e.weight.grad = None
     x = pe.add_to(tok, offset=3)
-    y = tok_ref + e(torch.arange(3, 7))
+    y = tok_ref + e(torch.arange(3, 7).expand(2, 4))
     assert torch.equal(x, y)
     g = torch.randn_like(x)
     x.backward(g)
     y.backward(g)
     assert torch.equal(tok.grad, tok_ref.grad)
-    torch.testing.assert_close(pe.weight.grad, e.weight.grad)  # torch sums the batch first
+    assert torch.equal(pe.weight.grad, e.weight.grad)  # summed over every token
     assert torch.equal(pe.add_to(tok, pos), tok + e(pos))
+    pe.max_norm = e.max_norm = 0.5  # add_to renormalises the rows it adds, as forward
+    assert torch.equal(pe.add_to(tok, offset=1), tok + e(torch.arange(1, 5)))
+    assert torch.equal(pe.weight, e.weight)
 
 
 def test_negative_and_list_positions_follow_numpy_indexing() -> None:
@@ -180,10 +452,22 @@ def test_no_grad_builds_no_graph() -> None:
     with torch.no_grad():
         x = m(torch.randint(0, 20, (2, 5)))
         y = m.positions.add_to(torch.randn(2, 5, 4))
-    assert x.grad_fn is None and not x.requires_grad
-    assert y.grad_fn is None and not y.requires_grad
+        z = m.tokens(torch.tensor([1, 2]))
+    for t in (x, y, z):
+        assert t.grad_fn is None and not t.requires_grad
     with torch.inference_mode():
         assert m(torch.tensor([[1, 2]])).shape == (1, 2, 4)
+
+
+def test_wrong_sizes_and_dtypes_of_the_position_modules() -> None:
+    with pytest.raises(ValueError, match="vocab_size"):
+        ct.TokenPositionEmbedding(0, 4, 4)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        ct.LearnedPositionEmbedding(-1, 4)
+    with pytest.raises(TypeError, match="floating-point"):
+        ct.LearnedPositionEmbedding(4, 4, dtype=torch.int64)
+    with pytest.raises(IndexError, match="5"):
+        ct.LearnedPositionEmbedding(5, 2)(torch.tensor([5]))
 
 
 # ---- the operators: opcheck, gradcheck, layouts, errors ---------------------------
@@ -293,177 +577,3 @@ def test_state_dicts_load_from_nn_embedding_and_gpt2() -> None:
     pe.load_state_dict({"weight": gpt2["wpe.weight"]})
     assert torch.equal(pe.weight, gpt2["wpe.weight"])
     assert "16, 4" in repr(pe)
-
-
-# ---- dense gradients: taken over by autograd, reused safely -----------------------
-
-
-@pytest.fixture
-def recycled(monkeypatch):
-    """Every table gradient goes through the reused buffers, however small."""
-    monkeypatch.setattr(ct, "_RECYCLE_MIN_BYTES", 0)
-    ct._grads.clear()
-    assert ct._grads.reuse
-    yield
-    ct._grads.clear()
-
-
-def _reference_grads(m, ids_list, offset=0):
-    e_tok, e_pos = _embedding(m.tokens.weight), _embedding(m.positions.weight)
-    for ids in ids_list:
-        (
-            e_tok(ids) + e_pos(torch.arange(offset, offset + ids.shape[-1]).expand(ids.shape))
-        ).sum().backward()
-    return e_tok.weight.grad, e_pos.weight.grad
-
-
-def test_gradient_buffer_is_taken_over_not_copied(recycled) -> None:
-    m = ct.TokenPositionEmbedding(40, 8, 4)
-    m(torch.tensor([[1, 2]])).sum().backward()
-    (slot_tok, slot_pos) = ct._grads._slots[-2:]
-    assert m.tokens.weight.grad.data_ptr() == slot_tok.array.ctypes.data
-    assert m.positions.weight.grad.data_ptr() == slot_pos.array.ctypes.data
-    first = m.tokens.weight.grad.data_ptr()
-    m.zero_grad(set_to_none=True)
-    m(torch.tensor([[5, 5]])).sum().backward()
-    assert m.tokens.weight.grad.data_ptr() == first  # reused
-    assert m.tokens.weight.grad[:, 0].tolist() == [0] * 5 + [2] + [0] * 34
-
-
-def test_reused_gradient_is_zero_outside_the_new_rows(recycled) -> None:
-    m = ct.TokenPositionEmbedding(40, 8, 4)
-    batches = [torch.randint(0, 40, (2, 6)) for _ in range(4)]
-    for ids in batches:
-        m.zero_grad(set_to_none=True)
-        m(ids).sum().backward()
-        ref_tok, ref_pos = _reference_grads(m, [ids])
-        assert torch.equal(m.tokens.weight.grad, ref_tok)
-        assert torch.equal(m.positions.weight.grad, ref_pos)
-
-
-@pytest.mark.parametrize(
-    "change",
-    [
-        lambda g: g.add_(1.0),  # in place: the version counter moves
-        lambda g: g.detach().fill_(3.0),  # through a detached alias: same counter
-        lambda g: torch.nn.utils.clip_grad_norm_([g], 0.5),  # scales: zeros stay zero
-    ],
-)
-def test_gradient_changed_in_place_is_zeroed_whole_before_reuse(recycled, change) -> None:
-    m = ct.TokenPositionEmbedding(40, 8, 4)
-    m(torch.tensor([[1, 2]])).sum().backward()
-    change(m.tokens.weight.grad)
-    m.zero_grad(set_to_none=True)
-    ids = torch.tensor([[7, 8]])
-    m(ids).sum().backward()
-    assert torch.equal(m.tokens.weight.grad, _reference_grads(m, [ids])[0])
-
-
-def test_gradients_accumulate_across_backward_calls(recycled) -> None:
-    m = ct.TokenPositionEmbedding(40, 8, 4)
-    ids_list = [torch.randint(0, 40, (2, 5)) for _ in range(3)]
-    for _ in range(2):
-        m.zero_grad(set_to_none=True)
-        for ids in ids_list:  # no zero_grad in between: autograd adds into .grad
-            m(ids).sum().backward()
-        ref_tok, ref_pos = _reference_grads(m, ids_list)
-        torch.testing.assert_close(m.tokens.weight.grad, ref_tok, rtol=0, atol=1e-6)
-        torch.testing.assert_close(m.positions.weight.grad, ref_pos, rtol=0, atol=1e-6)
-    # Two uses of the module in one graph: the engine sums both gradients.
-    m.zero_grad(set_to_none=True)
-    (m(ids_list[0]) * 2 + m(ids_list[1])).sum().backward()
-    e_tok = _embedding(m.tokens.weight)
-    (e_tok(ids_list[0]) * 2 + e_tok(ids_list[1])).sum().backward()
-    torch.testing.assert_close(m.tokens.weight.grad, e_tok.weight.grad, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_training_matches_nn_embedding(recycled, optimizer, set_to_none) -> None:
-    m = ct.TokenPositionEmbedding(64, 16, 8)
-    e_tok, e_pos = _embedding(m.tokens.weight), _embedding(m.positions.weight)
-    make = {
-        "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
-        "adam": lambda p: torch.optim.Adam(p, lr=0.01),
-    }[optimizer]
-    opt_ours, opt_ref = make(m.parameters()), make([e_tok.weight, e_pos.weight])
-    target = torch.randn(16, 8)
-    for _ in range(5):
-        ids = torch.randint(0, 64, (4, 16))
-        opt_ours.zero_grad(set_to_none=set_to_none)
-        opt_ref.zero_grad(set_to_none=set_to_none)
-        ((m(ids) - target) ** 2).mean().backward()
-        ((e_tok(ids) + e_pos(torch.arange(16)) - target) ** 2).mean().backward()
-        opt_ours.step()
-        opt_ref.step()
-    torch.testing.assert_close(m.tokens.weight, e_tok.weight, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(m.positions.weight, e_pos.weight, rtol=1e-5, atol=1e-6)
-
-
-def test_reuse_can_be_turned_off() -> None:
-    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT, CPOSEMBED_TORCH_REUSE_GRADS="0")
-    proc = subprocess.run(
-        [sys.executable, "-c", "import cposembed.torch as ct; print(ct._grads.reuse)"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "False"
-
-
-# ---- torch.compile ----------------------------------------------------------------
-
-
-def test_compile_fullgraph_training_equals_eager() -> None:
-    def run(compiled: bool) -> list[float]:
-        torch.manual_seed(0)
-        model = nn.Sequential()
-        model.embed = ct.TokenPositionEmbedding(32, 8, 4, padding_idx=0)
-        head = nn.Linear(4, 32)
-        opt = torch.optim.SGD([*model.embed.parameters(), *head.parameters()], lr=0.5)
-
-        def loss_fn(ids: torch.Tensor) -> torch.Tensor:
-            x = model.embed(ids[:, :-1])
-            x = model.embed.positions.add_to(x, offset=0) - model.embed.positions(torch.arange(7))
-            logits = head(torch.tanh(x))
-            return nn.functional.cross_entropy(logits.reshape(-1, 32), ids[:, 1:].reshape(-1))
-
-        step = torch.compile(loss_fn, fullgraph=True, dynamic=False) if compiled else loss_fn
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(3):
-            ids = torch.randint(0, 32, (4, 8), generator=g)
-            opt.zero_grad(set_to_none=True)
-            loss = step(ids)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
-
-    eager = run(False)
-    compiled = run(True)
-    assert compiled == pytest.approx(eager, rel=1e-6, abs=1e-6)
-    assert eager[-1] < eager[0]
-
-
-# ---- distributed ------------------------------------------------------------------
-
-
-def test_ddp_two_processes_match_one_process() -> None:
-    script = EXAMPLES / "ddp_train.py"
-    if not script.exists():
-        pytest.skip("examples/ not beside tests/ (an installed copy of the tests)")
-    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=PACKAGE_ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 processes (DDP, gloo) vs one" in proc.stdout
-    assert ": match" in proc.stdout

@@ -1,0 +1,756 @@
+"""cposembed's kernels as PyTorch operators (imported by :mod:`cposembed.torch`).
+
+Five operators in the ``cposembed`` namespace, defined with
+:func:`torch.library.define` (CPU kernels, fake kernels for meta tensors and
+``torch.compile``, autograd formulas, vmap rules):
+
+- ``lookup(table, positions, padding_idx=None)``: ``table[positions]``
+- ``add_positions(tok, table, positions, offset, padding_idx=None)``:
+  ``tok + table[positions]`` (``positions=None``: ``offset + arange(T)``)
+- ``embed(token_ids, token_table, position_table, positions, offset, padding_idx=None)``:
+  ``token_table[token_ids] + position_table[positions]``
+- ``table_grad(grad_output, positions, offset, num_rows, dtype, padding_idx=None)``:
+  the dense gradient of a looked-up table (``np.add.at``, which is what
+  ``nn.Embedding``'s CPU backward computes), itself differentiable (double
+  backward)
+- ``embed_backward(...)``: both table gradients of ``embed`` from one read
+  of the output gradient
+
+The autograd formulas are plain functions shared by the operators'
+registrations (what ``torch.compile`` traces) and by the
+:class:`torch.autograd.Function` classes below, which add forward-mode AD
+(``jvp``: Dynamo does not trace a custom ``jvp``, so the modules use these
+classes only in eager mode).
+
+**Gradient memory.** Every table gradient is new memory that nothing else
+holds, and nothing here touches it after it is returned. Large gradients
+come from an anonymous ``mmap``: the OS hands the pages out zeroed, and only
+the pages holding rows that the scatter-add writes are ever faulted in,
+instead of ``torch.zeros`` writing every page of a vocabulary-sized table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from cposembed import _core
+from cposembed import functional as _f
+from cposembed import layer as _layer
+
+__all__ = ["KERNEL_DTYPES", "add_positions", "embed", "fresh_zeros", "lookup"]
+
+# Table dtypes the kernels take; other dtypes go to torch's own F.embedding.
+KERNEL_DTYPES = (torch.float32, torch.float64)
+_ROW_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+# ---- tensors <-> arrays ----------------------------------------------------------
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as an ndarray (no copy, any strides)."""
+    return t.detach().resolve_neg().resolve_conj().numpy()
+
+
+def _maybe_array(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else _array(t)
+
+
+def _skip_row(padding_idx: int | None, n_rows: int) -> int:
+    """The row that gets no gradient, in ``[0, n_rows)``, or -1 for none."""
+    if padding_idx is None:
+        return -1
+    if not -n_rows <= padding_idx < n_rows:
+        raise ValueError(
+            f"padding_idx must be within [-{n_rows}, {n_rows}) for a table of {n_rows} rows; "
+            f"got {padding_idx}"
+        )
+    return padding_idx + n_rows if padding_idx < 0 else padding_idx
+
+
+def _check_table(t: torch.Tensor, name: str) -> None:
+    if t.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name} must have dtype float32 or float64; got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (rows, embed_dim); got shape {tuple(t.shape)}")
+
+
+def _check_index(t: torch.Tensor | None, name: str) -> None:
+    # Boolean masks would give data-dependent shapes, which fake kernels cannot.
+    if t is not None and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
+        raise IndexError(f"{name} must be an integer tensor; got dtype {t.dtype}")
+
+
+def _check_rows(t: torch.Tensor, d: int, name: str) -> None:
+    if t.dtype not in _ROW_DTYPES:
+        raise TypeError(f"{name} must have dtype float16, float32 or float64; got {t.dtype}")
+    if t.dim() == 0 or t.shape[-1] != d:
+        raise ValueError(f"{name} must have shape (..., {d}); got {tuple(t.shape)}")
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    if dtype not in KERNEL_DTYPES:
+        raise TypeError(f"gradient dtype must be float32 or float64; got {dtype}")
+    return np.dtype(np.float32 if dtype == torch.float32 else np.float64)
+
+
+# ---- gradient memory ----------------------------------------------------------------
+
+# Below this many bytes a gradient comes from torch.zeros (zeroing is cheap).
+_FRESH_MIN_BYTES = 1 << 21
+
+
+def fresh_zeros(n_rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+    """A new zeroed ``(n_rows, d)`` tensor that nothing else refers to, and
+    the same memory as an ndarray (for the kernel to write; drop it after).
+
+    Large ones are anonymous private memory from the OS, handed to torch
+    through DLPack (``_core.zeroed_dlpack``): zero until written, a page
+    faulted in only when a row on it is first written, and given back to
+    the OS by a C deleter (no GIL needed) when torch frees the last tensor
+    using it.
+    """
+    np_dtype = _numpy_dtype(dtype)
+    if n_rows * d * np_dtype.itemsize < _FRESH_MIN_BYTES:
+        t = torch.zeros((n_rows, d), dtype=dtype)
+    else:
+        t = torch.from_dlpack(_core.zeroed_dlpack(n_rows, d, np_dtype.itemsize))
+    return t, t.numpy()
+
+
+# ---- the operators ----------------------------------------------------------------
+
+_LIB = torch.library.Library("cposembed", "DEF")
+_LIB.define("lookup(Tensor table, Tensor positions, int? padding_idx=None) -> Tensor")
+_LIB.define(
+    "add_positions(Tensor tok, Tensor table, Tensor? positions, SymInt offset, "
+    "int? padding_idx=None) -> Tensor"
+)
+_LIB.define(
+    "embed(Tensor token_ids, Tensor token_table, Tensor position_table, Tensor? positions, "
+    "SymInt offset, int? padding_idx=None) -> Tensor"
+)
+_LIB.define(
+    "table_grad(Tensor grad_output, Tensor? positions, SymInt offset, SymInt num_rows, "
+    "ScalarType dtype, int? padding_idx=None) -> Tensor"
+)
+_LIB.define(
+    "embed_backward(Tensor grad_output, Tensor token_ids, Tensor? positions, SymInt offset, "
+    "SymInt vocab_size, SymInt max_seq_len, ScalarType token_dtype, "
+    "ScalarType position_dtype, int? padding_idx=None) -> (Tensor, Tensor)"
+)
+ops = torch.ops.cposembed
+
+
+def _cpu(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _LIB.impl(name, fn, "CPU")
+        return fn
+
+    return register
+
+
+def _fake(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        torch.library.register_fake(f"cposembed::{name}", fn, lib=_LIB)
+        return fn
+
+    return register
+
+
+@_cpu("lookup")
+def _lookup(
+    table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
+) -> torch.Tensor:
+    _check_table(table, "table")
+    _check_index(positions, "positions")
+    _skip_row(padding_idx, table.shape[0])
+    return torch.from_numpy(_f.lookup(_array(table), _array(positions)))
+
+
+@_fake("lookup")
+def _lookup_fake(
+    table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
+) -> torch.Tensor:
+    _check_table(table, "table")
+    _check_index(positions, "positions")
+    return table.new_empty((*positions.shape, table.shape[1]))
+
+
+def _check_add(tok: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> None:
+    _check_table(table, "table")
+    _check_rows(tok, table.shape[1], "tok")
+    _check_index(positions, "positions")
+
+
+@_cpu("add_positions")
+def _add_positions(
+    tok: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    _check_add(tok, table, positions)
+    _skip_row(padding_idx, table.shape[0])
+    out = _f.add_positions(_array(tok), _array(table), _maybe_array(positions), offset=offset)
+    return torch.from_numpy(out)
+
+
+@_fake("add_positions")
+def _add_positions_fake(
+    tok: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    _check_add(tok, table, positions)
+    return tok.new_empty(tok.shape, dtype=torch.promote_types(tok.dtype, table.dtype))
+
+
+def _check_embed(
+    token_ids: torch.Tensor,
+    token_table: torch.Tensor,
+    position_table: torch.Tensor,
+    positions: torch.Tensor | None,
+) -> None:
+    _check_table(token_table, "token_table")
+    _check_table(position_table, "position_table")
+    if token_table.shape[1] != position_table.shape[1]:
+        raise ValueError(
+            "token_table and position_table must share embed_dim; got "
+            f"{token_table.shape[1]} and {position_table.shape[1]}"
+        )
+    _check_index(token_ids, "token_ids")
+    _check_index(positions, "positions")
+
+
+@_cpu("embed")
+def _embed(
+    token_ids: torch.Tensor,
+    token_table: torch.Tensor,
+    position_table: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    _check_embed(token_ids, token_table, position_table, positions)
+    _skip_row(padding_idx, token_table.shape[0])
+    out = _layer.embed(
+        _array(token_ids),
+        _array(token_table),
+        _array(position_table),
+        _maybe_array(positions),
+        offset=offset,
+    )
+    return torch.from_numpy(out)
+
+
+@_fake("embed")
+def _embed_fake(
+    token_ids: torch.Tensor,
+    token_table: torch.Tensor,
+    position_table: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    _check_embed(token_ids, token_table, position_table, positions)
+    dtype = torch.promote_types(token_table.dtype, position_table.dtype)
+    return token_table.new_empty((*token_ids.shape, token_table.shape[1]), dtype=dtype)
+
+
+def _marked_table_grad(
+    grad_output: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    num_rows: int,
+    dtype: torch.dtype,
+    padding_idx: int | None,
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """The dense table gradient, its memory as an array, and the rows written."""
+    skip = _skip_row(padding_idx, num_rows)
+    grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
+    touched = np.zeros(num_rows, dtype=bool)
+    _f.scatter_add_marking(
+        array, _array(grad_output), _maybe_array(positions), offset, None, touched, skip
+    )
+    if skip >= 0:
+        touched[skip] = False
+    return grad, array, touched
+
+
+@_cpu("table_grad")
+def _table_grad(
+    grad_output: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    num_rows: int,
+    dtype: torch.dtype,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    _check_index(positions, "positions")
+    return _marked_table_grad(grad_output, positions, offset, num_rows, dtype, padding_idx)[0]
+
+
+@_fake("table_grad")
+def _table_grad_fake(
+    grad_output: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    num_rows: int,
+    dtype: torch.dtype,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    _numpy_dtype(dtype)
+    return grad_output.new_empty((num_rows, grad_output.shape[-1]), dtype=dtype)
+
+
+@_cpu("embed_backward")
+def _embed_backward(
+    grad_output: torch.Tensor,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    vocab_size: int,
+    max_seq_len: int,
+    token_dtype: torch.dtype,
+    position_dtype: torch.dtype,
+    padding_idx: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_index(token_ids, "token_ids")
+    _check_index(positions, "positions")
+    skip = _skip_row(padding_idx, vocab_size)
+    d = grad_output.shape[-1]
+    g_tok, a_tok = fresh_zeros(vocab_size, d, token_dtype)
+    g_pos, a_pos = fresh_zeros(max_seq_len, d, position_dtype)
+    _layer.embed_backward_marking(
+        a_tok,
+        a_pos,
+        _array(grad_output),
+        _array(token_ids),
+        _maybe_array(positions),
+        offset,
+        None,
+        None,
+        None,
+        skip,
+    )
+    return g_tok, g_pos
+
+
+@_fake("embed_backward")
+def _embed_backward_fake(
+    grad_output: torch.Tensor,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    vocab_size: int,
+    max_seq_len: int,
+    token_dtype: torch.dtype,
+    position_dtype: torch.dtype,
+    padding_idx: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    d = grad_output.shape[-1]
+    _numpy_dtype(token_dtype)
+    _numpy_dtype(position_dtype)
+    return (
+        grad_output.new_empty((vocab_size, d), dtype=token_dtype),
+        grad_output.new_empty((max_seq_len, d), dtype=position_dtype),
+    )
+
+
+# ---- vmap: one call per batch entry ---------------------------------------------
+
+
+def _vmap_by_loop(op: Any) -> Callable[..., Any]:
+    """A vmap rule that calls ``op`` once per batch entry and stacks the results
+    (batch dimension first), for ``torch.func.vmap``, ``jacrev`` and ``jacfwd``."""
+
+    def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+        results = []
+        for b in range(info.batch_size):
+            one = [a.select(dim, b) if dim is not None else a for a, dim in zip(args, in_dims)]
+            results.append(op(*one))
+        if isinstance(results[0], tuple):
+            stacked = tuple(torch.stack(parts) for parts in zip(*results))
+            return stacked, (0,) * len(stacked)
+        return torch.stack(results), 0
+
+    return rule
+
+
+for _name in ("lookup", "add_positions", "embed", "table_grad", "embed_backward"):
+    torch.library.register_vmap(
+        f"cposembed::{_name}", _vmap_by_loop(getattr(ops, _name).default), lib=_LIB
+    )
+
+
+# ---- autograd formulas ------------------------------------------------------------
+
+
+def _default_positions(offset: int, token_shape: tuple[int, ...]) -> torch.Tensor:
+    """``offset + arange(T)`` broadcast to ``token_shape`` ``(..., T)``."""
+    T = token_shape[-1] if token_shape else 1
+    return torch.arange(offset, offset + T).expand(token_shape)
+
+
+def _lookup_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    table, positions, padding_idx = inputs[:3]
+    ctx.save_for_backward(positions)
+    ctx.num_rows, ctx.dtype, ctx.padding_idx = table.shape[0], table.dtype, padding_idx
+    ctx.n_inputs = len(inputs)
+    ctx.sparse = len(inputs) > 3 and bool(inputs[3])
+
+
+def _sparse_table_grad(
+    grad: torch.Tensor, positions: torch.Tensor, num_rows: int, dtype: torch.dtype, pad: Any
+) -> torch.Tensor:
+    """The gradient as a coalesced sparse COO tensor: the rows that got gradient
+    (the padding row never does), each the dense gradient's row."""
+    dense, _, touched = _marked_table_grad(grad, positions, 0, num_rows, dtype, pad)
+    rows = torch.from_numpy(np.flatnonzero(touched).astype(np.int64))
+    values = dense.index_select(0, rows)  # torch's memory, not NumPy's
+    indices = rows.unsqueeze(0)
+    return torch.sparse_coo_tensor(
+        indices, values, (num_rows, grad.shape[-1]), is_coalesced=True, check_invariants=False
+    )
+
+
+def _lookup_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    (positions,) = ctx.saved_tensors
+    g_table = None
+    if ctx.needs_input_grad[0]:
+        if ctx.sparse:
+            g_table = _sparse_table_grad(grad, positions, ctx.num_rows, ctx.dtype, ctx.padding_idx)
+        else:
+            g_table = table_grad(grad, positions, 0, ctx.num_rows, ctx.dtype, ctx.padding_idx)
+    return (g_table,) + (None,) * (ctx.n_inputs - 1)
+
+
+def _add_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    tok, table, positions, offset, padding_idx = inputs
+    ctx.save_for_backward(positions)
+    ctx.tok_dtype, ctx.offset, ctx.padding_idx = tok.dtype, offset, padding_idx
+    ctx.num_rows, ctx.dtype = table.shape[0], table.dtype
+
+
+def _add_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    (positions,) = ctx.saved_tensors
+    g_tok = g_table = None
+    if ctx.needs_input_grad[0]:
+        g_tok = grad.to(ctx.tok_dtype)
+    if ctx.needs_input_grad[1]:
+        g_table = table_grad(grad, positions, ctx.offset, ctx.num_rows, ctx.dtype, ctx.padding_idx)
+    return g_tok, g_table, None, None, None
+
+
+def _embed_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    token_ids, token_table, position_table, positions, offset, padding_idx = inputs
+    ctx.save_for_backward(token_ids, positions)
+    ctx.offset, ctx.padding_idx = offset, padding_idx
+    ctx.vocab_size, ctx.token_dtype = token_table.shape[0], token_table.dtype
+    ctx.max_seq_len, ctx.position_dtype = position_table.shape[0], position_table.dtype
+
+
+def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    token_ids, positions = ctx.saved_tensors
+    need_tok, need_pos = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    g_tok = g_pos = None
+    if need_tok and need_pos:
+        g_tok, g_pos = embed_backward(
+            grad,
+            token_ids,
+            positions,
+            ctx.offset,
+            ctx.vocab_size,
+            ctx.max_seq_len,
+            ctx.token_dtype,
+            ctx.position_dtype,
+            ctx.padding_idx,
+        )
+    elif need_tok:
+        g_tok = table_grad(grad, token_ids, 0, ctx.vocab_size, ctx.token_dtype, ctx.padding_idx)
+    elif need_pos:
+        if positions is None:
+            positions = _default_positions(ctx.offset, tuple(token_ids.shape))
+        g_pos = table_grad(grad, positions, 0, ctx.max_seq_len, ctx.position_dtype, None)
+    return None, g_tok, g_pos, None, None, None
+
+
+def _table_grad_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    grad_output, positions, offset, num_rows, dtype, padding_idx = inputs
+    ctx.save_for_backward(positions)
+    ctx.offset, ctx.padding_idx = offset, padding_idx
+    ctx.shape, ctx.grad_dtype = tuple(grad_output.shape), grad_output.dtype
+    ctx.table = num_rows, dtype
+
+
+def _table_grad_backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:
+    """The gradient of ``table_grad`` with respect to ``grad_output`` (as
+    ``nn.Embedding``'s double backward)."""
+    (positions,) = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None, None
+    if positions is None:
+        positions = _default_positions(ctx.offset, ctx.shape[:-1])
+    g = _looked_up_grad(gg, positions, ctx.padding_idx, ctx.shape, ctx.grad_dtype)
+    return g, None, None, None, None, None
+
+
+def _embed_backward_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    grad_output, token_ids, positions, offset = inputs[:4]
+    ctx.save_for_backward(token_ids, positions)
+    ctx.offset, ctx.padding_idx = offset, inputs[8]
+    ctx.shape, ctx.grad_dtype = tuple(grad_output.shape), grad_output.dtype
+    ctx.tables = inputs[4:8]  # vocab_size, max_seq_len, token_dtype, position_dtype
+
+
+def _embed_backward_backward(ctx: Any, gg_tok: Any, gg_pos: Any) -> tuple[Any, ...]:
+    """The gradient of ``embed_backward`` with respect to ``grad_output``: the
+    sum of each table's term."""
+    token_ids, positions = ctx.saved_tensors
+    none = (None,) * 8
+    if not ctx.needs_input_grad[0]:
+        return (None, *none)
+    if positions is None:
+        positions = _default_positions(ctx.offset, ctx.shape[:-1])
+    terms = tuple(
+        _looked_up_grad(gg, idx, pad, ctx.shape, ctx.grad_dtype)
+        for gg, idx, pad in ((gg_tok, token_ids, ctx.padding_idx), (gg_pos, positions, None))
+        if gg is not None
+    )
+    return (_tangent_sum(terms, ctx.grad_dtype) if terms else None, *none)
+
+
+def _looked_up_grad(
+    gg: torch.Tensor,
+    positions: torch.Tensor,
+    padding_idx: int | None,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``gg`` looked up at ``positions`` (broadcast to ``shape[:-1]``), zero where
+    the position is the padding row: the derivative of a table gradient with
+    respect to the output gradient it was summed from."""
+    positions = positions.expand(shape[:-1])
+    g = lookup(gg, positions).to(dtype)
+    skip = _skip_row(padding_idx, gg.shape[0])
+    if skip >= 0:
+        rows = torch.where(positions < 0, positions + gg.shape[0], positions)
+        g = g.masked_fill((rows == skip).unsqueeze(-1), 0)
+    return g
+
+
+torch.library.register_autograd(
+    "cposembed::lookup", _lookup_backward, setup_context=_lookup_setup, lib=_LIB
+)
+torch.library.register_autograd(
+    "cposembed::add_positions", _add_backward, setup_context=_add_setup, lib=_LIB
+)
+torch.library.register_autograd(
+    "cposembed::embed", _embed_backward_formula, setup_context=_embed_setup, lib=_LIB
+)
+torch.library.register_autograd(
+    "cposembed::table_grad", _table_grad_backward, setup_context=_table_grad_setup, lib=_LIB
+)
+torch.library.register_autograd(
+    "cposembed::embed_backward",
+    _embed_backward_backward,
+    setup_context=_embed_backward_setup,
+    lib=_LIB,
+)
+
+
+# ---- the same formulas as autograd functions (eager mode) -------------------------
+#
+# The operators' own autograd registrations are what torch.compile traces.
+# In eager mode the calls below go through these autograd.Function classes
+# instead, which also work under torch.func transforms (setup_context, vmap
+# through the operators' vmap rules) and forward-mode AD (jvp); Dynamo does
+# not trace a custom jvp, hence the two routes.
+
+
+def _lookup_tangent(table_t: torch.Tensor | None, positions: torch.Tensor) -> Any:
+    return None if table_t is None else lookup(table_t, positions)
+
+
+def _tangent_sum(parts: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The output's tangent: the inputs' tangent terms in the output dtype, added."""
+    terms = [p.to(dtype) for p in parts if p is not None]
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return total
+
+
+class LookupFn(torch.autograd.Function):
+    """``lookup`` with a ``jvp``; ``apply(table, positions, padding_idx, sparse)``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(table: Any, positions: Any, padding_idx: Any, sparse: Any) -> Any:
+        return ops.lookup(table, positions, padding_idx)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _lookup_setup(ctx, inputs, output)
+        ctx.save_for_forward(inputs[1])
+
+    backward = staticmethod(_lookup_backward)
+
+    @staticmethod
+    def jvp(ctx: Any, table_t: Any, *_: Any) -> Any:
+        (positions,) = ctx.saved_tensors
+        return _lookup_tangent(table_t, positions)
+
+
+class AddPositionsFn(torch.autograd.Function):
+    """``add_positions`` with a ``jvp``; the operator's arguments."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(tok: Any, table: Any, positions: Any, offset: Any, padding_idx: Any) -> Any:
+        return ops.add_positions(tok, table, positions, offset, padding_idx)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _add_setup(ctx, inputs, output)
+        tok, positions, offset = inputs[0], inputs[2], inputs[3]
+        if positions is None:
+            positions = _default_positions(offset, tuple(tok.shape[:-1]))
+        ctx.save_for_forward(positions)
+        ctx.out_dtype = output.dtype
+
+    backward = staticmethod(_add_backward)
+
+    @staticmethod
+    def jvp(ctx: Any, tok_t: Any, table_t: Any, *_: Any) -> Any:
+        (positions,) = ctx.saved_tensors
+        return _tangent_sum((tok_t, _lookup_tangent(table_t, positions)), ctx.out_dtype)
+
+
+class EmbedFn(torch.autograd.Function):
+    """``embed`` with a ``jvp``; the operator's arguments."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        token_ids: Any,
+        token_table: Any,
+        position_table: Any,
+        positions: Any,
+        offset: Any,
+        padding_idx: Any,
+    ) -> Any:
+        return ops.embed(token_ids, token_table, position_table, positions, offset, padding_idx)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _embed_setup(ctx, inputs, output)
+        token_ids, positions, offset = inputs[0], inputs[3], inputs[4]
+        if positions is None:
+            positions = _default_positions(offset, tuple(token_ids.shape))
+        ctx.save_for_forward(token_ids, positions)
+        ctx.out_dtype = output.dtype
+
+    backward = staticmethod(_embed_backward_formula)
+
+    @staticmethod
+    def jvp(ctx: Any, _ids_t: Any, token_t: Any, position_t: Any, *_: Any) -> Any:
+        token_ids, positions = ctx.saved_tensors
+        return _tangent_sum(
+            (_lookup_tangent(token_t, token_ids), _lookup_tangent(position_t, positions)),
+            ctx.out_dtype,
+        )
+
+
+class TableGradFn(torch.autograd.Function):
+    """``table_grad`` with a ``jvp`` (it is linear in ``grad_output``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        grad_output: Any, positions: Any, offset: Any, num_rows: Any, dtype: Any, padding_idx: Any
+    ) -> Any:
+        return ops.table_grad(grad_output, positions, offset, num_rows, dtype, padding_idx)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _table_grad_setup(ctx, inputs, output)
+        ctx.save_for_forward(inputs[1])
+
+    backward = staticmethod(_table_grad_backward)
+
+    @staticmethod
+    def jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
+        (positions,) = ctx.saved_tensors
+        return table_grad(grad_output_t, positions, ctx.offset, *ctx.table, ctx.padding_idx)
+
+
+class EmbedBackwardFn(torch.autograd.Function):
+    """``embed_backward`` with a ``jvp``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args: Any) -> Any:
+        return ops.embed_backward(*args)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _embed_backward_setup(ctx, inputs, output)
+        ctx.save_for_forward(inputs[1], inputs[2])
+
+    backward = staticmethod(_embed_backward_backward)
+
+    @staticmethod
+    def jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
+        token_ids, positions = ctx.saved_tensors
+        return embed_backward(
+            grad_output_t, token_ids, positions, ctx.offset, *ctx.tables, ctx.padding_idx
+        )
+
+
+# ---- the calls: autograd functions in eager mode, the operators when compiling ----
+
+
+def lookup(table: Any, positions: Any, padding_idx: int | None = None, sparse: bool = False) -> Any:
+    """``table[positions]``, differentiable (``sparse``: a sparse gradient, eager only)."""
+    if torch.compiler.is_compiling():
+        return ops.lookup(table, positions, padding_idx)
+    return LookupFn.apply(table, positions, padding_idx, sparse)
+
+
+def add_positions(*args: Any) -> Any:
+    """``tok + table[positions]``: the ``add_positions`` operator's arguments."""
+    if torch.compiler.is_compiling():
+        return ops.add_positions(*args)
+    return AddPositionsFn.apply(*args)
+
+
+def embed(*args: Any) -> Any:
+    """``token_table[token_ids] + position_table[positions]``: the ``embed`` operator's arguments."""
+    if torch.compiler.is_compiling():
+        return ops.embed(*args)
+    return EmbedFn.apply(*args)
+
+
+def table_grad(*args: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return ops.table_grad(*args)
+    return TableGradFn.apply(*args)
+
+
+def embed_backward(*args: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return ops.embed_backward(*args)
+    return EmbedBackwardFn.apply(*args)
