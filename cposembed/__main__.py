@@ -124,5 +124,26 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+def _run_script() -> int:
+    """``main()`` for ``python -m cposembed``, ending quietly when the reader of
+    its output goes away (``python -m cposembed info | head -1``)."""
+    try:
+        status = main()
+        sys.stdout.flush()  # the last output, here rather than at exit
+    except BrokenPipeError:
+        # The Python docs' recipe (signal module, "Note on SIGPIPE"): point
+        # stdout at devnull, so the interpreter's flush at exit does not raise
+        # again, and exit 1. The same for stderr, where the progress goes and
+        # which may be the same pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (OSError, ValueError):
+                pass  # not a real file (replaced by the caller): nothing to flush
+        return 1
+    return status
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run_script())

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import assert_clean_exit, run_python
+from helpers import PACKAGE_ROOT, assert_clean_exit, run_python
 
 import cposembed
 from cposembed import __main__ as cli
@@ -190,3 +190,42 @@ def test_bench_threads_beyond_the_cap_is_capped_as_num_threads_is(tmp_path):
     assert_clean_exit(proc)
     assert json.loads((tmp_path / "b.json").read_text())["machine"]["threads"] == cap
     assert f"capped at {cap}" in proc.stderr
+
+
+# -- output into a closed pipe (`python -m cposembed info | head -1`) ---------------
+def run_into_a_closed_pipe(args, cwd):
+    """``python -m cposembed *args`` with stdout a pipe whose reader is gone."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "cposembed", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT),
+            cwd=cwd,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["info"],
+        ["demo"],
+        ["train", "--steps", "2", "--max-seq-len", "8", "--embed-dim", "4", "--no-progress"],
+        ["bench", "--quick", "--no-torch", "--repeats", "1", "--only", "tiny"],
+    ],
+    ids=["help", "info", "demo", "train", "bench"],
+)
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, args):
+    proc = run_into_a_closed_pipe(args, cwd=str(tmp_path))
+    # 1 as in the Python docs' recipe; argparse itself ignores a failed write of the help
+    assert proc.returncode == (0 if args == [] else 1), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    if args[:1] != ["bench"]:  # the bench's progress goes to stderr
+        assert proc.stderr == ""
