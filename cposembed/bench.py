@@ -987,8 +987,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.threads = _threads.effective_num_threads(requested, sys.maxsize, sys.maxsize)
         if args.threads < requested:
             _progress(
-                f"--threads {requested}: capped at {args.threads}, as num_threads= is "
-                "for the CPUs this process may run on"
+                f"--threads {requested}: capped at {args.threads}, the most that "
+                "num_threads= runs on here"
             )
     for name, vals in (("--table", args.table), ("--batch", args.batch)):
         if min(vals) < 1:

@@ -299,6 +299,13 @@ def run(args: Any) -> int:
     if not np.isfinite(args.lr):
         print("error: --lr must be a finite number", file=sys.stderr)
         return 2
+    plots = _matplotlib_available()
+    # The output paths are checked before the training: a path that cannot
+    # be written would otherwise lose the trained table at the end.
+    problem = _output_problem(args.out if plots else None, args.save)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     sigma = max(1.0, args.max_seq_len / 16)
     print(
         "task: predict each token's position from token + position embeddings "
@@ -308,13 +315,6 @@ def run(args: Any) -> int:
         f"table: {args.max_seq_len} positions x {args.embed_dim} dimensions; "
         f"{args.steps} steps of {args.batch_size} sequences, SGD lr {args.lr:g}, seed {args.seed}"
     )
-    plots = _matplotlib_available()
-    # The output paths are checked before the training: a path that cannot
-    # be written would otherwise lose the trained table at the end.
-    problem = _output_problem(args.out if plots else None, args.save)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     result = train(
         steps=args.steps,
         max_seq_len=args.max_seq_len,
