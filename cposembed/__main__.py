@@ -8,11 +8,19 @@ import sys
 
 import numpy as np
 
+from . import _state
+
 
 def demo(args: argparse.Namespace) -> int:
     """The handbook's example (its In[4]/Out[5]), on the package's class."""
     from . import LearnedPositionEmbedding
 
+    heatmap_path = _demo_heatmap_path()
+    if heatmap_path is not None:
+        problem = _state.output_problem(heatmap_path, "the heatmap")
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     max_seq_len = 128
     embed_dim = 64
     pos_embed = LearnedPositionEmbedding(max_seq_len, embed_dim, seed=42)
@@ -26,24 +34,33 @@ def demo(args: argparse.Namespace) -> int:
     print("Sample position embeddings (first 5 dimensions):")
     for i in range(5):
         print(f"  Position {i}: {np.round(pos_vectors[i, :5], 3)} ...")
-    _demo_heatmap(pos_embed)
+    if heatmap_path is None:
+        return 0
+    # The handbook's Out[6].
+    from .plot import heatmap
+
+    try:
+        heatmap(pos_embed, heatmap_path, title="Random position embeddings at initialization")
+    except OSError as exc:
+        print(f"error: could not write the heatmap: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote heatmap to {heatmap_path}")
     return 0
 
 
 DEMO_HEATMAP = "position_embeddings_heatmap.png"
 
 
-def _demo_heatmap(pos_embed: object) -> None:
-    # The handbook's Out[6]; only when matplotlib is there (an optional extra).
+def _demo_heatmap_path() -> str | None:
+    """Where the demo writes its heatmap; None without matplotlib (an optional extra)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return
-    from .plot import heatmap
-
-    path = os.path.abspath(DEMO_HEATMAP)
-    heatmap(pos_embed, path, title="Random position embeddings at initialization")
-    print(f"wrote heatmap to {path}")
+        return None
+    try:
+        return os.path.abspath(DEMO_HEATMAP)
+    except OSError:  # the current folder was removed: the check says so
+        return DEMO_HEATMAP
 
 
 def train(args: argparse.Namespace) -> int:
@@ -107,5 +124,26 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+def _run_script() -> int:
+    """``main()`` for ``python -m cposembed``, ending quietly when the reader of
+    its output goes away (``python -m cposembed info | head -1``)."""
+    try:
+        status = main()
+        sys.stdout.flush()  # the last output, here rather than at exit
+    except BrokenPipeError:
+        # The Python docs' recipe (signal module, "Note on SIGPIPE"): point
+        # stdout at devnull, so the interpreter's flush at exit does not raise
+        # again, and exit 1. The same for stderr, where the progress goes and
+        # which may be the same pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (OSError, ValueError):
+                pass  # not a real file (replaced by the caller): nothing to flush
+        return 1
+    return status
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run_script())

@@ -1,4 +1,5 @@
-"""Checks for what pickle and ``load()`` hand back, before it becomes an instance.
+"""Checks for what pickle and ``load()`` hand back, before it becomes an instance;
+and the one way the package writes a file (``save()``, the command line's files).
 
 A pickled state and a saved ``.npz`` file are bytes from outside: the
 kernels trust the table, the gradient and the touched-rows mask they are
@@ -7,15 +8,25 @@ is checked (type, dtype, shape, range) and converted to the layout the class
 keeps: native byte order, C-contiguous, aligned, writable. Every refusal is a
 ``ValueError`` that names the field (or the file) and says what was expected
 and what came.
+
+Files are written through :func:`atomic_write`: into a temporary file beside
+the target that replaces it only once it is complete, so a write that fails
+part way (a full disk, a quota, an interrupt) leaves the previous file as it
+was. :func:`output_problem` checks a path before long work that ends in a write.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
+import os
+import stat
 import struct
 import zipfile
 import zlib
-from typing import IO, Any, NamedTuple
+from collections.abc import Iterator
+from typing import IO, Any, NamedTuple, Union
 
 import numpy as np
 
@@ -42,6 +53,9 @@ _CORRUPT = (
     TypeError,
     MemoryError,
 )
+
+
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
 
 class State(NamedTuple):
@@ -287,3 +301,163 @@ def _from_archive(
             f"rows; got {stored}"
         )
     return tables, None if stored == -1 else stored
+
+
+# -- writing files -----------------------------------------------------------------
+# Tries at a fresh temporary name before giving up (each name has 64 random bits).
+_TEMP_TRIES = 100
+
+
+def _file_name(path: PathLike) -> str:
+    return os.fsdecode(os.fspath(path))
+
+
+def _target(name: str) -> str:
+    # A symbolic link is written through, as open() writes through it: the
+    # file it points to is replaced, the link stays.
+    return os.path.realpath(name) if os.path.islink(name) else name
+
+
+def _create_beside(target: str) -> tuple[int, str]:
+    """A new empty file in ``target``'s folder, open for writing: (descriptor, name).
+
+    Created with mode 0o666 less the umask, as ``open(target, "wb")`` creates
+    a new file (``tempfile.mkstemp`` would give 0o600).
+    """
+    folder, base = os.path.split(target)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(_TEMP_TRIES):
+        temp = os.path.join(folder, f".{base}.{os.urandom(8).hex()}.tmp")
+        try:
+            return os.open(temp, flags, 0o666), temp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary file name", os.path.join(folder, base))
+
+
+def _remove(temp: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(temp)
+
+
+def _naming(exc: OSError, name: str) -> OSError:
+    """``exc`` as the same kind of OSError, with the file the caller asked for."""
+    if exc.errno is None:
+        return OSError(f"cannot write {name!r}: {exc}")
+    # OSError(errno, strerror, filename) picks the subclass for the errno
+    # (PermissionError, ...) and prints as "[Errno 28] No space left on device: 'name'".
+    return OSError(exc.errno, exc.strerror, name)
+
+
+@contextlib.contextmanager
+def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
+    """A binary file whose contents become ``path`` when the block completes.
+
+    The block writes into a temporary file in ``path``'s folder, which then
+    replaces ``path`` (``os.replace``, atomic on POSIX and Windows) after its
+    bytes reached the disk. On any error, in the block or in the write, the
+    temporary file is removed and ``path`` is left as it was; an ``OSError``
+    is raised again naming ``path``, of the same kind (``PermissionError``,
+    ...). An existing file keeps its permission bits, a new one gets 0o666
+    less the umask, as with ``open(path, "wb")``. A path that is not a
+    regular file (``/dev/null``, a pipe) is written in place, as ``open``
+    would, since it cannot be replaced.
+    """
+    name = _file_name(path)
+    target = _target(name)
+    try:
+        st: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise _naming(exc, name) from exc
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        try:
+            f = open(target, "wb")
+        except OSError as exc:
+            raise _naming(exc, name) from exc
+        with f:
+            yield f
+        return
+    try:
+        fd, temp = _create_beside(target)
+    except OSError as exc:
+        raise _naming(exc, name) from exc
+    try:
+        try:
+            if st is not None:
+                os.chmod(temp, stat.S_IMODE(st.st_mode) & 0o777)
+            f = os.fdopen(fd, "wb")
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, target)
+    except OSError as exc:
+        _remove(temp)
+        raise _naming(exc, name) from exc
+    except BaseException:
+        _remove(temp)
+        raise
+
+
+def output_problem(path: PathLike, what: str) -> str | None:
+    """Why a file cannot be written at ``path``, or None if it can.
+
+    A check before long work: ``path`` must not be a directory, and a new
+    file must be creatable in its folder (tried, then removed). ``what``
+    names the path in the message (``"--save"``).
+    """
+    name = _file_name(path)
+    if not name:
+        return f"{what}: expected a file name; got an empty path"
+    target = _target(name)
+    if os.path.isdir(target):
+        return f"{what} {name!r} is a directory; expected a file name"
+    if os.path.exists(target) and not os.path.isfile(target):
+        return None  # a device or a pipe: written in place
+    try:
+        folder = os.path.dirname(os.path.abspath(target))
+    except OSError as exc:  # no current folder (it was removed)
+        return f"{what} {name!r}: {exc.strerror or exc}"
+    if not os.path.isdir(folder):
+        missing = "is not a folder" if os.path.exists(folder) else "does not exist"
+        return f"{what} {name!r}: the folder {folder!r} {missing}"
+    try:
+        fd, temp = _create_beside(target)
+    except OSError as exc:
+        return f"{what} {name!r}: cannot create a file in {folder!r} ({exc.strerror or exc})"
+    os.close(fd)
+    _remove(temp)
+    return None
+
+
+def folder_problem(path: PathLike, what: str) -> str | None:
+    """Why files cannot be written into the folder ``path``, or None if they can.
+
+    A missing folder is fine if it can be created: its nearest existing
+    parent must be a folder in which a file can be created.
+    """
+    name = _file_name(path)
+    if not name:
+        return f"{what}: expected a folder; got an empty path"
+    try:
+        existing = os.path.abspath(name)
+    except OSError as exc:  # no current folder (it was removed)
+        return f"{what} {name!r}: {exc.strerror or exc}"
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{what} {name!r}: {existing!r} is not a folder"
+    try:
+        fd, temp = _create_beside(os.path.join(existing, "check"))
+    except OSError as exc:
+        return f"{what} {name!r}: cannot create a file in {existing!r} ({exc.strerror or exc})"
+    os.close(fd)
+    _remove(temp)
+    return None

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _membench, _threads
+from . import _membench, _state, _threads
 from .embedding import LearnedPositionEmbedding
 from .functional import add_positions, lookup, scatter_add
 from .layer import embed, embed_backward
@@ -1014,19 +1014,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.table = args.table or [2048, 768]
     args.batch = args.batch or [32, 1024]
     args.repeats = args.repeats or 21
-    args.threads = args.threads or _threads.get_num_threads()
+    if args.threads is None:
+        args.threads = _threads.get_num_threads()
+    else:
+        # num_threads='s rules: the same check and the same cap as every call's.
+        try:
+            requested = _threads.check_num_threads(args.threads)
+        except ValueError as exc:
+            p.error(f"--threads: {exc}")
+        args.threads = _threads.effective_num_threads(requested, sys.maxsize, sys.maxsize)
+        if args.threads < requested:
+            _progress(
+                f"--threads {requested}: capped at {args.threads}, the most that "
+                "num_threads= runs on here"
+            )
     for name, vals in (("--table", args.table), ("--batch", args.batch)):
         if min(vals) < 1:
             p.error(f"{name} sizes must be positive; got {vals}")
     if args.table[0] < args.batch[1]:
         p.error(f"--table L ({args.table[0]}) must be >= T ({args.batch[1]})")
-    if args.repeats < 1 or args.threads < 1 or args.vocab < 1:
-        p.error("--repeats, --threads and --vocab must be positive")
+    if args.repeats < 1 or args.vocab < 1:
+        p.error("--repeats and --vocab must be positive")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    for option, path in (("--json", args.json), ("--markdown", args.markdown)):
+        problem = path and _state.output_problem(path, option)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     torch = _try_torch(not args.no_torch, args.threads)
     info = machine_info(args, torch)
     _progress(
@@ -1068,14 +1086,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = report(done, judge=not args.quick)
     bad = _mismatched(rows)
+    outputs = []
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "results": rows}, f, indent=1)
-        _progress(f"wrote {args.json}")
+        outputs.append((args.json, json.dumps({"machine": info, "results": rows}, indent=1)))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown(rows, info))
-        _progress(f"wrote {args.markdown}")
+        outputs.append((args.markdown, markdown(rows, info)))
+    for path, text in outputs:
+        try:
+            with _state.atomic_write(path) as f:
+                f.write(text.encode())
+        except OSError as exc:
+            print(f"error: could not write {path}: {exc}", file=sys.stderr)
+            return 1
+        _progress(f"wrote {path}")
     print(summary(rows, judged=not args.quick))
     if bad:
         print(f"{len(bad)} output check(s) failed", file=sys.stderr)

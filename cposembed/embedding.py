@@ -473,6 +473,11 @@ class LearnedPositionEmbedding(_core.TableCall):
         ``padding_idx`` and a format version. The gradient is not stored: a
         saved table is a checkpoint of the parameters, like a torch
         ``state_dict`` (pickle keeps :attr:`grad`).
+
+        A file name is written atomically: into a temporary file in the same
+        folder that replaces ``path`` once complete, so a save that fails
+        part way (a full disk, say) leaves the previous file intact and no
+        temporary file behind; the ``OSError`` names ``path``.
         """
         arrays: dict[str, Any] = {
             "kind": np.array(_SAVE_KIND),
@@ -488,7 +493,7 @@ class LearnedPositionEmbedding(_core.TableCall):
             return
         # np.savez appends ".npz" to a file name without it; a file object
         # makes it write exactly the name given.
-        with open(os.fspath(path), "wb") as f:
+        with _state.atomic_write(path) as f:
             np.savez(f, **arrays)
 
     @classmethod

@@ -316,6 +316,11 @@ def _embed_backward_normalised(
         pos, off = _id_positions(ids, positions, offset, gp.shape[0])
     else:
         pos, off = None, v.as_offset(offset)  # checked; no position table to index
+    # Both gradients come from grad_output as given, as np.add.at on copies
+    # gives them: one that shares memory with a table is copied before the
+    # first write. (The ids and positions are arrays this call owns.)
+    if any(v.overlaps(g, table) for table in tables):
+        g = g.copy()
     same = (
         gt is not None
         and gp is not None
@@ -339,8 +344,6 @@ def _embed_backward_normalised(
     assert gt is not None and gp is not None
     native = v.native_dtype(gt.dtype)
     g_c = v.plain_copy(g, native)
-    if v.overlaps(g_c, gt) or v.overlaps(g_c, gp):
-        g_c = g_c.copy()
     works = []
     for table in (gt, gp):
         base = _base(table)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _state
 from . import _validation as v
 
 __all__ = ["adjacent_similarity", "cosine_similarity", "heatmap", "similarity"]
@@ -77,8 +78,10 @@ def adjacent_similarity(pe_or_table: Any) -> float:
 
 def _finish(fig: Any, path: Any, dpi: int) -> Any:
     if path is not None:
-        # format="png" so the file is exactly `path`, whatever its suffix.
-        fig.savefig(os.fspath(path), format="png", dpi=dpi)
+        # Into a file object with format="png", so the file is exactly `path`
+        # whatever its suffix; atomic, so a failed write leaves no half PNG.
+        with _state.atomic_write(path) as f:
+            fig.savefig(f, format="png", dpi=dpi)
     return fig
 
 
@@ -96,7 +99,8 @@ def heatmap(
     ----------
     pe_or_table : LearnedPositionEmbedding or array_like of shape (L, d)
     path : str or path-like, optional
-        Where to write a PNG (exactly this file name).
+        Where to write a PNG (exactly this file name, written atomically:
+        a failed write leaves an existing file as it was).
     title : str, optional
         Defaults to a description of the table's size.
     cmap : str, default "RdBu_r"

@@ -315,7 +315,8 @@ class TokenPositionEmbedding:
         Parameters
         ----------
         path : str, path-like or binary file
-            Exactly this file name (no ``.npz`` suffix is appended), or an
+            Exactly this file name (no ``.npz`` suffix is appended), written
+            atomically as by :meth:`LearnedPositionEmbedding.save`, or an
             open binary file. The gradients are not stored (pickle keeps them).
         """
         arrays: dict[str, Any] = {
@@ -331,7 +332,8 @@ class TokenPositionEmbedding:
         if not isinstance(path, (str, bytes, os.PathLike)):
             np.savez(path, **arrays)
             return
-        with open(os.fspath(path), "wb") as f:
+        # Into a file object: np.savez would append ".npz" to a name without it.
+        with _state.atomic_write(path) as f:
             np.savez(f, **arrays)
 
     @classmethod

@@ -35,6 +35,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from . import _state
 from .embedding import LearnedPositionEmbedding
 from .functional import scatter_add
 from .plot import adjacent_similarity
@@ -298,6 +299,13 @@ def run(args: Any) -> int:
     if not np.isfinite(args.lr):
         print("error: --lr must be a finite number", file=sys.stderr)
         return 2
+    plots = _matplotlib_available()
+    # The output paths are checked before the training: a path that cannot
+    # be written would otherwise lose the trained table at the end.
+    problem = _output_problem(args.out if plots else None, args.save)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     sigma = max(1.0, args.max_seq_len / 16)
     print(
         "task: predict each token's position from token + position embeddings "
@@ -307,7 +315,6 @@ def run(args: Any) -> int:
         f"table: {args.max_seq_len} positions x {args.embed_dim} dimensions; "
         f"{args.steps} steps of {args.batch_size} sequences, SGD lr {args.lr:g}, seed {args.seed}"
     )
-    plots = _matplotlib_available()
     result = train(
         steps=args.steps,
         max_seq_len=args.max_seq_len,
@@ -328,17 +335,35 @@ def run(args: Any) -> int:
         f"mean cosine similarity of adjacent positions: "
         f"before {result.similarity_before:.3f}, after {result.similarity_after:.3f}"
     )
+    status = 0
     if plots:
         try:
             result.pictures = write_pictures(before_table, result.pe.embeddings, args.out)
         except OSError as exc:
             print(f"error: could not write the pictures to {args.out}: {exc}", file=sys.stderr)
-            return 1
+            status = 1  # the table is still saved
         for path in result.pictures:
             print(f"wrote {path}")
     else:
         print("matplotlib is not installed: skipped the pictures (pip install cposembed[plot])")
     if args.save:
-        result.pe.save(args.save)
+        try:
+            result.pe.save(args.save)
+        except OSError as exc:
+            print(f"error: could not save the trained table: {exc}", file=sys.stderr)
+            return 1
         print(f"saved the trained table to {args.save}")
-    return 0
+    return status
+
+
+def _output_problem(out: str | None, save: str | None) -> str | None:
+    """What keeps ``train`` from writing its pictures into ``out`` and the table
+    to ``save`` (None for either: not written), or None."""
+    problems = []
+    if out is not None:
+        problems.append(_state.folder_problem(out, "--out"))
+        if os.path.isdir(out):  # else created, empty
+            problems += [_state.output_problem(os.path.join(out, n), "--out") for n in PICTURES]
+    if save:
+        problems.append(_state.output_problem(save, "--save"))
+    return next((p for p in problems if p), None)

@@ -5,10 +5,13 @@
 # vectorised read-only sum. An op's time divided by the matching probe's is
 # how far it sits from the memory system's limit. Each thread takes one
 # contiguous block, as the kernels do; blocks start on 64-byte boundaries.
+# Sizes and thread counts are checked as the public entries check theirs.
 
 from cython.parallel cimport prange
 
 from _openmp cimport omp_get_max_threads
+
+from cposembed._core import team
 
 cdef extern from "_stream.h" nogil:
     int cpe_have_stream()
@@ -25,63 +28,78 @@ cdef inline Py_ssize_t _lo(Py_ssize_t n, int t, int n_threads) noexcept nogil:
     return ((n * t) // n_threads) & ~(<Py_ssize_t>15)
 
 
+cdef int _threads(object n_threads, Py_ssize_t n) except 0:
+    # The thread count the kernels' rule gives for n floats (_core.team: an
+    # explicit count capped as num_threads= is, small work on one thread);
+    # ValueError for anything but an integer >= 1.
+    cdef int nt = 0 if n_threads is None else team(n_threads, n, max(1, n // 16))
+    if nt < 1:
+        raise ValueError(f"n_threads must be a positive integer; got {n_threads!r}")
+    return nt
+
+
 def streaming_available():
     """True if the probes use non-temporal stores (x86-64 SSE2)."""
     return bool(cpe_have_stream())
 
 
-def fill(float[::1] out, int n_threads, bint stream=True):  # OUT
+def fill(float[::1] out, n_threads, bint stream=True):  # OUT
     """out[:] = 1.0, with streaming stores unless stream=False."""
     cdef Py_ssize_t n = out.shape[0]
     cdef int t
+    cdef int nt = _threads(n_threads, n)
     if n == 0:
         return
     cdef float* p = &out[0]
     with nogil:
-        if n_threads <= 1:
+        if nt <= 1:
             cpe_fill_f32(p, n, 1.0, stream)
             cpe_sfence()
         else:
-            for t in prange(n_threads, schedule="static", num_threads=n_threads):
-                cpe_fill_f32(p + _lo(n, t, n_threads),
-                             _lo(n, t + 1, n_threads) - _lo(n, t, n_threads), 1.0, stream)
+            for t in prange(nt, schedule="static", num_threads=nt):
+                cpe_fill_f32(p + _lo(n, t, nt),
+                             _lo(n, t + 1, nt) - _lo(n, t, nt), 1.0, stream)
                 cpe_sfence()
 
 
-def copy(float[::1] dst, const float[::1] src, int n_threads, bint stream=True):
+def copy(float[::1] dst, const float[::1] src, n_threads, bint stream=True):
     """dst[:] = src[:] (same length), with streaming stores unless stream=False."""
     cdef Py_ssize_t n = dst.shape[0]
     cdef int t
+    if src.shape[0] != n:
+        raise ValueError(f"src must have dst's length {n}; got length {src.shape[0]}")
+    cdef int nt = _threads(n_threads, n)
     if n == 0:
         return
     cdef float* dp = &dst[0]
     cdef const float* sp = &src[0]
     with nogil:
-        if n_threads <= 1:
+        if nt <= 1:
             cpe_copy_f32(dp, sp, n, stream)
             cpe_sfence()
         else:
-            for t in prange(n_threads, schedule="static", num_threads=n_threads):
-                cpe_copy_f32(dp + _lo(n, t, n_threads), sp + _lo(n, t, n_threads),
-                             _lo(n, t + 1, n_threads) - _lo(n, t, n_threads), stream)
+            for t in prange(nt, schedule="static", num_threads=nt):
+                cpe_copy_f32(dp + _lo(n, t, nt), sp + _lo(n, t, nt),
+                             _lo(n, t + 1, nt) - _lo(n, t, nt), stream)
                 cpe_sfence()
 
 
-def read_sum(const float[::1] src, int n_threads):  # IN
+def read_sum(const float[::1] src, n_threads):  # IN
     """Sum of src (in no particular order): reads every byte once."""
     cdef Py_ssize_t n = src.shape[0]
     cdef int t
     cdef double total = 0.0
+    cdef int nt = _threads(n_threads, n)
     if n == 0:
         return 0.0
     cdef const float* p = &src[0]
     with nogil:
-        if n_threads <= 1:
+        if nt <= 1:
             total = cpe_read_sum_f32(p, n)
         else:
-            for t in prange(n_threads, schedule="static", num_threads=n_threads):
-                total += cpe_read_sum_f32(p + _lo(n, t, n_threads),
-                                          _lo(n, t + 1, n_threads) - _lo(n, t, n_threads))
+            for t in prange(nt, schedule="static", num_threads=nt):
+                total += cpe_read_sum_f32(p + _lo(n, t, nt),
+                                          _lo(n, t + 1, nt) - _lo(n, t, nt))
     return total
 
 

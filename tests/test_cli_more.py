@@ -6,12 +6,15 @@ import json
 import os
 import re
 import subprocess
+import sys
 
+import numpy as np
 import pytest
-from helpers import run_python
+from helpers import PACKAGE_ROOT, assert_clean_exit, run_python
 
+import cposembed
 from cposembed import __main__ as cli
-from cposembed import bench
+from cposembed import _threads, bench
 
 SUBCOMMANDS = ("demo", "info", "bench", "train")
 QUICK_SUMMARY = "summary: quick run, targets not judged; 0 check mismatches"
@@ -151,7 +154,9 @@ def test_every_target_names_a_comparison_that_exists(tmp_path):
 def test_group_names_are_what_only_accepts():
     args = bench.parse_args(["--quick", "--no-torch", "--threads", "2"])
     names = [name for name, _ in bench.build_groups(args, None)]
-    assert names == list(bench.GROUP_NAMES)
+    if not cposembed.openmp_enabled():  # --threads 2 runs on one, as num_threads=2 does
+        names += [n for n in bench.GROUP_NAMES if n.startswith("threads_")]
+    assert sorted(names) == sorted(bench.GROUP_NAMES)
     one = bench.parse_args(["--quick", "--no-torch", "--threads", "1"])
     assert [n for n, _ in bench.build_groups(one, None)] == [
         n for n in bench.GROUP_NAMES if not n.startswith("threads_")
@@ -162,3 +167,65 @@ def test_only_with_an_unknown_name_lists_the_known_ones(capsys):
     assert bench.main(["--quick", "--no-torch", "--only", "nope"]) == 2
     err = capsys.readouterr().err
     assert "nope" in err and "backward_vs_scatter" in err and "decode_batched" in err
+
+
+# -- bench --threads: num_threads='s rules -------------------------------------------
+@pytest.mark.parametrize("value", [0, -3])
+def test_bench_threads_is_checked_as_num_threads_is(value):
+    with pytest.raises(ValueError) as info:
+        cposembed.lookup(np.zeros((4, 2), np.float32), [0], num_threads=value)
+    proc = run_module("bench", "--quick", "--no-torch", "--threads", str(value))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert f"--threads: {info.value}" in proc.stderr, proc.stderr
+
+
+def test_bench_threads_beyond_the_cap_is_capped_as_num_threads_is(tmp_path):
+    # torch.set_num_threads(100000) segfaults: the bench hands torch the capped count.
+    cap = _threads.effective_num_threads(100000, sys.maxsize, sys.maxsize)
+    proc = run_module(
+        "bench", "--quick", "--repeats", "1", "--only", "tiny", "--threads", "100000",
+        "--json", str(tmp_path / "b.json"),
+    )  # fmt: skip
+    assert_clean_exit(proc)
+    assert json.loads((tmp_path / "b.json").read_text())["machine"]["threads"] == cap
+    assert f"capped at {cap}" in proc.stderr
+
+
+# -- output into a closed pipe (`python -m cposembed info | head -1`) ---------------
+def run_into_a_closed_pipe(args, cwd):
+    """``python -m cposembed *args`` with stdout a pipe whose reader is gone."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "cposembed", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT),
+            cwd=cwd,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["info"],
+        ["demo"],
+        ["train", "--steps", "2", "--max-seq-len", "8", "--embed-dim", "4", "--no-progress"],
+        ["bench", "--quick", "--no-torch", "--repeats", "1", "--only", "tiny"],
+    ],
+    ids=["help", "info", "demo", "train", "bench"],
+)
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, args):
+    proc = run_into_a_closed_pipe(args, cwd=str(tmp_path))
+    # 1 as in the Python docs' recipe; argparse itself ignores a failed write of the help
+    assert proc.returncode == (0 if args == [] else 1), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    if args[:1] != ["bench"]:  # the bench's progress goes to stderr
+        assert proc.stderr == ""

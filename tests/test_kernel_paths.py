@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import INDEX_DTYPES, bits, reference_scatter, tuned
+from helpers import INDEX_DTYPES, assert_clean_exit, bits, reference_scatter, run_python, tuned
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -671,14 +671,61 @@ def test_reuse_can_be_turned_off_by_environment():
 def test_membench_probes(threads, n, stream):
     src = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     dst = _unaligned((n,), np.float32, 4)
-    _membench.fill(dst, threads, stream)
-    assert np.all(dst == 1.0)
-    _membench.copy(dst, src, threads, stream)
-    assert np.array_equal(dst, src)
-    assert _membench.read_sum(src, threads) == pytest.approx(
-        float(src.sum(dtype=np.float64)), rel=1e-4, abs=1e-3
-    )
+    with tuned(serial_below=1):  # small work on `threads` threads too
+        _membench.fill(dst, threads, stream)
+        assert np.all(dst == 1.0)
+        _membench.copy(dst, src, threads, stream)
+        assert np.array_equal(dst, src)
+        assert _membench.read_sum(src, threads) == pytest.approx(
+            float(src.sum(dtype=np.float64)), rel=1e-4, abs=1e-3
+        )
     assert _membench.max_threads() >= 1
+
+
+def test_membench_copy_refuses_a_src_of_another_length():
+    # A shorter src was read past its end (a segfault for a large dst).
+    code = (
+        "import numpy as np\n"
+        "from cposembed import _membench\n"
+        "dst = np.zeros(1 << 24, np.float32)\n"
+        "for src in (np.ones(16, np.float32), np.ones((1 << 24) + 1, np.float32)):\n"
+        "    try:\n"
+        "        _membench.copy(dst, src, 1)\n"
+        "    except ValueError as exc:\n"
+        "        print(exc)\n"
+        "assert not dst.any()\n"
+    )
+    proc = run_python(["-c", code])
+    assert_clean_exit(proc)
+    assert proc.stdout.splitlines() == [
+        f"src must have dst's length {1 << 24}; got length 16",
+        f"src must have dst's length {1 << 24}; got length {(1 << 24) + 1}",
+    ]
+
+
+@pytest.mark.parametrize("probe", ["fill", "copy", "read_sum"])
+@pytest.mark.parametrize("n_threads", [0, -1, None, True, 2.0, "2"])
+def test_membench_probes_refuse_what_num_threads_refuses(probe, n_threads):
+    buf = np.zeros(1 << 17, np.float32)
+    args = {"fill": (buf,), "copy": (buf, buf.copy()), "read_sum": (buf,)}[probe]
+    with pytest.raises(
+        ValueError, match=f"n_threads must be a positive integer; got {n_threads!r}"
+    ):
+        getattr(_membench, probe)(*args, n_threads)
+
+
+def test_membench_probes_cap_the_thread_count_as_num_threads_does():
+    # Handed to OpenMP unchecked, a million threads end the process.
+    code = (
+        "import numpy as np\n"
+        "from cposembed import _membench\n"
+        "src = np.ones(1 << 20, np.float32); dst = np.zeros_like(src)\n"
+        "_membench.fill(dst, 10**6); _membench.copy(dst, src, 10**6)\n"
+        "print(_membench.read_sum(dst, 10**30))\n"
+    )
+    proc = run_python(["-c", code], timeout=60)
+    assert_clean_exit(proc)
+    assert float(proc.stdout) == 1 << 20
 
 
 def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
