@@ -57,6 +57,63 @@ def test_api_reference_documents_every_public_name(check_docs):
     check_docs.check_api_reference()
 
 
+def test_autodoc_entries_are_read_with_their_module_and_class(check_docs):
+    text = (
+        ".. currentmodule:: cposembed\n\n"
+        ".. autoclass:: LearnedPositionEmbedding\n\n"
+        "   .. automethod:: __call__(positions, *, out=None)\n"
+        "   .. autoproperty:: embeddings\n\n"
+        ".. autofunction:: lookup\n\n"
+        ".. currentmodule:: cposembed.torch\n\n"
+        ".. autoclass:: TokenPositionEmbedding\n"
+    )
+    assert check_docs.autodoc_entries(text) == {
+        "cposembed.LearnedPositionEmbedding",
+        "cposembed.LearnedPositionEmbedding.__call__",
+        "cposembed.LearnedPositionEmbedding.embeddings",
+        "cposembed.lookup",
+        "cposembed.torch.TokenPositionEmbedding",
+    }
+
+
+def test_a_name_missing_from_the_api_reference_is_reported(check_docs):
+    text = (ROOT / "docs" / "api.rst").read_text(encoding="utf-8")
+    names = {**check_docs.public_api(), **check_docs.torch_api()}
+    assert check_docs.missing_from_reference(text, names) == []
+    # Drop an entry, or add a public name that has none: the check names it.
+    without = text.replace(".. autofunction:: scatter_add\n", "")
+    assert check_docs.missing_from_reference(without, names) == ["cposembed.scatter_add"]
+    new = {**names, "cposembed.torch.convert_embeddings": object()}
+    assert check_docs.missing_from_reference(text, new) == ["cposembed.torch.convert_embeddings"]
+    # The NumPy class's entry does not count for the torch class of the same name.
+    torch_class = {"cposembed.torch.TokenPositionEmbedding": object()}
+    rst = ".. currentmodule:: cposembed\n\n.. autoclass:: TokenPositionEmbedding\n"
+    assert check_docs.missing_from_reference(rst, torch_class) == list(torch_class)
+
+
+def test_the_api_reference_covers_cposembed_torch_when_torch_is_there(check_docs):
+    pytest.importorskip("torch")
+    import cposembed.torch as ct
+
+    names = check_docs.torch_api()
+    assert set(names) == {f"cposembed.torch.{n}" for n in ct.__all__}
+    documented = check_docs.autodoc_entries((ROOT / "docs" / "api.rst").read_text("utf-8"))
+    assert set(names) <= documented
+
+
+def test_code_lines_of_the_docs_fit_the_column(check_docs, tmp_path):
+    check_docs.check_code_line_length()
+    page = tmp_path / "page.md"
+    page.write_text("```text\n" + "x" * 89 + "\nshort\n```\n", encoding="utf-8")
+    assert check_docs.long_code_lines([page]) == ["page.md:2: 89 characters"]
+    page.write_text("```text\n" + "x" * 88 + "\n```\n", encoding="utf-8")
+    assert check_docs.long_code_lines([page]) == []
+
+
+def test_readme_performance_table_is_made_from_the_bench_runs(check_docs):
+    check_docs.check_performance_table()
+
+
 def test_undocumented_names_are_reported(check_docs):
     missing = check_docs.undocumented("LearnedPositionEmbedding lookup pe(0)")
     assert "cposembed.scatter_add" in missing
