@@ -822,16 +822,15 @@ def _judge(group: Group, ratio: float, target: float) -> tuple[bool, str]:
 
 
 def report(
-    groups: list[Group], file: Any = None, judge: bool = True, skipped: str = ""
+    groups: list[Group], file: Any = None, judge: bool = True, why_no_peer: str = ""
 ) -> list[dict[str, Any]]:
     """Print the table; ``judge=False`` (a --quick run) shows targets without verdicts.
 
     A row's ``met`` is True/False when its target was judged, else None; its
     ``rule`` says what was judged (``ours/this <= target``, and for the
     threads rows the limit exception). Groups with no contender but
-    cposembed are not comparisons: they are left out, and ``skipped`` (why
-    their peers are missing, e.g. "torch not installed") is printed with
-    their names. ``file`` defaults to the current ``sys.stdout``.
+    cposembed are not comparisons: they are left out, and ``why_no_peer``
+    (e.g. "torch not installed") is printed with their names. ``file`` defaults to the current ``sys.stdout``.
     """
     if file is None:
         file = sys.stdout
@@ -897,7 +896,7 @@ def report(
     for line in lines:
         print(line if isinstance(line, str) else fmt(line), file=file)
     if lonely:
-        print(f"not compared ({skipped or 'no peer in this run'}): {', '.join(lonely)}", file=file)
+        print(f"not compared ({why_no_peer or 'no peer'}): {', '.join(lonely)}", file=file)
     return rows
 
 
@@ -1127,7 +1126,7 @@ def main(argv: list[str] | None = None) -> int:
         "cposembed bench: "
         + ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("compile_args",))
     )
-    rows = report(done, judge=not args.quick, skipped=no_torch)
+    rows = report(done, judge=not args.quick, why_no_peer=no_torch)
     bad = _mismatched(rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -73,6 +73,7 @@ def test_quick_bench_judges_no_target_and_ends_with_the_quick_summary(tmp_path):
     assert not re.search(r"\bok\b|\bMISS\b", table), table
     md = (tmp_path / "b.md").read_text()
     assert "n/a (quick)" in md and "miss" not in md and " ok " not in md
+    assert bench.RATIO_LEGEND in md and "ours/this <= " in md
 
 
 def test_full_bench_judges_every_target_and_the_summary_counts_them(capsys, tmp_path):

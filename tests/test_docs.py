@@ -114,6 +114,35 @@ def test_readme_performance_table_is_made_from_the_bench_runs(check_docs):
     check_docs.check_performance_table()
 
 
+def test_performance_table_takes_the_median_ours_over_this_of_the_runs():
+    spec = importlib.util.spec_from_file_location("perf_table", ROOT / "tools" / "perf_table.py")
+    assert spec is not None and spec.loader is not None
+    perf_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf_table)
+    machine = {
+        "cpu": "CPU", "cpus_available": 2, "threads": 2, "table": [2048, 768],
+        "batch": [32, 1024], "dtype": "float32", "torch": None, "load_average_1min": 0.5,
+    }  # fmt: skip
+
+    def run(ratio, torch=None):
+        rows = [{"op": "pe(pos)", "contender": "numpy P[pos]", "ratio_ours_to_this": ratio,
+                 "target": 0.65}]  # fmt: skip
+        if torch is not None:
+            rows.append({"op": "torch layer fwd+bwd", "ratio_ours_to_this": torch,
+                         "contender": "torch 2 x nn.Embedding fwd+bwd", "target": 0.2})  # fmt: skip
+        return {"machine": {**machine, "torch": "2.13" if torch else None}, "results": rows}
+
+    table = perf_table.render([run(0.3, torch=0.1), run(0.9), run(0.5)])
+    assert "| `pe(positions)` | NumPy `P[positions]` | 0.500 | <= 0.65 |" in table
+    assert "| two `nn.Embedding` | 0.100 | <= 0.2 |" in table  # the one run with torch
+    words = " ".join(table.split())
+    assert "median of 3 runs" in words and "(PyTorch rows: one run)" in words
+    assert "below 1, cposembed is faster" in words
+    assert "faster |" not in table and "x faster" not in table  # one direction only
+    no_torch = perf_table.render([run(0.3)])
+    assert "nn.Embedding" not in no_torch  # a row without data is left out
+
+
 def test_undocumented_names_are_reported(check_docs):
     missing = check_docs.undocumented("LearnedPositionEmbedding lookup pe(0)")
     assert "cposembed.scatter_add" in missing
