@@ -93,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cposembed", description="Learned position embeddings on C kernels."
     )
-    # No subcommand: the help (on stdout, exit 0), as `git` and `pip` do.
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="the handbook's example output").set_defaults(func=demo)
     sub.add_parser("info", help="show_config(): version, OpenMP, threads, flags").set_defaults(
@@ -119,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p_train.set_defaults(func=train)
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 0
+        # argparse's convention for a missing argument: usage and error on
+        # stderr, exit status 2 (parser.error raises SystemExit(2)).
+        parser.error("a subcommand is required: demo, info, bench or train")
     return int(args.func(args) or 0)
 
 

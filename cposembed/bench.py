@@ -17,10 +17,15 @@ peer's before timing.
 
 Options: ``--quick`` (a few seconds, a smoke test for CI), ``--table L D``, ``--vocab V``,
 ``--batch B T``, ``--threads N``, ``--repeats R``, ``--dtype``, ``--json FILE``,
-``--no-torch``, ``--only NAME...``. Progress goes to stderr, the table to stdout,
-ending with a one-line summary (targets met and missed, output check
-mismatches). A ``--quick`` run measures at small sizes, where the targets
-(set for the full sizes) say nothing: it reports them as ``n/a (quick)``.
+``--no-torch``, ``--only NAME...``. Progress goes to stderr, the table to stdout:
+each row's ``ours/this`` ratio and, for a row with a target, the rule it is
+judged by (``ours/this <= 0.65``; the threads rows also pass within 1.1 x
+the machine's limit) and the verdict. Comparisons whose only peer is PyTorch
+are named as not compared when torch is missing. The table ends with a line
+per missed target and a one-line summary (targets met and missed, output
+check mismatches). A ``--quick`` run measures at small sizes, where the
+targets (set for the full sizes) say nothing: it reports them as
+``n/a (quick)``.
 """
 
 from __future__ import annotations
@@ -817,47 +822,86 @@ def _fmt_ms(s: float) -> str:
 
 
 QUICK_VERDICT = "n/a (quick)"
+RATIO = "ours/this"
+# Printed above the table and in the Markdown: the one direction of every ratio.
+RATIO_LEGEND = (
+    "ours/this = time(cposembed) / time(this contender), from the same run: "
+    "below 1, cposembed is faster. A target is the largest ours/this that meets it."
+)
+# The issue's exception for the threads rows: more threads need not help once
+# cposembed already runs within this factor of the machine's limit.
+THREADS_LIMIT_FACTOR = 1.1
 
 
-def report(groups: list[Group], file: Any = None, judge: bool = True) -> list[dict[str, Any]]:
+def _rule(group: Group, target: float) -> str:
+    """The rule a row with ``target`` is judged by, as the table prints it."""
+    rule = f"{RATIO} <= {target:g}"
+    if group.op.startswith("threads:") and _limit_of(group) is not None:
+        rule += f", or ours/limit <= {THREADS_LIMIT_FACTOR:g}"
+    return rule
+
+
+def _limit_of(group: Group) -> Contender | None:
+    return next((c for c in group.contenders if c.name.startswith("limit:")), None)
+
+
+def _judge(group: Group, ratio: float, target: float) -> tuple[bool, str]:
+    """Whether a row meets its target, and the verdict with the numbers that decided it."""
+    if ratio <= target:
+        return True, "ok"
+    limit = _limit_of(group)
+    if group.op.startswith("threads:") and limit is not None:
+        ours = next(c for c in group.contenders if c.name == OURS)
+        to_limit = ours.median / limit.median
+        if to_limit <= THREADS_LIMIT_FACTOR:
+            return True, f"ok (ours/limit {to_limit:.2f})"
+        return False, f"MISS (ours/limit {to_limit:.2f})"
+    return False, "MISS"
+
+
+def report(
+    groups: list[Group], file: Any = None, judge: bool = True, why_no_peer: str = ""
+) -> list[dict[str, Any]]:
     """Print the table; ``judge=False`` (a --quick run) shows targets without verdicts.
 
-    A row's ``met`` is True/False when its target was judged, else None.
-    ``file`` defaults to the current ``sys.stdout``.
+    A row's ``met`` is True/False when its target was judged, else None; its
+    ``rule`` says what was judged (``ours/this <= target``, and for the
+    threads rows the limit exception). Groups with no contender but
+    cposembed are not comparisons: they are left out, and ``why_no_peer``
+    (e.g. "torch not installed") is printed with their names. ``file`` defaults to the current ``sys.stdout``.
     """
     if file is None:
         file = sys.stdout
     rows: list[dict[str, Any]] = []
-    w = 34
-    print(
-        f"{'op / contender':<{w + 2}} {'time':>12} {'GB/s':>7} {'ours/this':>10} "
-        f"{'target':>17}  check",
-        file=file,
-    )
+    lines: list[tuple[str, ...] | str] = []
+    lonely = [g.op for g in groups if len(g.contenders) < 2]
     for g in groups:
+        if len(g.contenders) < 2:
+            continue
         ours = next(c for c in g.contenders if c.name == OURS)
-        print(f"{g.op}  [{g.note}]" if g.note else g.op, file=file)
+        lines.append(f"{g.op}  [{g.note}]" if g.note else g.op)
         for c in g.contenders:
             med = c.median
             gbs = c.nbytes / med / 1e9 if c.nbytes and med > 0 else float("nan")
             ratio = ours.median / med if c is not ours else 1.0
             target = TARGETS.get((g.op, c.name))
+            rule = _rule(g, target) if target is not None else ""
             verdict = ""
             met = None
             if target is not None and not judge:
-                verdict = f"<={target:<4} {QUICK_VERDICT}"
+                verdict = f"{rule}: {QUICK_VERDICT}"
             elif target is not None:
-                met = ratio <= target
-                limit = next((x for x in g.contenders if x.name.startswith("limit:")), None)
-                if not met and g.op.startswith("threads:") and limit is not None:
-                    # The issue's exception: threads need not help once the
-                    # op already runs within 1.1 x of the machine's limit.
-                    met = ours.median <= 1.1 * limit.median
-                verdict = f"<={target:<4} {'ok' if met else 'MISS'}"
-            gbs_s = f"{gbs:7.2f}" if gbs == gbs else f"{'':>7}"
-            print(
-                f"  {c.name:<{w}} {_fmt_ms(med):>12} {gbs_s} {ratio:10.3f} {verdict:>17}  {c.check}",
-                file=file,
+                met, said = _judge(g, ratio, target)
+                verdict = f"{rule}: {said}"
+            lines.append(
+                (
+                    f"  {c.name}",
+                    _fmt_ms(med).strip(),
+                    f"{gbs:.2f}" if gbs == gbs else "",
+                    f"{ratio:.3f}" if c is not ours else "",
+                    c.check,
+                    verdict,
+                )
             )
             rows.append(
                 {
@@ -869,17 +913,37 @@ def report(groups: list[Group], file: Any = None, judge: bool = True) -> list[di
                     "gb_per_s": gbs if gbs == gbs else None,
                     "ratio_ours_to_this": ratio,
                     "target": target,
+                    "rule": rule or None,
                     "met": met,
                     "check": c.check,
                 }
             )
+    head = ("op / contender", "time", "GB/s", RATIO, "check", "target: verdict")
+    cells = [x for x in lines if isinstance(x, tuple)]
+    widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head))]
+
+    def fmt(row: tuple[str, ...]) -> str:
+        name, time_s, gbs_s, ratio_s, check, verdict = row
+        return (
+            f"{name:<{widths[0]}}  {time_s:>{widths[1]}}  {gbs_s:>{widths[2]}}  "
+            f"{ratio_s:>{widths[3]}}  {check:<{widths[4]}}  {verdict}"
+        ).rstrip()
+
+    print(RATIO_LEGEND, file=file)
+    print(fmt(head), file=file)
+    for line in lines:
+        print(line if isinstance(line, str) else fmt(line), file=file)
+    if lonely:
+        print(f"not compared ({why_no_peer or 'no peer'}): {', '.join(lonely)}", file=file)
     return rows
 
 
 def markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
     """The results as a Markdown table (for BENCHMARKS.md)."""
     lines = [
-        "| op | contender | time | GB/s | ours / this | target | check |",
+        RATIO_LEGEND,
+        "",
+        f"| op | contender | time | GB/s | {RATIO} | target | check |",
         "| --- | --- | ---: | ---: | ---: | --- | --- |",
     ]
     last = None
@@ -893,7 +957,7 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
         target = ""
         if r["target"] is not None:
             verdict = {True: "ok", False: "**miss**", None: QUICK_VERDICT}[r["met"]]
-            target = f"<= {r['target']} {verdict}"
+            target = f"{r['rule']}: {verdict}"
         lines.append(
             f"| {op} | {r['contender']} | {time_s} | {gbs} | {ratio} | {target} | {r['check']} |"
         )
@@ -916,6 +980,16 @@ def summary(rows: list[dict[str, Any]], judged: bool) -> str:
         f"summary: {len(with_target)} rows with targets, {ok} ok, "
         f"{len(with_target) - ok} miss; {mismatches} check mismatches"
     )
+
+
+def missed(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per judged row that missed its target: what, its ratio, its rule."""
+    return [
+        f"missed: {r['op']} vs {r['contender']}: {RATIO} {r['ratio_ours_to_this']:.3f}, "
+        f"rule {r['rule']}"
+        for r in rows
+        if r["met"] is False
+    ]
 
 
 def machine_info(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
@@ -954,11 +1028,14 @@ def machine_info(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
     }
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
+    """The bench's command line: every option with its help."""
     p = argparse.ArgumentParser(
         prog="python -m cposembed bench",
         description="cposembed against the machine's memory limits, NumPy and PyTorch "
-        "(one process, alternating runs, medians, ratios = ours / theirs).",
+        "(one process, alternating runs, medians). Every ratio is ours/this = "
+        "time(cposembed) / time(contender): below 1, cposembed is faster; a target is "
+        "the largest ratio that meets it. The run ends with a summary of the targets.",
     )
     p.add_argument(
         "--quick",
@@ -994,16 +1071,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="token table rows for the embed rows (default 50257, GPT-2's vocabulary)",
     )
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 21)")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
-    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="dtype of the tables, token embeddings and gradients (default float32)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the results as JSON (tools/perf_table.py makes the README's "
+        "performance table from such files)",
+    )
+    p.add_argument("--markdown", metavar="FILE", help="also write the whole table as Markdown")
+    p.add_argument("--no-torch", action="store_true", help="leave out the PyTorch rows")
     p.add_argument(
         "--only",
         nargs="+",
         metavar="NAME",
         help="run only these comparisons: " + " ".join(GROUP_NAMES),
     )
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = make_parser()
     args = p.parse_args(argv)
     if args.quick:
         args.table = args.table or [256, 64]
@@ -1047,10 +1139,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     torch = _try_torch(not args.no_torch, args.threads)
     info = machine_info(args, torch)
+    no_torch = "--no-torch" if args.no_torch else "torch not installed"
     _progress(
         f"cposembed bench: table {args.table[0]}x{args.table[1]} {args.dtype}, "
         f"positions {args.batch[0]}x{args.batch[1]}, {args.threads} threads, "
-        f"{args.repeats} rounds, torch {info['torch'] or 'not installed (rows skipped)'}"
+        f"{args.repeats} rounds, torch {info['torch'] or no_torch + ': its rows are left out'}"
     )
     factories = build_groups(args, torch)
     if args.only:
@@ -1068,15 +1161,20 @@ def main(argv: list[str] | None = None) -> int:
         _progress(f"[{i}/{len(factories)}] {name} ...")
         made = factory()
         for g in made if isinstance(made, list) else [made]:
+            if len(g.contenders) < 2:
+                # Its only peers are PyTorch's: nothing to compare with.
+                _progress(f"      {g.op}: not compared ({no_torch})")
+                done.append(g)
+                continue
             if g.tiny:
                 _time_tiny(g, args.repeats)
             else:
                 _time_group(g, args.repeats)
             ours = next(c for c in g.contenders if c.name == OURS)
             others = ", ".join(
-                f"{c.name} {ours.median / c.median:.2f}x" for c in g.contenders if c is not ours
+                f"{c.name} {ours.median / c.median:.3f}" for c in g.contenders if c is not ours
             )
-            _progress(f"      {g.op}: {_fmt_ms(ours.median).strip()}; ours/other: {others}")
+            _progress(f"      {g.op}: {_fmt_ms(ours.median).strip()}; {RATIO}: {others}")
             done.append(g)
     _progress(f"done in {time.perf_counter() - t_start:.1f} s")
     print()
@@ -1084,7 +1182,7 @@ def main(argv: list[str] | None = None) -> int:
         "cposembed bench: "
         + ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("compile_args",))
     )
-    rows = report(done, judge=not args.quick)
+    rows = report(done, judge=not args.quick, why_no_peer=no_torch)
     bad = _mismatched(rows)
     outputs = []
     if args.json:
@@ -1099,6 +1197,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: could not write {path}: {exc}", file=sys.stderr)
             return 1
         _progress(f"wrote {path}")
+    for line in missed(rows):
+        print(line)
     print(summary(rows, judged=not args.quick))
     if bad:
         print(f"{len(bad)} output check(s) failed", file=sys.stderr)

@@ -204,6 +204,11 @@ class LearnedPositionEmbedding(_core.TableCall):
     # -- the table ---------------------------------------------------------
     @property
     def embeddings(self) -> np.ndarray:
+        """The live table, shape ``(max_seq_len, embed_dim)``: C-contiguous and writable.
+
+        Writing into it changes what every later call looks up. Assigning an
+        array of the same shape copies it in, cast to :attr:`dtype`.
+        """
         return self._embeddings
 
     @embeddings.setter
@@ -238,14 +243,17 @@ class LearnedPositionEmbedding(_core.TableCall):
 
     @property
     def max_seq_len(self) -> int:
+        """Number of positions ``L``: the rows of the table."""
         return int(self._embeddings.shape[0])
 
     @property
     def embed_dim(self) -> int:
+        """Embedding dimension ``d``: the columns of the table."""
         return int(self._embeddings.shape[1])
 
     @property
     def dtype(self) -> np.dtype:
+        """The table's dtype: the constructor's ``dtype`` (``float32`` by default)."""
         return self._embeddings.dtype
 
     # -- forward -----------------------------------------------------------

@@ -1,7 +1,8 @@
 """Pictures of a position table: the handbook's heatmap and a similarity map.
 
-matplotlib is an optional extra (``pip install cposembed[plot]``) imported
-only when a picture is drawn, so ``import cposembed.plot`` always works and
+matplotlib is an optional extra (``python -m pip install ".[plot]"`` from a
+checkout of cposembed, or ``python -m pip install matplotlib``) imported only
+when a picture is drawn, so ``import cposembed.plot`` always works and
 the numbers behind the pictures (:func:`cosine_similarity`,
 :func:`adjacent_similarity`) need NumPy only. Figures are built with
 ``matplotlib.figure.Figure`` and written by the Agg renderer: no pyplot, no
@@ -20,7 +21,8 @@ from . import _validation as v
 
 __all__ = ["adjacent_similarity", "cosine_similarity", "heatmap", "similarity"]
 
-_EXTRA_HINT = "pip install cposembed[plot]"
+# cposembed is not on a package index yet: the command that works from a checkout.
+_EXTRA_HINT = 'python -m pip install ".[plot]" from a checkout of cposembed, or matplotlib itself'
 
 
 def _new_figure(figsize: tuple[float, float]) -> Any:
@@ -92,6 +94,8 @@ def heatmap(
     title: str | None = None,
     cmap: str = "RdBu_r",
     dpi: int = 100,
+    vmin: float | None = None,
+    vmax: float | None = None,
 ) -> Any:
     """The handbook's picture: the table as dimensions (rows) x positions (columns).
 
@@ -106,6 +110,12 @@ def heatmap(
     cmap : str, default "RdBu_r"
         A diverging colour map, centred on 0.
     dpi : int, default 100
+    vmin, vmax : float, optional
+        The values at the two ends of the colour scale. ``vmax`` defaults to
+        the table's largest absolute value (1 for a table of zeros), ``vmin``
+        to ``-vmax``. Pictures drawn with the same limits compare by eye:
+        ``python -m cposembed train`` draws its before and after heatmaps with
+        the largest absolute value of both tables.
 
     Returns
     -------
@@ -114,19 +124,23 @@ def heatmap(
     Raises
     ------
     ImportError
-        matplotlib is not installed (``pip install cposembed[plot]``).
+        matplotlib is not installed (``python -m pip install ".[plot]"`` from a
+        checkout).
     """
     table = _as_table(pe_or_table)
     n_pos, n_dim = table.shape
     fig = _new_figure((8, 4))
     ax = fig.add_subplot()
-    vmax = float(np.abs(table).max()) or 1.0
+    if vmax is None:
+        vmax = float(np.abs(table).max()) or 1.0
+    if vmin is None:
+        vmin = -vmax
     im = ax.imshow(
         table.T,
         aspect="auto",
         origin="lower",
         cmap=cmap,
-        vmin=-vmax,
+        vmin=vmin,
         vmax=vmax,
         interpolation="nearest",
     )
@@ -144,18 +158,43 @@ def similarity(
     title: str | None = None,
     cmap: str = "RdBu_r",
     dpi: int = 100,
+    vmin: float = -1.0,
+    vmax: float = 1.0,
 ) -> Any:
     """Cosine similarity between every pair of positions, as an ``(L, L)`` image.
 
     A learned table that has picked up order shows a bright band along the
     diagonal (neighbours alike); a random one shows only the diagonal.
-    Parameters and return value as for :func:`heatmap`; the colour scale is
-    fixed to ``[-1, 1]``.
+
+    Parameters
+    ----------
+    pe_or_table : LearnedPositionEmbedding or array_like of shape (L, d)
+    path : str or path-like, optional
+        Where to write a PNG (exactly this file name).
+    title : str, optional
+        Defaults to "Cosine similarity between positions".
+    cmap : str, default "RdBu_r"
+        A diverging colour map, centred on 0.
+    dpi : int, default 100
+    vmin, vmax : float, default -1.0 and 1.0
+        The values at the two ends of the colour scale. The default, the
+        whole range of a cosine, is the same for every table, so any two
+        similarity maps compare by eye.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    ImportError
+        matplotlib is not installed (``python -m pip install ".[plot]"`` from a
+        checkout).
     """
     sim = cosine_similarity(pe_or_table)
     fig = _new_figure((5.5, 4.5))
     ax = fig.add_subplot()
-    im = ax.imshow(sim, origin="lower", cmap=cmap, vmin=-1.0, vmax=1.0, interpolation="nearest")
+    im = ax.imshow(sim, origin="lower", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
     ax.set_xlabel("Position")
     ax.set_ylabel("Position")
     ax.set_title(title if title is not None else "Cosine similarity between positions")

@@ -250,10 +250,15 @@ def write_pictures(before: np.ndarray, after: np.ndarray, out: str | os.PathLike
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(os.fspath(out), name) for name in PICTURES]
     n_pos, d = after.shape
-    plot.heatmap(before, paths[0], title=f"Before training: random ({n_pos} x {d})")
-    plot.heatmap(after, paths[1], title=f"After training ({n_pos} x {d})")
-    plot.similarity(before, paths[2], title="Before training: cosine similarity")
-    plot.similarity(after, paths[3], title="After training: cosine similarity")
+    # One colour scale for both heatmaps (and for both similarity maps), so
+    # that before and after compare by eye.
+    lim = float(max(np.abs(before).max(), np.abs(after).max())) or 1.0
+    plot.heatmap(
+        before, paths[0], title=f"Before training: random ({n_pos} x {d})", vmin=-lim, vmax=lim
+    )
+    plot.heatmap(after, paths[1], title=f"After training ({n_pos} x {d})", vmin=-lim, vmax=lim)
+    plot.similarity(before, paths[2], title="Before training: cosine similarity", vmin=-1, vmax=1)
+    plot.similarity(after, paths[3], title="After training: cosine similarity", vmin=-1, vmax=1)
     return paths
 
 

@@ -28,24 +28,31 @@ def run_module(*args: str, cwd: str | None = None) -> subprocess.CompletedProces
 
 
 # -- no subcommand ------------------------------------------------------------------
-def test_no_subcommand_prints_the_help_and_exits_0(tmp_path):
+def test_no_subcommand_prints_the_usage_to_stderr_and_exits_2(tmp_path):
+    """argparse's convention for a missing argument: usage and error on stderr, 2."""
     proc = run_module(cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: python -m cposembed"), proc.stdout
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("usage: python -m cposembed"), proc.stderr
     for name in SUBCOMMANDS:
-        assert name in proc.stdout, f"{name!r} missing from the help:\n{proc.stdout}"
-    assert proc.stderr == ""
+        assert name in proc.stderr, f"{name!r} missing from the usage:\n{proc.stderr}"
+    assert "error: a subcommand is required" in proc.stderr
     assert os.listdir(tmp_path) == []  # nothing ran
 
 
-def test_no_subcommand_help_equals_dash_dash_help():
-    assert run_module().stdout == run_module("--help").stdout
+def test_dash_dash_help_still_prints_the_help_and_exits_0():
+    proc = run_module("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert proc.stdout.startswith("usage: python -m cposembed")
+    assert all(name in proc.stdout for name in SUBCOMMANDS)
 
 
-def test_main_without_arguments_returns_0(capsys):
-    assert cli.main([]) == 0
+def test_main_without_arguments_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([])
+    assert exc.value.code == 2
     out, err = capsys.readouterr()
-    assert out.startswith("usage:") and err == ""
+    assert out == "" and err.startswith("usage:")
 
 
 def test_an_unknown_subcommand_is_still_an_error():
@@ -69,6 +76,7 @@ def test_quick_bench_judges_no_target_and_ends_with_the_quick_summary(tmp_path):
     assert not re.search(r"\bok\b|\bMISS\b", table), table
     md = (tmp_path / "b.md").read_text()
     assert "n/a (quick)" in md and "miss" not in md and " ok " not in md
+    assert bench.RATIO_LEGEND in md and "ours/this <= " in md
 
 
 def test_full_bench_judges_every_target_and_the_summary_counts_them(capsys, tmp_path):
@@ -86,8 +94,12 @@ def test_full_bench_judges_every_target_and_the_summary_counts_them(capsys, tmp_
     assert ok == sum(r["met"] is True for r in judged)
     assert all(r["met"] in (True, False) for r in judged)
     table = "\n".join(out)
-    assert len(re.findall(r"\s(ok|MISS)\s", table)) == n
+    assert len(re.findall(r": (ok|MISS)\b", table)) == n
     assert "n/a (quick)" not in table
+    # Each verdict follows the rule that decided it, ratios in one direction.
+    assert len(re.findall(r"ours/this <= [0-9.]+: (ok|MISS)\b", table)) == n
+    assert bench.RATIO_LEGEND in table
+    assert all(r["rule"] == f"ours/this <= {r['target']:g}" for r in judged)
 
 
 def test_summary_counts_mismatches():
@@ -220,12 +232,73 @@ def run_into_a_closed_pipe(args, cwd):
         ["train", "--steps", "2", "--max-seq-len", "8", "--embed-dim", "4", "--no-progress"],
         ["bench", "--quick", "--no-torch", "--repeats", "1", "--only", "tiny"],
     ],
-    ids=["help", "info", "demo", "train", "bench"],
+    ids=["no subcommand", "info", "demo", "train", "bench"],
 )
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path, args):
     proc = run_into_a_closed_pipe(args, cwd=str(tmp_path))
-    # 1 as in the Python docs' recipe; argparse itself ignores a failed write of the help
-    assert proc.returncode == (0 if args == [] else 1), proc.stderr[-3000:]
+    # 1 as in the Python docs' recipe; no subcommand is a usage error (2, on stderr)
+    assert proc.returncode == (2 if args == [] else 1), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
-    if args[:1] != ["bench"]:  # the bench's progress goes to stderr
+    if args == []:
+        assert proc.stderr.startswith("usage:")
+    elif args[:1] != ["bench"]:  # the bench's progress goes to stderr
         assert proc.stderr == ""
+
+
+# -- bench: one direction, the rule beside each target, no empty comparison ---------
+def test_every_bench_option_has_help():
+    actions = [a for a in bench.make_parser()._actions if a.option_strings]
+    assert {"--dtype", "--json", "--markdown", "--no-torch"} <= {
+        s for a in actions for s in a.option_strings
+    }
+    for action in actions:
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+    dtype = next(a for a in actions if "--dtype" in a.option_strings)
+    assert "float32" in dtype.help
+
+
+def test_without_torch_no_comparison_is_empty(capsys, tmp_path):
+    path = tmp_path / "b.json"
+    code = bench.main(
+        ["--quick", "--no-torch", "--repeats", "1", "--only", "fwd_bwd", "lookup",
+         "--json", str(path)]
+    )  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    # fwd_bwd's only peer is PyTorch's: it is named as not compared, not printed alone.
+    assert "not compared (--no-torch): pe(pos, out=) + pe.backward" in out
+    table = out[out.index("op / contender") :]
+    assert "\npe(pos, out=) + pe.backward" not in table
+    rows = json.loads(path.read_text())["results"]
+    assert {r["op"] for r in rows} == {"lookup(out=)"}
+    for op in {r["op"] for r in rows}:
+        assert sum(r["contender"] != bench.OURS for r in rows if r["op"] == op) >= 1
+
+
+def _group(op: str, *medians: tuple[str, float]) -> bench.Group:
+    """A timed group: (contender, median seconds) pairs, cposembed first."""
+    return bench.Group(op, [bench.Contender(n, lambda: None, 0, [t]) for n, t in medians])
+
+
+def test_the_threads_exception_is_printed_with_its_rule(capsys):
+    # ratio 1.116 > 0.8, but cposembed runs within 1.1 x the streaming fill.
+    op = "threads: lookup(out=)"
+    within = _group(op, ("cposembed", 1.116), ("1 thread", 1.0), ("limit: streaming fill", 1.05))
+    beyond = _group(op, ("cposembed", 1.116), ("1 thread", 1.0), ("limit: streaming fill", 0.5))
+    assert bench._judge(within, 1.116, 0.8) == (True, "ok (ours/limit 1.06)")
+    assert bench._judge(beyond, 1.116, 0.8) == (False, "MISS (ours/limit 2.23)")
+    rows = bench.report([within, beyond])
+    out = capsys.readouterr().out
+    rule = "ours/this <= 0.8, or ours/limit <= 1.1"
+    assert re.search(r"1 thread .*1\.116\s+" + re.escape(f"{rule}: ok (ours/limit 1.06)"), out)
+    assert re.search(r"1 thread .*1\.116\s+" + re.escape(f"{rule}: MISS (ours/limit 2.23)"), out)
+    assert [r["met"] for r in rows if r["target"] is not None] == [True, False]
+    assert all(r["rule"] == rule for r in rows if r["target"] is not None)
+    assert bench.missed(rows) == [f"missed: {op} vs 1 thread: ours/this 1.116, rule {rule}"]
+
+
+def test_a_plain_target_is_judged_on_ours_over_this_alone():
+    g = _group("pe(pos)", ("cposembed", 0.7), ("numpy P[pos]", 1.0))
+    assert bench._rule(g, 0.65) == "ours/this <= 0.65"
+    assert bench._judge(g, 0.7, 0.65) == (False, "MISS")
+    assert bench._judge(g, 0.6, 0.65) == (True, "ok")

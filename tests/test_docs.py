@@ -57,6 +57,92 @@ def test_api_reference_documents_every_public_name(check_docs):
     check_docs.check_api_reference()
 
 
+def test_autodoc_entries_are_read_with_their_module_and_class(check_docs):
+    text = (
+        ".. currentmodule:: cposembed\n\n"
+        ".. autoclass:: LearnedPositionEmbedding\n\n"
+        "   .. automethod:: __call__(positions, *, out=None)\n"
+        "   .. autoproperty:: embeddings\n\n"
+        ".. autofunction:: lookup\n\n"
+        ".. currentmodule:: cposembed.torch\n\n"
+        ".. autoclass:: TokenPositionEmbedding\n"
+    )
+    assert check_docs.autodoc_entries(text) == {
+        "cposembed.LearnedPositionEmbedding",
+        "cposembed.LearnedPositionEmbedding.__call__",
+        "cposembed.LearnedPositionEmbedding.embeddings",
+        "cposembed.lookup",
+        "cposembed.torch.TokenPositionEmbedding",
+    }
+
+
+def test_a_name_missing_from_the_api_reference_is_reported(check_docs):
+    text = (ROOT / "docs" / "api.rst").read_text(encoding="utf-8")
+    names = {**check_docs.public_api(), **check_docs.torch_api()}
+    assert check_docs.missing_from_reference(text, names) == []
+    # Drop an entry, or add a public name that has none: the check names it.
+    without = text.replace(".. autofunction:: scatter_add\n", "")
+    assert check_docs.missing_from_reference(without, names) == ["cposembed.scatter_add"]
+    new = {**names, "cposembed.torch.convert_embeddings": object()}
+    assert check_docs.missing_from_reference(text, new) == ["cposembed.torch.convert_embeddings"]
+    # The NumPy class's entry does not count for the torch class of the same name.
+    torch_class = {"cposembed.torch.TokenPositionEmbedding": object()}
+    rst = ".. currentmodule:: cposembed\n\n.. autoclass:: TokenPositionEmbedding\n"
+    assert check_docs.missing_from_reference(rst, torch_class) == list(torch_class)
+
+
+def test_the_api_reference_covers_cposembed_torch_when_torch_is_there(check_docs):
+    pytest.importorskip("torch")
+    import cposembed.torch as ct
+
+    names = check_docs.torch_api()
+    assert set(names) == {f"cposembed.torch.{n}" for n in ct.__all__}
+    documented = check_docs.autodoc_entries((ROOT / "docs" / "api.rst").read_text("utf-8"))
+    assert set(names) <= documented
+
+
+def test_code_lines_of_the_docs_fit_the_column(check_docs, tmp_path):
+    check_docs.check_code_line_length()
+    page = tmp_path / "page.md"
+    page.write_text("```text\n" + "x" * 89 + "\nshort\n```\n", encoding="utf-8")
+    assert check_docs.long_code_lines([page]) == ["page.md:2: 89 characters"]
+    page.write_text("```text\n" + "x" * 88 + "\n```\n", encoding="utf-8")
+    assert check_docs.long_code_lines([page]) == []
+
+
+def test_readme_performance_table_is_made_from_the_bench_runs(check_docs):
+    check_docs.check_performance_table()
+
+
+def test_performance_table_takes_the_median_ours_over_this_of_the_runs():
+    spec = importlib.util.spec_from_file_location("perf_table", ROOT / "tools" / "perf_table.py")
+    assert spec is not None and spec.loader is not None
+    perf_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf_table)
+    machine = {
+        "cpu": "CPU", "cpus_available": 2, "threads": 2, "table": [2048, 768],
+        "batch": [32, 1024], "dtype": "float32", "torch": None, "load_average_1min": 0.5,
+    }  # fmt: skip
+
+    def run(ratio, torch=None):
+        rows = [{"op": "pe(pos)", "contender": "numpy P[pos]", "ratio_ours_to_this": ratio,
+                 "target": 0.65}]  # fmt: skip
+        if torch is not None:
+            rows.append({"op": "torch layer fwd+bwd", "ratio_ours_to_this": torch,
+                         "contender": "torch 2 x nn.Embedding fwd+bwd", "target": 0.2})  # fmt: skip
+        return {"machine": {**machine, "torch": "2.13" if torch else None}, "results": rows}
+
+    table = perf_table.render([run(0.3, torch=0.1), run(0.9), run(0.5)])
+    assert "| `pe(positions)` | NumPy `P[positions]` | 0.500 | <= 0.65 |" in table
+    assert "| two `nn.Embedding` | 0.100 | <= 0.2 |" in table  # the one run with torch
+    words = " ".join(table.split())
+    assert "median of 3 runs" in words and "(PyTorch rows: one run)" in words
+    assert "below 1, cposembed is faster" in words
+    assert "faster |" not in table and "x faster" not in table  # one direction only
+    no_torch = perf_table.render([run(0.3)])
+    assert "nn.Embedding" not in no_torch  # a row without data is left out
+
+
 def test_undocumented_names_are_reported(check_docs):
     missing = check_docs.undocumented("LearnedPositionEmbedding lookup pe(0)")
     assert "cposembed.scatter_add" in missing

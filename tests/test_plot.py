@@ -116,6 +116,43 @@ def test_similarity_figure(mpl, tmp_path):
     assert fig.axes[0].images[0].get_clim() == (-1.0, 1.0)
 
 
+def test_colour_limits_default_to_the_table_and_can_be_given(mpl):
+    table = np.array([[0.5, -2.0], [1.0, 0.25]])
+    clim = plot.heatmap(table).axes[0].images[0].get_clim()
+    assert clim == (-2.0, 2.0)  # symmetric about 0: the largest absolute value
+    assert plot.heatmap(table, vmax=3.0).axes[0].images[0].get_clim() == (-3.0, 3.0)
+    assert plot.heatmap(table, vmin=-1.0, vmax=4.0).axes[0].images[0].get_clim() == (-1.0, 4.0)
+    assert plot.heatmap(np.zeros((2, 2))).axes[0].images[0].get_clim() == (-1.0, 1.0)
+    sim = plot.similarity(table, vmin=0.0, vmax=0.5)
+    assert sim.axes[0].images[0].get_clim() == (0.0, 0.5)
+
+
+def test_the_pictures_of_one_training_run_share_their_colour_scale(mpl, tmp_path, monkeypatch):
+    """Before and after heatmaps (and similarity maps) of `train` use one scale each."""
+    from cposembed import train as train_mod
+
+    drawn: dict[str, tuple[float, float]] = {}
+    for name in ("heatmap", "similarity"):
+        draw = getattr(plot, name)
+
+        def record(table, path, *args, _draw=draw, **kwargs):
+            fig = _draw(table, path, *args, **kwargs)
+            drawn[os.path.basename(path)] = fig.axes[0].images[0].get_clim()
+            return fig
+
+        monkeypatch.setattr(plot, name, record)
+    result = train_mod.train(
+        steps=20, max_seq_len=16, embed_dim=8, batch_size=4, out=tmp_path, progress=False
+    )
+    before, after = result.initial_table, result.pe.embeddings
+    # Training changed how far the values reach: own scales would differ.
+    assert np.abs(before).max() != np.abs(after).max()
+    lim = max(np.abs(before).max(), np.abs(after).max())
+    assert drawn["heatmap_before.png"] == drawn["heatmap_after.png"] == (-lim, lim)
+    assert drawn["similarity_before.png"] == drawn["similarity_after.png"] == (-1.0, 1.0)
+    assert sorted(drawn) == sorted(os.listdir(tmp_path))
+
+
 def test_plotting_does_not_touch_pyplot_or_the_backend(mpl, tmp_path):
     backend = mpl.get_backend()
     plot.heatmap(np.ones((3, 2)), tmp_path / "a.png")
@@ -129,7 +166,7 @@ def test_import_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     for draw in (plot.heatmap, plot.similarity):
-        with pytest.raises(ImportError, match=r"pip install cposembed\[plot\]"):
+        with pytest.raises(ImportError, match=r'pip install "\.\[plot\]" from a checkout'):
             draw(np.ones((3, 2)))
     # the numbers do not need matplotlib
     assert plot.cosine_similarity(np.eye(2)).shape == (2, 2)
@@ -155,7 +192,7 @@ def test_import_error_in_a_fresh_interpreter():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "ImportError:" in proc.stdout and "pip install cposembed[plot]" in proc.stdout
+    assert "ImportError:" in proc.stdout and 'pip install ".[plot]" from a checkout' in proc.stdout
 
 
 DEMO_LINES = [

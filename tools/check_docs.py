@@ -17,8 +17,12 @@ What it runs, each in a fresh namespace and a fresh temporary folder:
 Blocks in other languages (bash, text, toml, MyST directives) are not run;
 a fence without a language is an error, so nothing meant to run can slip through
 unlabelled. Besides, it checks that the README's Quick start is the one .ci/run
-runs, that the README stays within 200 lines, and that every public name is in the
-README's "API at a glance" and in docs/api.rst.
+runs, that the README stays within 200 lines, that every public name is in the
+README's "API at a glance", that docs/api.rst has an autodoc entry for every public
+name (``cposembed.__all__``, ``cposembed.plot.__all__``, the classes' members, and
+``cposembed.torch.__all__`` when torch is importable), that no code line of docs/
+is longer than 88 characters (the HTML column), and that the README's performance
+table is what tools/perf_table.py makes of docs/readme_perf.json.
 
 The package must be importable (an install, or ``python setup.py build_ext
 --inplace`` in a checkout: the repository root goes first on ``sys.path``). Ends
@@ -51,8 +55,12 @@ RUN_LANGUAGES = {"python", "py", "pycon"}
 # (``...`` stands for anything, as in doctests). Other commands are not run.
 CONSOLE = "console"
 # Imported by some blocks and examples, not required by the package.
-OPTIONAL_MODULES = ("torch", "matplotlib")
+OPTIONAL_MODULES = ("torch", "matplotlib", "threadpoolctl")
 README_MAX_LINES = 200
+# Code lines beyond this are cut off in the narrow column of the HTML pages.
+CODE_LINE_MAX = 88
+# Pages whose code blocks are not held to CODE_LINE_MAX (relative to the root).
+CODE_LINE_EXEMPT = {"docs/torch.md"}
 EXAMPLE_TIMEOUT_S = 300
 QUICKSTART_BEGIN = "# --- Quick start (keep identical to README.md) ---"
 QUICKSTART_END = "# --- end Quick start ---"
@@ -375,22 +383,108 @@ def check_api_at_a_glance() -> None:
         raise AssertionError(f'missing from the README\'s "The API at a glance": {missing}')
 
 
-def check_api_reference() -> None:
-    import cposembed
+_AUTODOC = re.compile(
+    r"^(?P<indent>[ \t]*)\.\. (?P<kind>currentmodule|module|auto\w+)::\s*(?P<name>[\w.]+)", re.M
+)
 
+
+def autodoc_entries(text: str) -> set[str]:
+    """Qualified names that reStructuredText ``text`` has autodoc entries for.
+
+    ``.. currentmodule::`` sets the module; an indented ``automethod`` or
+    ``autoproperty`` belongs to the ``autoclass`` above it.
+    """
+    module = ""
+    cls = ""
+    names: set[str] = set()
+    for m in _AUTODOC.finditer(text):
+        kind, name = m["kind"], m["name"]
+        if kind in ("currentmodule", "module"):
+            module, cls = name, ""
+            continue
+        qualname = name if name.startswith(module + ".") or not module else f"{module}.{name}"
+        if m["indent"] and cls:
+            qualname = f"{cls}.{name}"
+        elif kind == "autoclass":
+            cls = qualname
+        names.add(qualname)
+    return names
+
+
+def torch_api() -> dict[str, object]:
+    """``cposembed.torch.__all__``, qualified, or nothing when torch cannot be imported."""
+    try:
+        import cposembed.torch as ct
+    except ImportError:
+        return {}
+    return {f"cposembed.torch.{name}": getattr(ct, name) for name in ct.__all__}
+
+
+def missing_from_reference(text: str, names: dict[str, object]) -> list[str]:
+    """Public names without an autodoc entry in ``text`` (docs/api.rst).
+
+    A class member may instead be described in its class's docstring (``grad``,
+    set in ``__init__``).
+    """
+    documented = autodoc_entries(text)
+    missing = []
+    for qualname in names:
+        if qualname in documented:
+            continue
+        owner, name = qualname.rsplit(".", 1)
+        cls = names.get(owner)
+        if owner in documented and isinstance(cls, type) and _mentions(cls.__doc__ or "", name):
+            continue
+        missing.append(qualname)
+    return missing
+
+
+def check_api_reference() -> None:
     text = (ROOT / "docs" / "api.rst").read_text(encoding="utf-8")
-    # Attributes set in __init__ (grad) are documented in the class docstring.
-    text += cposembed.LearnedPositionEmbedding.__doc__ or ""
-    missing = undocumented(text)
+    names = {**public_api(), **torch_api()}
+    missing = missing_from_reference(text, names)
     if missing:
-        raise AssertionError(f"missing from docs/api.rst: {missing}")
+        raise AssertionError(f"no autodoc entry in docs/api.rst for: {missing}")
+
+
+def long_code_lines(files: list[Path] | None = None) -> list[str]:
+    """``path:line: N characters`` for every code line of docs/ beyond CODE_LINE_MAX."""
+    files = files if files is not None else [p for p in doc_files() if p.parent != ROOT]
+    found = []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+        if rel in CODE_LINE_EXEMPT:
+            continue
+        for block in blocks_of(path):
+            for i, line in enumerate(block.code.splitlines()):
+                if len(line) > CODE_LINE_MAX:
+                    found.append(f"{block.path.name}:{block.line + i}: {len(line)} characters")
+    return found
+
+
+def check_code_line_length() -> None:
+    found = long_code_lines()
+    if found:
+        raise AssertionError(
+            f"code lines longer than {CODE_LINE_MAX} characters (wrap them): {found}"
+        )
+
+
+def check_performance_table() -> None:
+    spec = importlib.util.spec_from_file_location("perf_table", ROOT / "tools" / "perf_table.py")
+    assert spec is not None and spec.loader is not None
+    perf_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf_table)
+    perf_table.check()
 
 
 STRUCTURE_CHECKS = {
     "README Quick start == .ci/run quickstart()": check_quickstart,
     f"README within {README_MAX_LINES} lines": check_readme_length,
     "README API at a glance names every public name": check_api_at_a_glance,
-    "docs/api.rst documents every public name": check_api_reference,
+    "docs/api.rst has an autodoc entry for every public name": check_api_reference,
+    f"code lines of docs/ within {CODE_LINE_MAX} characters": check_code_line_length,
+    "README performance table == tools/perf_table.py --check": check_performance_table,
 }
 
 
