@@ -350,7 +350,7 @@ def run(args: Any) -> int:
         for path in result.pictures:
             print(f"wrote {path}")
     else:
-        print("matplotlib is not installed: skipped the pictures (pip install cposembed[plot])")
+        print('matplotlib is not installed: skipped the pictures (pip install ".[plot]")')
     if args.save:
         try:
             result.pe.save(args.save)

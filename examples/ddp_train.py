@@ -11,8 +11,9 @@ Run it either way:
     torchrun --standalone --nproc-per-node 2 examples/ddp_train.py
     python examples/ddp_train.py          # spawns the two processes itself
 
-Needs PyTorch (``pip install "cposembed[torch]"``); without it the example says
-so and exits. Exits 1 if the parameters differ.
+Needs PyTorch (its CPU build, then the extra from a checkout: ``pip install torch
+--index-url https://download.pytorch.org/whl/cpu && pip install ".[torch]"``); without
+it the example says so and exits. Exits 1 if the parameters differ.
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ try:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 except ModuleNotFoundError:
-    print('skipped: this example needs torch (pip install "cposembed[torch]")')
+    print(
+        "skipped: this example needs torch (pip install torch --index-url "
+        'https://download.pytorch.org/whl/cpu && pip install ".[torch]")'
+    )
     raise SystemExit(0) from None
 
 import cposembed.torch as ct
 
 # A token table of 4096 x 128 float32 (2 MiB): large enough that its gradient
-# comes from cposembed's reused gradient buffers, as a real vocabulary's does.
+# comes from cposembed's DLPack blocks, as a real vocabulary's does.
 VOCAB, MAX_LEN, DIM = 4096, 32, 128
 BATCH, T, STEPS, LR = 8, 32, 5, 0.5
 WORLD = 2

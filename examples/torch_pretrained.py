@@ -8,7 +8,8 @@ copies it. Then it checks that cposembed and torch agree: the lookup and the fus
 add bitwise, the table gradient to float32 rounding (the two may sum repeated
 positions in a different order).
 
-Needs PyTorch (``pip install torch``); without it the example says so and exits.
+Needs PyTorch (its CPU build: ``pip install torch --index-url
+https://download.pytorch.org/whl/cpu``); without it the example says so and exits.
 Run: ``python examples/torch_pretrained.py``.
 """
 
@@ -23,7 +24,10 @@ from cposembed import LearnedPositionEmbedding
 try:
     import torch
 except ModuleNotFoundError:
-    print("skipped: this example needs torch (pip install torch)")
+    print(
+        "skipped: this example needs torch "
+        "(pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+    )
     raise SystemExit(0) from None
 
 MAX_LEN, DIM = 1024, 64  # GPT-2 small: 1024 x 768
@@ -39,8 +43,8 @@ class TinyGPT2Input(torch.nn.Module):
 
 model = TinyGPT2Input()
 
-# 1. A live parameter: it requires grad, so take its values with .detach().
-pe = LearnedPositionEmbedding.from_pretrained(model.wpe.weight.detach())
+# 1. A live parameter (no .detach() needed: its values are copied).
+pe = LearnedPositionEmbedding.from_pretrained(model.wpe.weight)
 print(f"from a live weight: {pe}")
 
 # 2. A checkpoint: the state dict, saved and loaded back (tensors without grad).

@@ -752,3 +752,34 @@ def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
     assert {"lookup(out=)", "scatter_add random", "tiny: pe(5)"} <= ops
     assert all(not r["check"].startswith("MISMATCH") for r in data["results"])
     assert "cposembed" in capsys.readouterr().out
+
+
+# -- zeroed tables as DLPack capsules (_zeros.pxi) -----------------------------------
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        ((-1, 4, 4), ValueError),
+        ((4, 2.0, 4), ValueError),
+        ((4, 4, 2), ValueError),
+        ((4, 4, True), ValueError),
+        ((1 << 40, 1 << 30, 8), MemoryError),
+    ],
+)
+def test_zeroed_dlpack_refuses_what_it_cannot_make(args, error):
+    with pytest.raises(error):
+        _core.zeroed_dlpack(*args)
+
+
+def test_an_unconsumed_zeroed_capsule_frees_its_block():
+    proc = run_python(
+        [
+            "-c",
+            "from cposembed import _core\n"
+            "for _ in range(200):\n"
+            "    c = _core.zeroed_dlpack(4096, 1024, 4)  # 16 MiB each, never consumed\n"
+            "    del c\n"
+            "print('ok')",
+        ]
+    )
+    assert_clean_exit(proc)
+    assert proc.stdout.strip() == "ok"

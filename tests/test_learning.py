@@ -642,7 +642,7 @@ def test_train_command_without_matplotlib(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "skipped the pictures" in proc.stdout
-    assert "pip install cposembed[plot]" in proc.stdout
+    assert 'pip install ".[plot]"' in proc.stdout
     assert os.listdir(tmp_path) == []
     adjacent_line(proc.stdout)
 

@@ -465,3 +465,24 @@ def test_hand_written_all_reduce_of_grad_equals_nn_embedding(tmp_path) -> None:
     proc = run_python([str(script), str(tmp_path / "out.json")], timeout=300)
     assert_clean_exit(proc)
     assert last_json(proc) == {"worst": 0.0}
+
+
+def test_a_kept_block_is_zeroed_whole_before_it_is_handed_out_again() -> None:
+    from cposembed import _core
+
+    _core.zeroed_kept(False)
+    _core.zeroed_kept(True)
+    t = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))
+    t.fill_(7.0)  # written everywhere, as a collective or a user may
+    ptr = t.data_ptr()
+    del t  # torch lets go of the block: it is kept
+    assert _core.zeroed_kept() == 1
+    u = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))
+    assert u.data_ptr() == ptr and not u.any()
+    v = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))  # u still alive: new memory
+    assert v.data_ptr() != ptr and not v.any()
+    d = torch.from_dlpack(_core.zeroed_dlpack(3, 5, 8))
+    assert d.dtype == torch.float64 and d.shape == (3, 5) and d.is_contiguous()
+    del u, v, d
+    assert _core.zeroed_kept(False) == 0  # keeping off releases every kept block
+    _core.zeroed_kept(True)
