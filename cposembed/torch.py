@@ -160,7 +160,7 @@ class Embedding(nn.Embedding):
 
     See Also
     --------
-    convert_embeddings : turn every ``nn.Embedding`` of a model into this class.
+    convert_embeddings : Turn every ``nn.Embedding`` of a model into this class.
 
     Examples
     --------
@@ -315,8 +315,21 @@ class LearnedPositionEmbedding(Embedding):
         scale_grad_by_freq: bool = False,
         sparse: bool = False,
     ) -> LearnedPositionEmbedding:
-        """A table around ``embeddings`` ``(max_seq_len, embed_dim)``, as
-        ``nn.Embedding.from_pretrained`` (the tensor is used, not copied)."""
+        """A table around ``embeddings``, as ``nn.Embedding.from_pretrained``.
+
+        Parameters
+        ----------
+        embeddings : Tensor of shape (max_seq_len, embed_dim)
+            Used as ``weight`` (not copied).
+        freeze : bool, default True
+            ``weight`` without ``requires_grad``.
+        padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
+            As in :class:`Embedding`.
+
+        Returns
+        -------
+        LearnedPositionEmbedding
+        """
         if embeddings.dim() != 2:
             raise ValueError(
                 f"embeddings must be 2-D (max_seq_len, embed_dim); got {tuple(embeddings.shape)}"
