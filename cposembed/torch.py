@@ -323,7 +323,15 @@ class LearnedPositionEmbedding(Embedding):
             Used as ``weight`` (not copied).
         freeze : bool, default True
             ``weight`` without ``requires_grad``.
-        padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
+        padding_idx : int, optional
+            As in :class:`Embedding`.
+        max_norm : float, optional
+            As in :class:`Embedding`.
+        norm_type : float, default 2.0
+            As in :class:`Embedding`.
+        scale_grad_by_freq : bool, default False
+            As in :class:`Embedding`.
+        sparse : bool, default False
             As in :class:`Embedding`.
 
         Returns
