@@ -174,12 +174,9 @@ class Optimizer:
         self._tables = _tables_of(layer, type(self).__name__)
         self._step = 0
         self._states = {
-            name: _RowState(self._names(), t.embed_dim, state_dtype(t.dtype))
+            name: _RowState(self._names_for(self._hyper), t.embed_dim, state_dtype(t.dtype))
             for name, t in self._tables.items()
         }
-
-    def _names(self) -> tuple[str, ...]:
-        return self._buffer_names
 
     # -- public face ----------------------------------------------------------
     @property
@@ -329,6 +326,7 @@ class Optimizer:
         return hyper, step, checked
 
     def _names_for(self, hyper: dict[str, Any]) -> tuple[str, ...]:
+        """The per-row buffers kept with these hyper-parameters."""
         return self._buffer_names
 
     # -- pickle: the layer and state_dict() ---------------------------------------
@@ -538,9 +536,6 @@ class SGD(Optimizer):
             "weight_decay": weight_decay,
             "nesterov": bool(nesterov),
         }
-
-    def _names(self) -> tuple[str, ...]:
-        return self._names_for(self._hyper)
 
     def _names_for(self, hyper: dict[str, Any]) -> tuple[str, ...]:
         # As torch: no momentum, no buffer.
