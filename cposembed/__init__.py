@@ -13,9 +13,13 @@ from .embedding import LearnedPositionEmbedding
 from .functional import add_positions, lookup, scatter_add
 from .layer import embed, embed_backward
 from .masks import positions_from_mask
+from .optim import SGD, Adam, AdamW
 from .token_position import TokenPositionEmbedding
 
 __all__ = [
+    "SGD",
+    "Adam",
+    "AdamW",
     "LearnedPositionEmbedding",
     "TokenPositionEmbedding",
     "__version__",

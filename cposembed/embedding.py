@@ -5,11 +5,11 @@ from __future__ import annotations
 import copyreg
 import math
 import os
-from typing import IO, Any, Union
+from typing import IO, TYPE_CHECKING, Any, Union, overload
 
 import numpy as np
 
-from . import _core, _state
+from . import _core, _state, optim
 from . import _validation as v
 from .functional import add_positions, lookup_normalised, scatter_add_marking
 
@@ -18,6 +18,9 @@ SAVE_FORMAT_VERSION = 1
 _SAVE_KIND = "cposembed.LearnedPositionEmbedding"
 # Version of the pickled state (see __getstate__).
 _PICKLE_VERSION = 1
+
+if TYPE_CHECKING:
+    from .optim import Optimizer
 
 PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 
@@ -294,12 +297,35 @@ class LearnedPositionEmbedding(_core.TableCall):
         return add_positions(token_embeddings, self._embeddings, positions, offset=offset, out=out)
 
     # -- backward ----------------------------------------------------------
-    def backward(self, grad_output: Any, positions: Any = None, *, offset: int = 0) -> np.ndarray:
+    @overload
+    def backward(
+        self, grad_output: Any, positions: Any = None, *, offset: int = 0, optimizer: None = None
+    ) -> np.ndarray: ...
+
+    @overload
+    def backward(
+        self, grad_output: Any, positions: Any = None, *, offset: int = 0, optimizer: Optimizer
+    ) -> None: ...
+
+    def backward(
+        self,
+        grad_output: Any,
+        positions: Any = None,
+        *,
+        offset: int = 0,
+        optimizer: Optimizer | None = None,
+    ) -> np.ndarray | None:
         """Accumulate the table gradient of :meth:`add_to` / ``__call__`` into :attr:`grad`.
 
         ``grad[positions[i]] += grad_output[i]`` for every ``i``, as
         :func:`cposembed.scatter_add`: deterministic (bitwise the same for any
         thread count). The ``padding_idx`` row gets no gradient.
+
+        With ``optimizer``, the backward is fused with the optimizer's step:
+        this call's gradient is summed into scratch rows (its distinct
+        positions only) and the step is applied to those rows; :attr:`grad` is
+        not touched. Tables and optimizer state end bitwise as after
+        ``zero_grad(); backward(grad_output, ...); optimizer.step()``.
 
         Parameters
         ----------
@@ -311,19 +337,26 @@ class LearnedPositionEmbedding(_core.TableCall):
             ``offset + arange(T)``.
         offset : int, default 0
             Only with ``positions=None``.
+        optimizer : SGD, Adam or AdamW, optional
+            An optimizer of this layer (:mod:`cposembed.optim`): fuse its step
+            into this backward.
 
         Returns
         -------
-        ndarray
-            :attr:`grad`.
+        ndarray or None
+            :attr:`grad`; ``None`` when fused with an optimizer.
 
         Raises
         ------
         TypeError, ValueError
             A :attr:`grad` assigned by the user that is not a writable float
-            array of the table's shape, or bad arguments (as
-            :func:`cposembed.scatter_add`); nothing is written then.
+            array of the table's shape, an optimizer of another layer, or bad
+            arguments (as :func:`cposembed.scatter_add`); nothing is written
+            then.
         """
+        if optimizer is not None:
+            optim.fused_position_backward(optimizer, self, grad_output, positions, offset)
+            return None
         grad, touched = self._grad_to_accumulate()
         scatter_add_marking(grad, grad_output, positions, offset, None, touched, self._skip_row)
         if touched is not self._touched:

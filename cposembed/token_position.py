@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
-from typing import IO, Any, Union
+from typing import IO, TYPE_CHECKING, Any, Union, overload
 
 import numpy as np
 
-from . import _state
+from . import _state, optim
 from . import _validation as v
 from .embedding import LearnedPositionEmbedding, _learning_rate, _table_dtype
 from .layer import embed, embed_backward_marking
+
+if TYPE_CHECKING:
+    from .optim import Optimizer
 
 PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 
@@ -243,10 +246,44 @@ class TokenPositionEmbedding:
             out=out,
         )
 
+    @overload
     def backward(
-        self, grad_output: Any, token_ids: Any, positions: Any = None, *, offset: int = 0
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self,
+        grad_output: Any,
+        token_ids: Any,
+        positions: Any = None,
+        *,
+        offset: int = 0,
+        optimizer: None = None,
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+
+    @overload
+    def backward(
+        self,
+        grad_output: Any,
+        token_ids: Any,
+        positions: Any = None,
+        *,
+        offset: int = 0,
+        optimizer: Optimizer,
+    ) -> None: ...
+
+    def backward(
+        self,
+        grad_output: Any,
+        token_ids: Any,
+        positions: Any = None,
+        *,
+        offset: int = 0,
+        optimizer: Optimizer | None = None,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """Accumulate both tables' gradients of :meth:`__call__` from one read of ``grad_output``.
+
+        With ``optimizer``, the backward is fused with the optimizer's step on
+        both tables: this call's gradients are summed into scratch rows (its
+        distinct token ids and positions only) and the step is applied to
+        those rows; the gradients are not touched. Tables and optimizer state
+        end bitwise as after ``zero_grad(); backward(...); optimizer.step()``.
 
         Parameters
         ----------
@@ -258,13 +295,20 @@ class TokenPositionEmbedding:
             The positions of the forward call (``None``: ``offset + arange(T)``).
         offset : int, default 0
             Only with ``positions=None``.
+        optimizer : SGD, Adam or AdamW, optional
+            An optimizer of this layer (:mod:`cposembed.optim`): fuse its step
+            into this backward.
 
         Returns
         -------
-        (ndarray, ndarray)
-            :attr:`token_grad` and :attr:`position_grad`. Bitwise the same for
-            any thread count; the ``padding_idx`` row gets no gradient.
+        (ndarray, ndarray) or None
+            :attr:`token_grad` and :attr:`position_grad` (``None`` when fused
+            with an optimizer). Bitwise the same for any thread count; the
+            ``padding_idx`` row gets no gradient.
         """
+        if optimizer is not None:
+            optim.fused_layer_backward(optimizer, self, grad_output, token_ids, positions, offset)
+            return None
         token_grad, token_touched = self._tokens._grad_to_accumulate()
         position_grad, position_touched = self._positions._grad_to_accumulate()
         embed_backward_marking(

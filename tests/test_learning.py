@@ -577,6 +577,32 @@ def test_train_function_builds_structure():
     assert result.pictures == []
 
 
+def test_train_with_sgd_and_adam_both_learn():
+    from cposembed.train import train
+
+    common = dict(steps=80, max_seq_len=32, embed_dim=16, batch_size=8, seed=1, progress=False)
+    sgd = train(optimizer="sgd", **common)
+    adam = train(optimizer="adam", **common)
+    for result in (sgd, adam):
+        assert result.similarity_after > result.similarity_before + 0.4
+        assert result.loss_last < result.loss_first
+    with pytest.raises(ValueError, match="optimizer"):
+        train(optimizer="lbfgs", **common)
+
+
+def test_train_command_takes_an_optimizer(tmp_path):
+    args = ["train", "--steps", "20", "--max-seq-len", "16", "--embed-dim", "8", "--no-progress"]
+    sgd = run_cli([*args, "--optimizer", "sgd", "--out", str(tmp_path)], cwd=tmp_path)
+    assert sgd.returncode == 0, sgd.stderr
+    assert "SGD lr 5, seed 0" in sgd.stdout
+    adam = run_cli([*args, "--out", str(tmp_path)], cwd=tmp_path)
+    assert adam.returncode == 0, adam.stderr
+    assert "Adam lr 0.01, seed 0" in adam.stdout
+    adjacent_line(adam.stdout)
+    bad = run_cli([*args, "--optimizer", "adam", "--lr", "-1"], cwd=tmp_path)
+    assert bad.returncode == 2 and "--lr" in bad.stderr
+
+
 def run_cli(args, cwd, block_matplotlib=False):
     code = "import sys\n"
     if block_matplotlib:
