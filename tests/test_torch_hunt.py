@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import pickle
 import threading
 
 import numpy as np
 import pytest
+from helpers import assert_clean_exit, run_python
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -468,3 +470,57 @@ def test_threads_training_separate_modules() -> None:
             t.join()
         results[cls] = out
     assert all(torch.equal(a, b) for a, b in zip(results[ct.Embedding], results[nn.Embedding]))
+
+
+_DDP = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+import cposembed.torch as ct
+
+def run(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    equal = {}
+    for sparse, view in ((False, True), (True, False)):
+        weights = []
+        for cls in (ct.Embedding, nn.Embedding):
+            torch.manual_seed(0)
+            model = nn.Sequential(cls(70000, 8, sparse=sparse), nn.Linear(8, 3))  # 2.1 MiB
+            ddp = DDP(model, gradient_as_bucket_view=view)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(rank)  # each rank its own rows
+            for step in range(3):
+                opt.zero_grad()
+                ddp(torch.randint(0, 70000, (4, 16), generator=g)).pow(2).sum().backward()
+                opt.step()
+            weights.append([p.detach().clone() for p in model.parameters()])
+        equal[f"sparse={sparse} view={view}"] = all(map(torch.equal, *weights))
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(equal, f)
+    sys.stdout.flush()
+    os._exit(0)
+
+if __name__ == "__main__":
+    import socket, torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = sys.argv[1]
+    mp.spawn(run, args=(2, port, out), nprocs=2, join=True)
+    print(open(out).read())
+"""
+
+
+def test_distributed_data_parallel_trains_as_nn_embedding(tmp_path) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(_DDP)
+    proc = run_python([str(script), str(tmp_path / "out.json")], timeout=300)
+    assert_clean_exit(proc)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == dict.fromkeys(result, True) and len(result) == 2, result
