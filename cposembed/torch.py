@@ -19,8 +19,10 @@ and registers the operators ``torch.ops.cposembed.lookup``, ``add_positions``,
 
 What the kernels do not cover goes to torch's own ``F.embedding``, with the
 same results: tensors on other devices (CUDA, MPS, meta), bfloat16 and
-float16 weights, ``scale_grad_by_freq=True``, and ``sparse=True`` under
-``torch.compile``.
+float16 weights, ``scale_grad_by_freq=True``, ``sparse=True`` under
+``torch.compile``, and calls traced by ``torch.jit.trace`` (so traced graphs
+hold torch's operators; ``torch.jit.script`` compiles an :class:`Embedding`
+as the ``nn.Embedding`` it is).
 """
 
 from __future__ import annotations
