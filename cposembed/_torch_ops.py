@@ -410,15 +410,40 @@ def _lookup_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _sparse_table_grad(
     grad: torch.Tensor, positions: torch.Tensor, num_rows: int, dtype: torch.dtype, pad: Any
 ) -> torch.Tensor:
-    """The gradient as a coalesced sparse COO tensor: the rows that got gradient
-    (the padding row never does), each the dense gradient's row."""
-    dense, _, touched = _marked_table_grad(grad, positions, 0, num_rows, dtype, pad)
-    rows = torch.from_numpy(np.flatnonzero(touched).astype(np.int64))
-    values = dense.index_select(0, rows)  # torch's memory, not NumPy's
-    indices = rows.unsqueeze(0)
+    """The gradient as the sparse COO tensor ``nn.Embedding``'s sparse backward
+    gives: one entry per looked-up index, in the order of ``positions``
+    (negative ones counted from the end), each that token's row of ``grad``,
+    the padding row's entries left out, uncoalesced, its values laid out as
+    ``nn.Embedding``'s (torch's sparse addition takes another route for
+    non-contiguous values). So accumulating it (several backward calls, a
+    table looked up twice) and what optimizers do with it are
+    ``nn.Embedding``'s bit for bit. The values are a copy: they share no
+    memory with ``grad``."""
+    d = grad.shape[-1]
+    rows = positions.expand(grad.shape[:-1]).reshape(-1).to(torch.int64)
+    rows = torch.where(rows < 0, rows + num_rows, rows)
+    skip = _skip_row(pad, num_rows)
+    if skip >= 0:
+        keep = rows != skip
+        rows, values = rows[keep], grad.reshape(rows.shape[0], d)[keep]  # copies
+    else:
+        # a view where it can be, as nn.Embedding's, then copied
+        values = _copy_keeping_strides(grad.reshape(rows.shape[0], d))
+    if values.numel() == 0:  # no values at all (as nn.Embedding tests it)
+        rows, values = rows[:0], values.new_empty((0, d))
     return torch.sparse_coo_tensor(
-        indices, values, (num_rows, grad.shape[-1]), is_coalesced=True, check_invariants=False
+        rows.unsqueeze(0), values.to(dtype), (num_rows, d), check_invariants=False
     )
+
+
+def _copy_keeping_strides(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in memory of its own, with ``t``'s sizes and strides
+    (an expanded tensor stays expanded): the span of memory it covers, copied."""
+    if t.is_contiguous() or t.numel() == 0:
+        return t.clone(memory_format=torch.contiguous_format)
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    own = t.as_strided((span,), (1,), t.storage_offset()).clone()
+    return own.as_strided(t.shape, t.stride())
 
 
 def _lookup_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

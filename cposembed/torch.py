@@ -19,12 +19,15 @@ and registers the operators ``torch.ops.cposembed.lookup``, ``add_positions``,
 
 What the kernels do not cover goes to torch's own ``F.embedding``, with the
 same results: tensors on other devices (CUDA, MPS, meta), bfloat16 and
-float16 weights, ``scale_grad_by_freq=True``, and ``sparse=True`` under
-``torch.compile``.
+float16 weights, ``scale_grad_by_freq=True``, ``sparse=True`` under
+``torch.compile``, and calls traced by ``torch.jit.trace`` (so traced graphs
+hold torch's operators; ``torch.jit.script`` compiles an :class:`Embedding`
+as the ``nn.Embedding`` it is).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -65,10 +68,11 @@ def _index(x: Any) -> torch.Tensor:
 
 
 def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
-    """Whether the kernels take this call (CPU, float32/float64, strided)."""
+    """Whether the kernels take this call (CPU, float32/float64, strided, 2-D,
+    not being traced by ``torch.jit.trace``, which records torch's operators)."""
     if table.device.type != "cpu" or table.dtype not in _ops.KERNEL_DTYPES:
         return False
-    if table.layout != torch.strided:
+    if table.layout != torch.strided or table.dim() != 2 or torch.jit.is_tracing():
         return False
     for i in indices:
         if i is not None and (
@@ -83,7 +87,20 @@ def _is_integer(dtype: torch.dtype) -> bool:
 
 
 def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_type: float) -> None:
-    """``max_norm``: the looked-up rows rescaled in place, as ``F.embedding`` does."""
+    """``max_norm``: the looked-up rows rescaled in place, as ``F.embedding`` does.
+
+    torch's renorm takes int32 and int64 indices only: other integer dtypes
+    are converted to int64 first (uint64 ids past int64's range are out of
+    range for any table, and are refused before any row is touched)."""
+    if indices.dtype not in (torch.int32, torch.int64):
+        ids = indices.numpy()  # torch has no comparisons of uint64
+        if indices.dtype == torch.uint64 and ids.size and ids.max() > 2**63 - 1:
+            n = weight.shape[0]
+            raise IndexError(
+                f"position {ids.max()} is out of range for a table of {n} positions "
+                f"(expected -{n} <= position < {n})"
+            )
+        indices = indices.to(torch.int64)
     with torch.no_grad():
         torch.embedding_renorm_(weight.detach(), indices.contiguous(), max_norm, norm_type)
 
@@ -108,9 +125,12 @@ def embedding(
     do not take (see the module docstring) is passed to it.
     """
     idx = _index(input)
-    if padding_idx is not None and padding_idx < 0:
-        padding_idx += weight.shape[0]
     on_kernels = _on_kernels(weight, idx) and not scale_grad_by_freq
+    if padding_idx is not None and on_kernels:
+        # Out of range, F.embedding raises its own AssertionError.
+        on_kernels = -weight.shape[0] <= padding_idx < weight.shape[0]
+        if on_kernels and padding_idx < 0:
+            padding_idx += weight.shape[0]
     if not on_kernels or (sparse and torch.compiler.is_compiling()):
         return F.embedding(
             idx, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
@@ -148,8 +168,9 @@ class Embedding(nn.Embedding):
         Each row's gradient divided by the row's count in the batch (computed
         by torch's own kernel).
     sparse : bool, default False
-        A sparse COO gradient: the rows that got gradient (coalesced), whose
-        dense form is the dense gradient, bitwise.
+        A sparse COO gradient, ``nn.Embedding``'s entry for entry (one row
+        per looked-up index, uncoalesced), whose dense form is the dense
+        gradient, bitwise.
     _weight : Tensor, optional
         Used as ``weight`` (no copy).
     _freeze : bool, default False
@@ -200,6 +221,15 @@ class Embedding(nn.Embedding):
             self.scale_grad_by_freq,
             self.sparse,
         )
+
+    def __prepare_scriptable__(self) -> nn.Embedding:
+        """What ``torch.jit.script`` compiles: this module as a plain
+        ``nn.Embedding`` (a shallow copy sharing its parameters, buffers and
+        hooks), whose forward is torch's own ``F.embedding``, with the same
+        values and gradients."""
+        plain: nn.Embedding = copy.copy(self)
+        plain.__class__ = nn.Embedding
+        return plain
 
 
 def convert_embeddings(module: nn.Module) -> nn.Module:

@@ -130,15 +130,19 @@ def test_values_and_gradients_equal_nn_embedding(dtype, kw, index_dtype) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_sparse_gradient_is_coalesced_and_its_dense_form_is_the_dense_gradient(dtype) -> None:
+def test_sparse_gradient_is_nn_embeddings_and_its_dense_form_is_the_dense_gradient(dtype) -> None:
     ours, dense = _twins(torch.randn(30, 4).to(dtype), sparse=True, padding_idx=2)
+    ref = _twins(torch.randn(30, 4).to(dtype), sparse=True, padding_idx=2)[1]
     dense.sparse = False
     ids = torch.tensor([[2, 5, 5, 29], [5, 1, 2, 0]])
     g = torch.randn(2, 4, 4, dtype=dtype)
     (grad,) = torch.autograd.grad(ours(ids), ours.weight, g)
+    (want,) = torch.autograd.grad(ref(ids), ref.weight, g)
     dense(ids).backward(g)
-    assert grad.is_sparse and grad.is_coalesced()
-    assert grad._indices().tolist() == [[0, 1, 5, 29]]  # no padding row
+    # nn.Embedding's: one entry per id, in order, no padding row, uncoalesced
+    assert grad.is_sparse and not grad.is_coalesced()
+    assert grad._indices().tolist() == want._indices().tolist() == [[5, 5, 29, 5, 1, 0]]
+    assert torch.equal(grad._values(), want._values())
     assert torch.equal(grad.to_dense(), dense.weight.grad)
     # Sparse gradients feed torch's sparse optimizers as nn.Embedding's do.
     ours.weight.grad = grad

@@ -1,0 +1,585 @@
+"""cposembed.torch under hostile input and real clients, against torch.nn.Embedding.
+
+The first part holds a regression test for each defect found by the hunt
+(each fails on the code before its fix); the rest are cases that held up,
+kept as cheap regression tests. Every value and gradient is compared bitwise
+with ``torch.nn.Embedding`` / ``F.embedding`` on the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import pickle
+import threading
+
+import numpy as np
+import pytest
+from helpers import assert_clean_exit, run_python
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+import cposembed.torch as ct  # noqa: E402
+
+# Above _torch_ops._FRESH_MIN_BYTES (2 MiB), so gradients are DLPack blocks.
+BIG = 300_000
+IDS = torch.tensor([[1, 2, 2], [0, 9, 1]])
+
+
+# torch.jit is deprecated in torch 2.13 but still works for nn.Embedding.
+jit_ok = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def _twins(n: int = 10, d: int = 3, dtype=torch.float32, **kw):
+    """A ct.Embedding and an nn.Embedding with the same weight."""
+    w = torch.randn(n, d, dtype=dtype)
+    ours = ct.Embedding(n, d, dtype=dtype, **kw)
+    ref = nn.Embedding(n, d, dtype=dtype, **kw)
+    with torch.no_grad():
+        ours.weight.copy_(w)
+        ref.weight.copy_(w)
+    return ours, ref
+
+
+def _same_sparse(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.is_sparse
+        and b.is_sparse
+        and a.is_coalesced() == b.is_coalesced()
+        and torch.equal(a._indices(), b._indices())
+        and torch.equal(a._values(), b._values())
+    )
+
+
+def _error_type(fn) -> type[BaseException] | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        return type(e)
+    return None
+
+
+# ---- defects found (each failed before its fix) -------------------------------------
+
+
+@pytest.mark.parametrize("pad", [None, 1])
+def test_sparse_gradient_is_nn_embeddings_entry_for_entry(pad) -> None:
+    ours, ref = _twins(padding_idx=pad, sparse=True)
+    ids = torch.tensor([[3, 1, 3], [4, 4, 1]])
+    g = torch.randn(2, 3, 3)
+    ours(ids).backward(g)
+    ref(ids).backward(g)
+    assert _same_sparse(ours.weight.grad, ref.weight.grad)
+    assert ours.weight.grad._values().data_ptr() != g.data_ptr()
+
+
+def test_sparse_gradient_accumulated_over_backward_calls_is_nn_embeddings() -> None:
+    # Per-call coalesced sums added up differ from nn.Embedding's (one
+    # sequential sum of every entry) in the last bits.
+    w = torch.randn(50, 4)
+    i1, i2 = torch.randint(0, 5, (200,)), torch.randint(0, 5, (200,))
+    g1, g2 = torch.randn(200, 4), torch.randn(200, 4)
+    results = []
+    for cls in (ct.Embedding, nn.Embedding):
+        e = cls.from_pretrained(w.clone(), freeze=False, sparse=True)
+        opt = torch.optim.SGD(e.parameters(), lr=0.1)
+        e(i1).backward(g1)
+        e(i2).backward(g2)
+        dense = e.weight.grad.to_dense()
+        opt.step()
+        results.append((dense, e.weight.detach().clone()))
+    (ours_g, ours_w), (ref_g, ref_w) = results
+    assert torch.equal(ours_g, ref_g)
+    assert torch.equal(ours_w, ref_w)
+
+
+def test_sparse_table_shared_with_a_dense_lookup_is_nn_embeddings() -> None:
+    results = []
+    for cls in (ct.Embedding, nn.Embedding):
+        torch.manual_seed(0)
+        a = cls(10, 3)
+        b = cls(10, 3, sparse=True)
+        b.weight = a.weight
+        a(IDS).sum().backward()
+        b(IDS).pow(2).sum().backward()
+        results.append(a.weight.grad)
+    assert torch.equal(*results)
+
+
+@jit_ok
+def test_torch_jit_script_as_nn_embedding() -> None:
+    ours, ref = _twins(padding_idx=2)
+    ct_model = torch.jit.script(nn.Sequential(ours, nn.Linear(3, 2)))
+    assert ct_model[0].weight is ours.weight  # the module's own parameter
+    out = ct_model[0](IDS)
+    assert torch.equal(out, torch.jit.script(ref)(IDS))
+    out.pow(2).sum().backward()
+    ref(IDS).pow(2).sum().backward()
+    assert torch.equal(ours.weight.grad, ref.weight.grad)
+    assert type(ours) is ct.Embedding  # scripting left the module as it was
+
+
+@jit_ok
+def test_torch_jit_trace_save_and_load_as_nn_embedding() -> None:
+    ours, ref = _twins()
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.trace(ours, IDS), buf)
+    buf.seek(0)
+    loaded = torch.jit.load(buf)
+    out = loaded(IDS)
+    assert torch.equal(out, ref(IDS))
+    out.sum().backward()
+    ref(IDS).sum().backward()
+    assert torch.equal(loaded.weight.grad, ref.weight.grad)
+
+
+@jit_ok
+def test_traced_position_modules_record_torch_operators() -> None:
+    m = ct.TokenPositionEmbedding(20, 8, 4)
+    ids = torch.tensor([[1, 2, 3]])
+    traced = torch.jit.trace(m, ids)
+    assert torch.equal(traced(ids), m(ids))
+    assert "cposembed::" not in str(traced.inlined_graph)  # aten::embedding, portable
+
+
+@pytest.mark.parametrize("shape", [(10,), (2, 10, 3), ()])
+def test_a_weight_not_2d_raises_torchs_error(shape) -> None:
+    w = torch.randn(shape)
+    assert _error_type(lambda: ct.embedding(IDS, w)) is RuntimeError
+    ours, ref = _twins()
+    ours.weight = ref.weight = nn.Parameter(w)
+    assert _error_type(lambda: ours(IDS)) is _error_type(lambda: ref(IDS)) is not None
+
+
+@pytest.mark.parametrize("pad", [10, -11, 12])
+def test_functional_padding_idx_out_of_range_raises_as_f_embedding(pad) -> None:
+    w = torch.randn(10, 3, requires_grad=True)
+    assert _error_type(lambda: F.embedding(IDS, w, padding_idx=pad)) is AssertionError
+    # -11 was taken as -1 (row 9) without a word
+    assert _error_type(lambda: ct.embedding(IDS, w, padding_idx=pad)) is AssertionError
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int8, torch.uint8, torch.int16, torch.uint16, torch.uint32, torch.uint64]
+)
+def test_max_norm_takes_every_integer_index_dtype(dtype) -> None:
+    w = torch.randn(10, 3) * 5
+    ours = ct.Embedding.from_pretrained(w.clone(), max_norm=1.0, freeze=False)
+    ref = nn.Embedding.from_pretrained(w.clone(), max_norm=1.0, freeze=False)
+    ids = torch.tensor([1, 3, 3, 7], dtype=dtype)
+    out = ours(ids)
+    assert torch.equal(out, ref(ids.long()))
+    assert torch.equal(ours.weight, ref.weight)
+    out.sum().backward()
+    ref(ids.long()).sum().backward()
+    assert torch.equal(ours.weight.grad, ref.weight.grad)
+
+
+def test_max_norm_refuses_uint64_ids_past_int64_before_touching_a_row() -> None:
+    w = torch.randn(10, 3) * 5
+    e = ct.Embedding.from_pretrained(w.clone(), max_norm=1.0)
+    for v in (2**64 - 1, 2**63):  # -1 and int64's minimum as int64
+        with pytest.raises(IndexError):
+            e(torch.tensor([1, v], dtype=torch.uint64))
+    assert torch.equal(e.weight, w)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="gradients of 2 MiB and more are DLPack memory, whose storage torch cannot resize",
+)
+def test_a_large_gradient_can_be_resized_as_nn_embeddings() -> None:
+    e = ct.Embedding(BIG, 8)
+    e(IDS).sum().backward()
+    e.weight.grad.resize_(BIG + 1, 8)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="forward outputs are NumPy memory (the output pool) handed to torch.from_numpy, "
+    "whose storage torch cannot resize",
+)
+def test_a_forward_output_can_be_resized_as_nn_embeddings() -> None:
+    e = ct.Embedding(10, 3)
+    with torch.no_grad():
+        out = e(IDS)
+    out.resize_(50, 3)
+
+
+# ---- held up: errors, shapes and index forms ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        torch.tensor(3),
+        torch.tensor([], dtype=torch.long),
+        torch.empty(0, 5, dtype=torch.long),
+        torch.tensor([1, 2, 3, 4]).view(2, 2).t(),
+        torch.tensor([1]).expand(4, 3),
+        torch.arange(10).flip(0),
+        torch.arange(20)[::2] % 10,
+        torch.tensor([[1, 2, 2]], dtype=torch.int32),
+    ],
+    ids=["0d", "empty", "empty2d", "transposed", "expanded", "flipped", "strided", "int32"],
+)
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"padding_idx": -1}, {"max_norm": 0.5}, {"sparse": True}, {"dtype": torch.float64}],
+    ids=["plain", "pad", "max_norm", "sparse", "f64"],
+)
+def test_index_forms_equal_nn_embedding(ids, kw) -> None:
+    ours, ref = _twins(**kw)
+    out, want = ours(ids), ref(ids)
+    assert out.shape == want.shape and out.dtype == want.dtype and torch.equal(out, want)
+    g = torch.randn_like(out)
+    out.backward(g)
+    want.backward(g)
+    a, b = ours.weight.grad, ref.weight.grad
+    assert _same_sparse(a, b) if b.is_sparse else torch.equal(a, b)
+    assert torch.equal(ours.weight, ref.weight)  # max_norm renormalised the same rows
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([10]), torch.tensor([-11]), torch.tensor([2**40])])
+def test_out_of_range_ids_raise_index_error(ids) -> None:
+    ours, ref = _twins()
+    assert _error_type(lambda: ours(ids)) is _error_type(lambda: ref(ids)) is IndexError
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([1.0]), torch.tensor([True])])
+def test_non_integer_ids_raise_as_nn_embedding(ids) -> None:
+    ours, ref = _twins()
+    assert _error_type(lambda: ours(ids)) is _error_type(lambda: ref(ids)) is RuntimeError
+
+
+def test_no_grad_inference_mode_and_frozen_weights() -> None:
+    ours, ref = _twins()
+    with torch.no_grad():
+        assert not ours(IDS).requires_grad
+    with torch.inference_mode():
+        out = ours(IDS)
+        inf_ids = IDS.clone()
+    assert out.is_inference() and torch.equal(out, ref(IDS))
+    # inference ids cannot be saved for backward outside the mode, in either
+    assert _error_type(lambda: ours(inf_ids)) is _error_type(lambda: ref(inf_ids)) is RuntimeError
+    with torch.no_grad():
+        assert torch.equal(ours(inf_ids), ref(inf_ids))
+    ours.weight.requires_grad_(False)
+    assert ours(IDS).grad_fn is None
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(4, 10).t(),
+        lambda: torch.randn(10, 8)[:, 2:6],
+        lambda: torch.randn(1, 4).expand(10, 4),
+        lambda: torch.randn(10, 4)._neg_view(),
+    ],
+    ids=["transposed", "column-view", "expanded", "neg-view"],
+)
+def test_strided_weights_equal_nn_embedding(make) -> None:
+    w = make()
+    ours = ct.Embedding.from_pretrained(w, freeze=False)
+    ref = nn.Embedding.from_pretrained(w, freeze=False)
+    assert torch.equal(ours(IDS), ref(IDS))
+    g = torch.randn(2, 3, 4)
+    ours(IDS).backward(g)
+    ref(IDS).backward(g)
+    assert torch.equal(ours.weight.grad, ref.weight.grad)
+    assert ours.weight.grad.stride() == ref.weight.grad.stride()
+
+
+def test_weight_view_of_a_bigger_leaf_and_replaced_weight() -> None:
+    grads = []
+    for cls in (ct.Embedding, nn.Embedding):
+        torch.manual_seed(1)
+        big = torch.randn(10, 8)
+        e = cls.from_pretrained(big[:, 2:6], freeze=False)  # a Parameter viewing big
+        (e(IDS) * torch.arange(4.0)).sum().backward()
+        view_grad = e.weight.grad
+        e.weight = nn.Parameter(torch.randn(20, 5, dtype=torch.float64))
+        e(IDS + 10).pow(2).sum().backward()
+        grads.append((view_grad, e.weight.grad, e.weight.grad.dtype == torch.float64))
+    (a, b, f64), (c, d, _) = grads
+    assert torch.equal(a, c) and torch.equal(b, d) and f64
+
+
+# ---- held up: autograd features -----------------------------------------------------
+
+
+def test_hooks_retain_graph_allow_unused_and_create_graph() -> None:
+    results = []
+    for cls in (ct.Embedding, nn.Embedding):
+        torch.manual_seed(0)
+        e = cls(10, 3)
+        seen: list[torch.Tensor] = []
+        e.weight.register_hook(lambda g: g * 2)
+        e.weight.register_post_accumulate_grad_hook(
+            lambda p, seen=seen: seen.append(p.grad.clone())
+        )
+        loss = e(IDS).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        x = torch.randn(3, requires_grad=True)
+        unused = torch.autograd.grad(e(IDS).sum(), [e.weight, x], allow_unused=True)
+        (g,) = torch.autograd.grad(e(IDS).pow(3).sum(), e.weight, create_graph=True)
+        (gg,) = torch.autograd.grad(g.pow(2).sum(), e.weight)
+        results.append([*seen, e.weight.grad, unused[0], gg])
+        assert unused[1] is None
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_torch_func_vmap_over_weights_and_indices() -> None:
+    import torch.func as tf
+
+    ours, ref = _twins(dtype=torch.float64)
+    ws = torch.randn(3, 10, 3, dtype=torch.float64)
+    idss = torch.stack([IDS, IDS.flip(1), IDS % 3])
+    for fn in (
+        lambda m: tf.vmap(lambda w: tf.functional_call(m, {"weight": w}, (IDS,)))(ws),
+        lambda m: tf.vmap(m)(idss),
+        lambda m: tf.vmap(m, in_dims=1)(IDS),
+        lambda m: tf.vmap(lambda w, i: tf.functional_call(m, {"weight": w}, (i,)))(ws, idss),
+        lambda m: tf.vmap(
+            tf.grad(lambda w, i: tf.functional_call(m, {"weight": w}, (i,)).pow(2).sum()),
+            in_dims=(None, 0),
+        )(m.weight.detach(), idss),
+    ):
+        assert torch.equal(fn(ours), fn(ref))
+
+
+def test_gradcheck_with_forward_ad_and_batched_grad() -> None:
+    e = ct.Embedding(5, 2, dtype=torch.float64)
+    ids = torch.tensor([1, 1, 4, 3])
+    w = e.weight.detach().clone().requires_grad_()
+    f = lambda w: torch.func.functional_call(e, {"weight": w}, (ids,))  # noqa: E731
+    assert torch.autograd.gradcheck(f, (w,), check_forward_ad=True, check_batched_grad=True)
+    assert torch.autograd.gradgradcheck(f, (w,))
+
+
+def test_torch_export_with_dynamic_shapes() -> None:
+    ours, ref = _twins()
+    dims = ({0: torch.export.Dim("b"), 1: torch.export.Dim("t")},)
+    ep = torch.export.export(ours, (IDS,), dynamic_shapes=dims)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(ep.module()(ids), ref(ids))
+
+
+def test_saved_tensor_hooks_batched_grads_and_parametrizations() -> None:
+    import torch.nn.utils.parametrize as parametrize
+
+    class Double(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w * 2
+
+    results = []
+    for cls in (ct.Embedding, nn.Embedding):
+        torch.manual_seed(0)
+        e = cls(BIG, 3)
+        with torch.autograd.graph.save_on_cpu():
+            e(IDS).pow(2).sum().backward()
+        out = e(IDS)
+        batched = torch.autograd.grad(
+            out, e.weight, torch.randn(3, *out.shape), is_grads_batched=True
+        )[0]
+        p = cls(10, 3)
+        parametrize.register_parametrization(p, "weight", Double())
+        p(IDS).pow(2).sum().backward()
+        results.append((e.weight.grad, batched, p.parametrizations.weight.original.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+# ---- held up: modules as objects, gradient memory, optimizers, threads --------------
+
+
+def _copies(m: nn.Module) -> list[nn.Module]:
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return [copy.deepcopy(m), pickle.loads(pickle.dumps(m)), torch.load(buf, weights_only=False)]
+
+
+def test_deepcopy_pickle_and_torch_save_with_gradients() -> None:
+    ours, ref = _twins(n=BIG, d=4, padding_idx=2)
+    ours(IDS).sum().backward()
+    ref(IDS).sum().backward()
+    for twin, ref_twin in zip(_copies(ours), _copies(ref)):
+        assert type(twin) is ct.Embedding and twin.padding_idx == 2
+        assert (twin.weight.grad is None) == (ref_twin.weight.grad is None)
+        twin(IDS).pow(2).sum().backward()
+        ref_twin(IDS).pow(2).sum().backward()
+        assert torch.equal(twin.weight.grad, ref_twin.weight.grad)
+    assert torch.equal(ours.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.parametrize("kind", ["view", "storage", "numpy", "dlpack", "memoryview", "int-view"])
+def test_memory_held_through_any_referent_is_never_written_again(kind) -> None:
+    e = ct.Embedding(BIG, 4)
+    e(IDS).sum().backward()
+    referents = {
+        "view": lambda g: g[1:3],
+        "storage": lambda g: g.untyped_storage(),
+        "numpy": lambda g: g.numpy(),
+        "dlpack": lambda g: np.from_dlpack(g),
+        "memoryview": lambda g: memoryview(g.numpy()),
+        "int-view": lambda g: g.view(torch.int32),
+    }
+    ref = referents[kind](e.weight.grad)
+
+    def snapshot() -> bytes:
+        if kind == "storage":
+            return torch.empty(0, dtype=torch.uint8).set_(ref).numpy().tobytes()
+        return np.array(ref.numpy() if isinstance(ref, torch.Tensor) else ref, copy=True).tobytes()
+
+    before = snapshot()
+    for k in range(6):
+        e.weight.grad = None
+        e(IDS * 3 + k).pow(2).sum().backward()
+    assert snapshot() == before
+
+
+def test_collective_like_writes_to_grad_between_steps() -> None:
+    results = []
+    for cls in (ct.Embedding, nn.Embedding):
+        torch.manual_seed(0)
+        e = cls(BIG, 4)
+        opt = torch.optim.SGD(e.parameters(), lr=0.1)
+        for k in range(3):
+            opt.zero_grad(set_to_none=(k % 2 == 0))
+            e(IDS + k).pow(2).sum().backward()
+            e.weight.grad.mul_(0.5).add_(1.0)  # every element written, as all_reduce does
+            opt.step()
+        results.append(e.weight.detach())
+    assert torch.equal(*results)
+
+
+@pytest.mark.parametrize("name", ["adam_fused", "adamw_foreach", "sgd_foreach"])
+def test_dense_optimizers_with_a_tied_head_and_clipping(name) -> None:
+    make = {
+        "adam_fused": lambda p: torch.optim.Adam(p, fused=True),
+        "adamw_foreach": lambda p: torch.optim.AdamW(p, foreach=True),
+        "sgd_foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
+    }[name]
+    results = []
+    for cls in (ct.Embedding, nn.Embedding):
+        torch.manual_seed(0)
+        e = cls(BIG, 4)
+        head = nn.Linear(4, BIG, bias=False)
+        head.weight = e.weight  # tied, as GPT-2's lm_head
+        opt = make(list(e.parameters()))
+        for k in range(2):
+            opt.zero_grad(set_to_none=k == 0)
+            head(e(IDS + k)).logsumexp(-1).sum().backward()
+            torch.nn.utils.clip_grad_norm_(e.parameters(), 0.5)
+            opt.step()
+        results.append(e.weight.detach())
+    assert torch.equal(*results)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "sparse_adam", "adagrad"])
+def test_sparse_optimizers_with_two_backward_calls_per_step(name) -> None:
+    make = {
+        "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "sparse_adam": lambda p: torch.optim.SparseAdam(p, lr=0.1),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+    }[name]
+    results = []
+    for cls in (ct.Embedding, nn.Embedding):
+        torch.manual_seed(0)
+        e = cls(10, 3, sparse=True)
+        opt = make(list(e.parameters()))
+        for k in range(3):
+            opt.zero_grad()
+            e(IDS % 9 + k % 2).pow(2).sum().backward()
+            e(IDS).sum().backward()
+            opt.step()
+        results.append(e.weight.detach())
+    assert torch.equal(*results)
+
+
+def test_threads_training_separate_modules() -> None:
+    idss = [
+        torch.randint(0, BIG, (4, 32), generator=torch.Generator().manual_seed(k)) for k in range(3)
+    ]
+    results = {}
+    for cls in (ct.Embedding, nn.Embedding):
+        torch.manual_seed(0)
+        mods = [cls(BIG, 4) for _ in range(3)]
+        out: list[torch.Tensor | None] = [None] * 3
+
+        def work(k: int, mods=mods, out=out) -> None:
+            for s in range(3):
+                mods[k].weight.grad = None
+                (mods[k](idss[k]) * (s + 1)).pow(2).sum().backward()
+            out[k] = mods[k].weight.grad
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results[cls] = out
+    assert all(torch.equal(a, b) for a, b in zip(results[ct.Embedding], results[nn.Embedding]))
+
+
+_DDP = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+import cposembed.torch as ct
+
+def run(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    equal = {}
+    for sparse, view in ((False, True), (True, False)):
+        weights = []
+        for cls in (ct.Embedding, nn.Embedding):
+            torch.manual_seed(0)
+            model = nn.Sequential(cls(70000, 8, sparse=sparse), nn.Linear(8, 3))  # 2.1 MiB
+            ddp = DDP(model, gradient_as_bucket_view=view)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(rank)  # each rank its own rows
+            for step in range(3):
+                opt.zero_grad()
+                ddp(torch.randint(0, 70000, (4, 16), generator=g)).pow(2).sum().backward()
+                opt.step()
+            weights.append([p.detach().clone() for p in model.parameters()])
+        equal[f"sparse={sparse} view={view}"] = all(map(torch.equal, *weights))
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(equal, f)
+    sys.stdout.flush()
+    os._exit(0)
+
+if __name__ == "__main__":
+    import socket, torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = sys.argv[1]
+    mp.spawn(run, args=(2, port, out), nprocs=2, join=True)
+    print(open(out).read())
+"""
+
+
+def test_distributed_data_parallel_trains_as_nn_embedding(tmp_path) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(_DDP)
+    proc = run_python([str(script), str(tmp_path / "out.json")], timeout=300)
+    assert_clean_exit(proc)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == dict.fromkeys(result, True) and len(result) == 2, result
