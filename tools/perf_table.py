@@ -61,6 +61,10 @@ ROWS: dict[tuple[str, str], tuple[str, str]] = {
         "`ct.TokenPositionEmbedding` fwd + bwd, GPT-2 sizes",
         "two `nn.Embedding`",
     ),
+    ("torch converted nn.Embedding fwd+bwd", "torch nn.Embedding fwd+bwd"): (
+        "`convert_embeddings`: GPT-2's `wte` fwd + bwd",
+        "the unconverted `nn.Embedding`",
+    ),
 }
 
 
