@@ -37,6 +37,7 @@ cdef extern from *:
     #if CPOSEMBED_OPENMP_ENABLED && !defined(_WIN32)
     #define CPE_TEAM 1
     #include <pthread.h>
+    #include <sched.h>
     #include <signal.h>
     #include <time.h>
     #else
@@ -54,10 +55,14 @@ cdef extern from *:
         Py_ssize_t next;
     } cpe_job;
 
-    static void cpe_job_run(cpe_job *job) {
-        Py_ssize_t c;
-        while ((c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n_chunks)
+    /* Runs chunks until none is left; returns how many it ran. */
+    static Py_ssize_t cpe_job_run(cpe_job *job) {
+        Py_ssize_t c, done = 0;
+        while ((c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n_chunks) {
             job->fn(job->arg, c);
+            done++;
+        }
+        return done;
     }
 
     #if CPE_TEAM
@@ -85,6 +90,16 @@ cdef extern from *:
     static int cpe_max_helpers = 0;         /* set from the CPU count */
     static int cpe_refused = 0;             /* the OS refused a thread: start no more */
     static long cpe_spin_ns = 20000;        /* how long an idle thread spins before sleeping */
+    /* After a call that took longer with helpers than it would have alone,
+     * calls run on their callers alone until cpe_serial_until (ns,
+     * CLOCK_MONOTONIC): for cpe_backoff_ns, doubled while such calls keep
+     * coming (up to CPE_BACKOFF_MAX), back to CPE_BACKOFF_MIN once they stop. */
+    #define CPE_BACKOFF_MIN 20000000L
+    #define CPE_BACKOFF_MAX 2000000000L
+    static long cpe_serial_until = 0;
+    static long cpe_backoff_ns = CPE_BACKOFF_MIN;
+    static long cpe_last_loss = 0;
+    static long cpe_losses = 0;
     static pthread_mutex_t cpe_pool_mu = PTHREAD_MUTEX_INITIALIZER;
 
     static inline int cpe_ld(int *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -139,6 +154,16 @@ cdef extern from *:
 
     static void *cpe_helper_main(void *arg) {
         cpe_helper *h = (cpe_helper *)arg;
+    #if defined(__linux__) && defined(SCHED_BATCH)
+        /* A helper's wake-up never preempts the thread running where it
+         * lands (SCHED_BATCH: no wake-up preemption; same share of the CPU
+         * otherwise): on a busy machine the scheduler may put a woken
+         * helper on its caller's CPU, and a caller preempted by its own
+         * helper waits behind every other runnable task there. */
+        struct sched_param param;
+        param.sched_priority = 0;
+        pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+    #endif
         for (;;) {
             int s = cpe_ld(&h->state);
             if (s == H_ASSIGNED) {
@@ -193,6 +218,32 @@ cdef extern from *:
         return n;
     }
 
+    /* A call that took `took` ns with helpers, where its caller ran `mine`
+     * of n_chunks chunks in `work` ns: if alone it would have been clearly
+     * faster (its chunks at the caller's pace, plus a margin), calls run
+     * alone for a while. A helper its CPU gives no time to in the middle
+     * of a chunk holds its caller up for as long as the scheduler keeps
+     * it off (milliseconds on a busy machine): this is how the team learns
+     * that the machine is busy. */
+    static void cpe_judge(long took, long work, Py_ssize_t mine, Py_ssize_t n_chunks,
+                          long now) {
+        double alone;
+        if (mine <= 0) return;
+        alone = (double)work / (double)mine * (double)n_chunks;
+        if ((double)took <= 1.1 * alone + 10000.0) return;
+        pthread_mutex_lock(&cpe_pool_mu);
+        if (now - cpe_last_loss < 4 * cpe_backoff_ns) {
+            cpe_backoff_ns *= 2;
+            if (cpe_backoff_ns > CPE_BACKOFF_MAX) cpe_backoff_ns = CPE_BACKOFF_MAX;
+        } else {
+            cpe_backoff_ns = CPE_BACKOFF_MIN;
+        }
+        cpe_last_loss = now;
+        cpe_losses++;
+        __atomic_store_n(&cpe_serial_until, now + cpe_backoff_ns, __ATOMIC_RELAXED);
+        pthread_mutex_unlock(&cpe_pool_mu);
+    }
+
     static void cpe_give_back(const int *got, int n) {
         int i;
         pthread_mutex_lock(&cpe_pool_mu);
@@ -218,6 +269,9 @@ cdef extern from *:
         cpe_n_idle = 0;
         cpe_n_started = 0;
         cpe_refused = 0;
+        cpe_serial_until = 0;
+        cpe_backoff_ns = CPE_BACKOFF_MIN;
+        cpe_last_loss = 0;
     }
     static void cpe_team_init(void) {
         pthread_atfork(cpe_fork_prepare, cpe_fork_parent, cpe_fork_child);
@@ -229,6 +283,7 @@ cdef extern from *:
     }
     static int cpe_team_started(void) { return cpe_n_started; }
     static int cpe_team_refused(void) { return cpe_refused; }
+    static long cpe_team_losses(void) { return cpe_losses; }
     static void cpe_team_set_spin(long ns) { cpe_spin_ns = ns < 0 ? 0 : ns; }
     static long cpe_team_spin(void) { return cpe_spin_ns; }
     /* For tests: as if the OS had refused (or again allowed) new threads. */
@@ -248,6 +303,8 @@ cdef extern from *:
     #if CPE_TEAM
         int got[CPE_MAX_HELPERS];
         int i, want = n_threads - 1;
+        long t_start = 0, t_work = 0, t_end;
+        Py_ssize_t mine;
     #endif
         job.fn = fn;
         job.arg = arg;
@@ -256,17 +313,27 @@ cdef extern from *:
     #if CPE_TEAM
         if (want > n_chunks - 1) want = (int)(n_chunks - 1);
         if (want > CPE_MAX_HELPERS) want = CPE_MAX_HELPERS;
+        if (want > 0) {
+            t_start = cpe_now_ns();
+            if (t_start < __atomic_load_n(&cpe_serial_until, __ATOMIC_RELAXED)) want = 0;
+        }
         if (want > 0) n_got = cpe_borrow(got, want);
-        for (i = 0; i < n_got; i++) {
-            cpe_helpers[got[i]].job = &job;
-            cpe_set(&cpe_helpers[got[i]], H_ASSIGNED, H_FREE_SLEEP);
+        if (n_got) {
+            for (i = 0; i < n_got; i++) {
+                cpe_helpers[got[i]].job = &job;
+                cpe_set(&cpe_helpers[got[i]], H_ASSIGNED, H_FREE_SLEEP);
+            }
+            t_work = cpe_now_ns();
+            mine = cpe_job_run(&job);
+            t_work = cpe_now_ns() - t_work;
+            for (i = 0; i < n_got; i++) cpe_finish(&cpe_helpers[got[i]]);
+            cpe_give_back(got, n_got);
+            t_end = cpe_now_ns();
+            cpe_judge(t_end - t_start, t_work, mine, n_chunks, t_end);
+            return n_got;
         }
     #endif
         cpe_job_run(&job);
-    #if CPE_TEAM
-        for (i = 0; i < n_got; i++) cpe_finish(&cpe_helpers[got[i]]);
-        if (n_got) cpe_give_back(got, n_got);
-    #endif
         return n_got;
     }
     #if !CPE_TEAM
@@ -274,6 +341,7 @@ cdef extern from *:
     static void cpe_team_set_max(int n) { (void)n; }
     static int cpe_team_started(void) { return 0; }
     static int cpe_team_refused(void) { return 0; }
+    static long cpe_team_losses(void) { return 0; }
     static void cpe_team_set_spin(long ns) { (void)ns; }
     static long cpe_team_spin(void) { return 0; }
     static void cpe_team_set_refused(int refused) { (void)refused; }
@@ -286,14 +354,17 @@ cdef extern from *:
     void cpe_team_set_max(int n) noexcept nogil
     int cpe_team_started() noexcept nogil
     int cpe_team_refused() noexcept nogil
+    long cpe_team_losses() noexcept nogil
     void cpe_team_set_spin(long ns) noexcept nogil
     long cpe_team_spin() noexcept nogil
     void cpe_team_set_refused(int refused) noexcept nogil
 
 cpe_team_init()
 
-# Below this many elements of work a call runs on one thread: waking an
-# OpenMP team costs a few microseconds, about what copying this much takes.
+# Every thread of a call gets at least this many elements of work (below
+# twice this a call runs on its caller alone): waking a helper costs a few
+# microseconds, about what copying this much takes, and so does setting up
+# a scatter-add's chunks.
 SERIAL_THRESHOLD = 1 << 16
 # Outputs at least this large are written with streaming (non-temporal)
 # stores: far beyond what the caches keep, so reading each line in before
@@ -377,8 +448,9 @@ cdef int _explicit_threads(object num_threads) noexcept:
 
 
 cdef int _threads_for(object num_threads, Py_ssize_t work, Py_ssize_t chunks) noexcept:
-    # Threads for a call of `work` element operations in `chunks` pieces,
-    # or 0 when num_threads is invalid. Called by the entries with the GIL
+    # Threads for a call of `work` element operations in `chunks` pieces
+    # (at most one per piece, and per _SERIAL_BELOW elements), or 0 when
+    # num_threads is invalid. Called by the entries with the GIL
     # held, right before the kernel runs. Small work does not read the
     # default at all (it runs on one thread whatever the default is).
     global _went_parallel, _last_team
@@ -393,6 +465,8 @@ cdef int _threads_for(object num_threads, Py_ssize_t work, Py_ssize_t chunks) no
         n = 1
     elif chunks < n:
         n = <int>chunks if chunks > 1 else 1
+    if n > 1 and _SERIAL_BELOW > 0 and work // _SERIAL_BELOW < n:
+        n = <int>(work // _SERIAL_BELOW)
     if n > 1:
         _went_parallel = True
     _last_team = n
@@ -461,9 +535,12 @@ def went_parallel():
 
 def team_info():
     """The team's state: a dict of the helper threads started in this
-    process, the most it may start, and whether the OS refused one."""
+    process, the most it may start, whether the OS refused one, and how
+    many calls took longer with helpers than they would have alone (each
+    sends the following calls to their callers alone for a while)."""
     return {"started": cpe_team_started(), "max": _OVERSUBSCRIBE * _cpus - 1
-            if CPOSEMBED_OPENMP_ENABLED else 0, "refused": bool(cpe_team_refused())}
+            if CPOSEMBED_OPENMP_ENABLED else 0, "refused": bool(cpe_team_refused()),
+            "losses": cpe_team_losses()}
 
 
 def set_team_spin(long ns):

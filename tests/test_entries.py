@@ -156,7 +156,9 @@ def _expected_team(num_threads, work, chunks):
     if n <= 1 or work < serial_below:
         return 1
     if chunks < n:
-        return chunks if chunks > 1 else 1
+        n = chunks if chunks > 1 else 1
+    if n > 1 and serial_below > 0:
+        n = min(n, work // serial_below)
     return n
 
 
