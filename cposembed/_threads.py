@@ -33,6 +33,7 @@ def _cpu_limit() -> int:
 # practically never changes while a process runs.
 _core.set_cpu_limit(_cpu_limit())
 
+
 # The CPUs may differ in a forked child (os.sched_setaffinity before the
 # fork, or a child moved to another cpuset): read them again there. The
 # team itself starts a child with no helper threads (src_c/_team.pxi).
