@@ -12,13 +12,14 @@
 # batch) and positions that repeat along leading axes run without
 # materialising N indices.
 #
-# On more than one thread, work is split into chunks that the team
-# (_team.pxi, cpe_team_run) hands to whichever thread is free: contiguous
-# blocks of output rows, or, in the scatter-adds, ranges of table rows that
-# one chunk owns. A chunk that streams its stores ends with a store fence
-# (see _stream.h). Each chunk's job is a struct (LookupJob, ...) and a
-# function of (job, chunk number) that calls the fused block function for
-# the job's dtype.
+# On more than one thread, a kernel first borrows helpers from the team
+# (_team.pxi, cpe_crew_borrow); with none it takes its one-thread path.
+# Else its work is split into chunks that cpe_crew_run hands to whichever
+# thread is free: contiguous blocks of output rows, or, in the scatter-adds,
+# ranges of table rows that one chunk owns. A chunk that streams its stores
+# ends with a store fence (see _stream.h). Each kernel's job is a struct
+# (RowJob, ...) and a function of (job, chunk number) that calls the fused
+# block function for the job's dtype.
 
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
@@ -245,7 +246,11 @@ cdef void _lookup(const real_t* table, const int64_t* rows, real_t* out, Py_ssiz
     # is prefetched only from a table beyond the L2 cache (rows read at
     # random from memory); a smaller one is in cache already.
     cdef RowJob job
+    cdef cpe_crew crew
     cdef int prefetch = L * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
+    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(n, per)
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
         _lookup_block(table, rows, out, 0, n, d, stream, prefetch)
         return
@@ -254,11 +259,11 @@ cdef void _lookup(const real_t* table, const int64_t* rows, real_t* out, Py_ssiz
     job.out = out
     job.n = n
     job.d = d
-    job.per = _per_chunk(d, _CHUNK_ELEMS)
+    job.per = per
     job.stream = stream
     job.flag = prefetch
     job.f64 = real_t is double
-    cpe_team_run(_lookup_chunk, &job, _chunks_of(n, job.per), n_threads)
+    cpe_crew_run(&crew, _lookup_chunk, &job, n_chunks)
 
 
 cdef void _lookup_chunk(void* arg, Py_ssize_t c) noexcept nogil:
@@ -297,6 +302,10 @@ cdef void _add(const real_t* tokens, const real_t* table, const int64_t* rows, r
                int in_place) noexcept nogil:
     # out[i, :] = tokens[i, :] + table[rows[i % m], :] for i < N, on n_threads.
     cdef RowJob job
+    cdef cpe_crew crew
+    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(N, per)
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
         _add_block(tokens, table, rows, out, 0, N, m, d, stream, in_place)
         return
@@ -307,11 +316,11 @@ cdef void _add(const real_t* tokens, const real_t* table, const int64_t* rows, r
     job.n = N
     job.m = m
     job.d = d
-    job.per = _per_chunk(d, _CHUNK_ELEMS)
+    job.per = per
     job.stream = stream
     job.flag = in_place
     job.f64 = real_t is double
-    cpe_team_run(_add_chunk, &job, _chunks_of(N, job.per), n_threads)
+    cpe_crew_run(&crew, _add_chunk, &job, n_chunks)
 
 
 cdef void _add_chunk(void* arg, Py_ssize_t c) noexcept nogil:
@@ -676,8 +685,9 @@ cdef void _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
     # input order by one chunk; `scratch`: _scatter_scratch_bytes of it.
     cdef ScatterScratch s
     cdef ScatterJob job
+    cdef cpe_crew crew
     cdef int c = _scatter_chunks(n_threads)
-    cdef Py_ssize_t n_chunks = c
+    cdef Py_ssize_t n_chunks = c, per = _per_chunk(nb * d, _SCATTER_CHUNK_ELEMS)
     s.row_start = scratch
     s.order = s.row_start + (L + 1)
     s.bounds = s.order + m
@@ -685,13 +695,14 @@ cdef void _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
     s.q_fill = s.q_start + (c + 1)
     if _count_rows(rows, m, L, s.row_start) and (plan == PLAN_AUTO or plan == PLAN_DISTINCT):
         plan = PLAN_DISTINCT
+        n_chunks = _chunks_of(m, per)
     else:
         _prefix_rows(L, s.row_start)
-        # The plan by each thread's share of the table; then the chunks.
+        # The plan by each thread's share of the table.
         _owner_bounds(s.row_start, L, n_threads, s.bounds)
         plan = _choose_plan(plan, s.row_start, L, m, s.bounds, d, sizeof(real_t), n_threads)
-        if n_threads > 1:
-            _owner_bounds(s.row_start, L, c, s.bounds)
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
         if plan == PLAN_DISTINCT:
             _sum_distinct(grad, g, rows, 0, m, nb, m, d)
@@ -711,17 +722,19 @@ cdef void _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
     job.m = m
     job.nb = nb
     job.d = d
-    job.per = 1
+    job.per = per
     job.plan = plan
     job.f64 = real_t is double
-    if plan == PLAN_DISTINCT:
-        job.per = _per_chunk(nb * d, _SCATTER_CHUNK_ELEMS)
-        n_chunks = _chunks_of(m, job.per)
-    elif plan == PLAN_SCAN:
-        _group_by_owner(rows, m, s.row_start, c, s.bounds, s.q_start, s.q_fill, s.order)
-    else:
-        _sort_by_row(rows, m, L, s.row_start, s.order)
-    cpe_team_run(_scatter_chunk, &job, n_chunks, n_threads)
+    if plan != PLAN_DISTINCT:
+        # The chunks: ranges of table rows, for the threads the call has.
+        c = _scatter_chunks(n_threads)
+        n_chunks = c
+        _owner_bounds(s.row_start, L, c, s.bounds)
+        if plan == PLAN_SCAN:
+            _group_by_owner(rows, m, s.row_start, c, s.bounds, s.q_start, s.q_fill, s.order)
+        else:
+            _sort_by_row(rows, m, L, s.row_start, s.order)
+    cpe_crew_run(&crew, _scatter_chunk, &job, n_chunks)
 
 
 # ---- SGD ---------------------------------------------------------------------
@@ -768,6 +781,10 @@ cdef void _sgd_rows(real_t* table, const real_t* grad, const int64_t* rows, Py_s
                     Py_ssize_t d, real_t step, int n_threads) noexcept nogil:
     # The update of the n distinct rows `rows`; each chunk owns its rows.
     cdef SgdJob job
+    cdef cpe_crew crew
+    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(n, per)
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
         _sgd_block(table, grad, rows, 0, n, d, step)
         return
@@ -776,10 +793,10 @@ cdef void _sgd_rows(real_t* table, const real_t* grad, const int64_t* rows, Py_s
     job.rows = rows
     job.n = n
     job.d = d
-    job.per = _per_chunk(d, _CHUNK_ELEMS)
+    job.per = per
     job.step = step
     job.f64 = real_t is double
-    cpe_team_run(_sgd_chunk, &job, _chunks_of(n, job.per), n_threads)
+    cpe_crew_run(&crew, _sgd_chunk, &job, n_chunks)
 
 
 cdef void _sgd_block(real_t* table, const real_t* grad, const int64_t* rows,
@@ -837,7 +854,11 @@ cdef void _embed(const real_t* tokens, const int64_t* ids, Py_ssize_t V,
     # than the caches, so the next one is prefetched into L1 and the one
     # _AHEAD rows on into L2.
     cdef RowJob job
+    cdef cpe_crew crew
     cdef int prefetch = V * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
+    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(N, per)
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
         _embed_block(tokens, ids, table, rows, out, 0, N, m, d, stream, prefetch)
         return
@@ -849,11 +870,11 @@ cdef void _embed(const real_t* tokens, const int64_t* ids, Py_ssize_t V,
     job.n = N
     job.m = m
     job.d = d
-    job.per = _per_chunk(d, _CHUNK_ELEMS)
+    job.per = per
     job.stream = stream
     job.flag = prefetch
     job.f64 = real_t is double
-    cpe_team_run(_embed_chunk, &job, _chunks_of(N, job.per), n_threads)
+    cpe_crew_run(&crew, _embed_chunk, &job, n_chunks)
 
 
 cdef void _embed_chunk(void* arg, Py_ssize_t c) noexcept nogil:
@@ -985,15 +1006,21 @@ cdef void _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
     # order, every g[i] that either of its rows needs: with two chunks about
     # 1.5 reads of g in all. `scratch`: _pair_scratch_bytes of it.
     cdef Py_ssize_t i
-    cdef int c = _PAIR_CHUNKS_PER_THREAD * n_threads
+    cdef int c
     cdef PairJob job
+    cdef cpe_crew crew
     cdef int64_t* bounds
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, n_threads)
     if n_threads <= 1:
         for i in range(N):
             _acc2_row(gtok + ids[i] * d, gpos + rows[i % m] * d, g + i * d,
                       g + (i + 1) * d if i + 1 < N else NULL, NULL,
                       gtok + ids[i + _AHEAD] * d if i + _AHEAD < N else NULL, d)
         return
+    # The chunks for the threads the call has (the scratch holds those of
+    # the threads it asked for).
+    c = _PAIR_CHUNKS_PER_THREAD * n_threads
     job.tok_owner = scratch
     job.pos_owner = scratch + (V + 1)
     bounds = scratch + (V + 1) + (L + 1)
@@ -1009,4 +1036,4 @@ cdef void _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
     job.m = m
     job.d = d
     job.f64 = real_t is double
-    cpe_team_run(_pair_chunk, &job, c, n_threads)
+    cpe_crew_run(&crew, _pair_chunk, &job, c)

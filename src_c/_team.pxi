@@ -10,7 +10,7 @@
 # pieces of work.
 #
 # The kernels do not enter OpenMP parallel regions: a call's work runs on
-# the package's own team (cpe_team_run below). The calling thread splits its
+# the package's own team (cpe_crew_borrow, cpe_crew_run below). The calling thread splits its
 # work into chunks and starts on them at once; helpers it could borrow from a
 # fixed set of package-owned threads take chunks too, claimed one at a time
 # from an atomic counter, so a helper that its core gives no time to simply
@@ -294,47 +294,62 @@ cdef extern from *:
     }
     #endif
 
-    /* Runs fn(arg, c) for c < n_chunks on the caller and up to n_threads - 1
-     * borrowed helpers; returns the helpers it had. Without the GIL. */
-    static int cpe_team_run(cpe_chunk_fn fn, void *arg, Py_ssize_t n_chunks,
-                            int n_threads) {
-        cpe_job job;
-        int n_got = 0;
+    /* The helpers one call has borrowed (cpe_crew_borrow), until it has run
+     * its chunks with them (cpe_crew_run gives them back). */
+    #define CPE_CREW_MAX 64
+    typedef struct {
+        int n;
+        int got[CPE_CREW_MAX];
+    } cpe_crew;
+
+    /* Borrows up to n_threads - 1 idle helpers for a call; returns the
+     * threads the call has, its caller included (1: run alone, nothing to
+     * give back). None while the team learns the machine is busy. Without
+     * the GIL. */
+    static int cpe_crew_borrow(cpe_crew *crew, int n_threads) {
+        crew->n = 0;
     #if CPE_TEAM
-        int got[CPE_MAX_HELPERS];
-        int i, want = n_threads - 1;
-        long t_start = 0, t_work = 0, t_end;
-        Py_ssize_t mine;
+        {
+            int want = n_threads - 1;
+            if (want > CPE_CREW_MAX) want = CPE_CREW_MAX;
+            if (want > 0 &&
+                cpe_now_ns() >= __atomic_load_n(&cpe_serial_until, __ATOMIC_RELAXED))
+                crew->n = cpe_borrow(crew->got, want);
+        }
     #endif
+        return 1 + crew->n;
+    }
+
+    /* Runs fn(arg, c) for c < n_chunks on the caller and its crew, each
+     * chunk on whichever is free, then gives the crew back. */
+    static void cpe_crew_run(cpe_crew *crew, cpe_chunk_fn fn, void *arg,
+                             Py_ssize_t n_chunks) {
+        cpe_job job;
         job.fn = fn;
         job.arg = arg;
         job.n_chunks = n_chunks;
         job.next = 0;
     #if CPE_TEAM
-        if (want > n_chunks - 1) want = (int)(n_chunks - 1);
-        if (want > CPE_MAX_HELPERS) want = CPE_MAX_HELPERS;
-        if (want > 0) {
-            t_start = cpe_now_ns();
-            if (t_start < __atomic_load_n(&cpe_serial_until, __ATOMIC_RELAXED)) want = 0;
-        }
-        if (want > 0) n_got = cpe_borrow(got, want);
-        if (n_got) {
-            for (i = 0; i < n_got; i++) {
-                cpe_helpers[got[i]].job = &job;
-                cpe_set(&cpe_helpers[got[i]], H_ASSIGNED, H_FREE_SLEEP);
+        if (crew->n > 0) {
+            int i;
+            long t_start = cpe_now_ns(), t_work, t_end;
+            Py_ssize_t mine;
+            for (i = 0; i < crew->n; i++) {
+                cpe_helpers[crew->got[i]].job = &job;
+                cpe_set(&cpe_helpers[crew->got[i]], H_ASSIGNED, H_FREE_SLEEP);
             }
             t_work = cpe_now_ns();
             mine = cpe_job_run(&job);
             t_work = cpe_now_ns() - t_work;
-            for (i = 0; i < n_got; i++) cpe_finish(&cpe_helpers[got[i]]);
-            cpe_give_back(got, n_got);
+            for (i = 0; i < crew->n; i++) cpe_finish(&cpe_helpers[crew->got[i]]);
+            cpe_give_back(crew->got, crew->n);
+            crew->n = 0;
             t_end = cpe_now_ns();
             cpe_judge(t_end - t_start, t_work, mine, n_chunks, t_end);
-            return n_got;
+            return;
         }
     #endif
         cpe_job_run(&job);
-        return n_got;
     }
     #if !CPE_TEAM
     static void cpe_team_init(void) {}
@@ -348,8 +363,11 @@ cdef extern from *:
     #endif
     """
     ctypedef void (*cpe_chunk_fn)(void* arg, Py_ssize_t chunk) noexcept nogil
-    int cpe_team_run(cpe_chunk_fn fn, void* arg, Py_ssize_t n_chunks,
-                     int n_threads) noexcept nogil
+    ctypedef struct cpe_crew:
+        pass
+    int cpe_crew_borrow(cpe_crew* crew, int n_threads) noexcept nogil
+    void cpe_crew_run(cpe_crew* crew, cpe_chunk_fn fn, void* arg,
+                      Py_ssize_t n_chunks) noexcept nogil
     void cpe_team_init() noexcept nogil
     void cpe_team_set_max(int n) noexcept nogil
     int cpe_team_started() noexcept nogil

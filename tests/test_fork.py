@@ -202,11 +202,15 @@ def test_fork_after_another_library_used_libgomp():
 @needs_openmp
 def test_fork_while_other_threads_run_kernels():
     """Forks while two other threads keep running kernels on the team: whatever
-    the helpers were doing at the fork, the child's team starts clean."""
+    the helpers were doing at the fork, the child's team starts clean. (Every
+    module the loop needs is imported first: a child forked while another
+    thread imports a module waits for that import's lock forever, in any
+    Python program.)"""
     proc = _run(
         CHILD_THREADS
         + textwrap.dedent("""
         import threading
+        assert check(run_all(2)) and check(run_all(None))
         stop = threading.Event()
         failures = []
 
