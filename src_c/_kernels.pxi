@@ -108,7 +108,7 @@ cdef enum:
 # reads every gradient row its rows need, so more would read more).
 cdef enum:
     _SCATTER_CHUNK_ELEMS = 524288
-    _CHUNKS_PER_THREAD = 4
+    _CHUNKS_PER_THREAD = 2
     _PAIR_CHUNKS_PER_THREAD = 1
 
 

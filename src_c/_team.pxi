@@ -37,7 +37,6 @@ cdef extern from *:
     #if CPOSEMBED_OPENMP_ENABLED && !defined(_WIN32)
     #define CPE_TEAM 1
     #include <pthread.h>
-    #include <sched.h>
     #include <signal.h>
     #include <time.h>
     #else
@@ -154,16 +153,6 @@ cdef extern from *:
 
     static void *cpe_helper_main(void *arg) {
         cpe_helper *h = (cpe_helper *)arg;
-    #if defined(__linux__) && defined(SCHED_BATCH)
-        /* A helper's wake-up never preempts the thread running where it
-         * lands (SCHED_BATCH: no wake-up preemption; same share of the CPU
-         * otherwise): on a busy machine the scheduler may put a woken
-         * helper on its caller's CPU, and a caller preempted by its own
-         * helper waits behind every other runnable task there. */
-        struct sched_param param;
-        param.sched_priority = 0;
-        pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
-    #endif
         for (;;) {
             int s = cpe_ld(&h->state);
             if (s == H_ASSIGNED) {
