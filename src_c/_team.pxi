@@ -54,14 +54,11 @@ cdef extern from *:
         Py_ssize_t next;
     } cpe_job;
 
-    /* Runs chunks until none is left; returns how many it ran. */
-    static Py_ssize_t cpe_job_run(cpe_job *job) {
-        Py_ssize_t c, done = 0;
-        while ((c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n_chunks) {
+    /* Runs chunks until none is left. */
+    static void cpe_job_run(cpe_job *job) {
+        Py_ssize_t c;
+        while ((c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n_chunks)
             job->fn(job->arg, c);
-            done++;
-        }
-        return done;
     }
 
     #if CPE_TEAM
@@ -110,6 +107,29 @@ cdef extern from *:
         clock_gettime(CLOCK_MONOTONIC, &ts);
         return (long)ts.tv_sec * 1000000000L + ts.tv_nsec;
     }
+    /* What a caller's own chunks took: how many, their sum and the
+     * longest (ns). */
+    typedef struct {
+        Py_ssize_t n;
+        long sum, longest;
+    } cpe_pace;
+
+    /* cpe_job_run, timing each chunk. */
+    static void cpe_job_run_timed(cpe_job *job, cpe_pace *pace) {
+        Py_ssize_t c;
+        long t0 = cpe_now_ns(), t1;
+        pace->n = 0;
+        pace->sum = pace->longest = 0;
+        while ((c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n_chunks) {
+            job->fn(job->arg, c);
+            t1 = cpe_now_ns();
+            pace->n++;
+            pace->sum += t1 - t0;
+            if (t1 - t0 > pace->longest) pace->longest = t1 - t0;
+            t0 = t1;
+        }
+    }
+
     static inline void cpe_pause(void) {
     #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
@@ -207,18 +227,23 @@ cdef extern from *:
         return n;
     }
 
-    /* A call that took `took` ns with helpers, where its caller ran `mine`
-     * of n_chunks chunks in `work` ns: if alone it would have been clearly
-     * faster (its chunks at the caller's pace, plus a margin), calls run
-     * alone for a while. A helper its CPU gives no time to in the middle
-     * of a chunk holds its caller up for as long as the scheduler keeps
-     * it off (milliseconds on a busy machine): this is how the team learns
-     * that the machine is busy. */
-    static void cpe_judge(long took, long work, Py_ssize_t mine, Py_ssize_t n_chunks,
-                          long now) {
+    /* A call that took `took` ns with helpers, where its caller ran its
+     * own chunks at `pace`: if alone it would have been clearly faster (all
+     * n_chunks at the caller's pace, plus a margin), calls run alone for a
+     * while. The pace leaves out the caller's longest chunk, where the
+     * scheduler most likely took its CPU away. A helper its CPU gives no
+     * time to in the middle of a chunk holds its caller up for as long as
+     * the scheduler keeps it off, and a caller its own helper displaces
+     * waits as long (milliseconds on a busy machine): this is how the team
+     * learns that the machine is busy. */
+    static void cpe_judge(long took, const cpe_pace *pace, Py_ssize_t n_chunks, long now) {
         double alone;
-        if (mine <= 0) return;
-        alone = (double)work / (double)mine * (double)n_chunks;
+        if (pace->n <= 0) return;
+        if (pace->n == 1)
+            alone = (double)pace->sum * (double)n_chunks;
+        else
+            alone = (double)(pace->sum - pace->longest) / (double)(pace->n - 1)
+                    * (double)n_chunks;
         if ((double)took <= 1.1 * alone + 10000.0) return;
         pthread_mutex_lock(&cpe_pool_mu);
         if (now - cpe_last_loss < 4 * cpe_backoff_ns) {
@@ -321,20 +346,18 @@ cdef extern from *:
     #if CPE_TEAM
         if (crew->n > 0) {
             int i;
-            long t_start = cpe_now_ns(), t_work, t_end;
-            Py_ssize_t mine;
+            long t_start = cpe_now_ns(), t_end;
+            cpe_pace pace;
             for (i = 0; i < crew->n; i++) {
                 cpe_helpers[crew->got[i]].job = &job;
                 cpe_set(&cpe_helpers[crew->got[i]], H_ASSIGNED, H_FREE_SLEEP);
             }
-            t_work = cpe_now_ns();
-            mine = cpe_job_run(&job);
-            t_work = cpe_now_ns() - t_work;
+            cpe_job_run_timed(&job, &pace);
             for (i = 0; i < crew->n; i++) cpe_finish(&cpe_helpers[crew->got[i]]);
             cpe_give_back(crew->got, crew->n);
             crew->n = 0;
             t_end = cpe_now_ns();
-            cpe_judge(t_end - t_start, t_work, mine, n_chunks, t_end);
+            cpe_judge(t_end - t_start, &pace, n_chunks, t_end);
             return;
         }
     #endif
