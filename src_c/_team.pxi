@@ -9,23 +9,30 @@
 # Then, per call: small work runs on one thread, and no more threads than
 # pieces of work.
 #
-# The kernels do not enter OpenMP parallel regions: a call's work runs on
-# the package's own team (cpe_crew_borrow, cpe_crew_run below). The calling thread splits its
-# work into chunks and starts on them at once; helpers it could borrow from a
-# fixed set of package-owned threads take chunks too, claimed one at a time
-# from an atomic counter, so a helper that its core gives no time to simply
-# takes fewer chunks (or none). What a chunk covers is fixed by the kernel
-# (each table row lies in one chunk and sums its contributions in input
-# order), so only which thread runs a chunk varies, never a result. The caller
-# waits only for helpers that have started a chunk; one that has not is
-# called off. Helpers spin briefly after their last chunk (back-to-back calls
-# find them awake), then sleep on a condition variable: an idle helper does
-# not take the CPU another process needs. The set of helpers is bounded
-# (_OVERSUBSCRIBE times the CPUs, less one), however many Python threads call
-# at once: a caller finding no helper free runs on its own. Helpers are
-# started on first need; if the OS refuses one, the call runs with those it
-# has (serially with none) and no more are tried. A forked child starts
-# with no helpers (pthread_atfork) and starts its own when it needs them.
+# The kernels do not enter OpenMP parallel regions (libgomp keeps a pool of
+# threads per calling thread, and exits the process when it cannot start
+# one): a call's work runs on the package's own team. A kernel planned on
+# n threads first borrows up to n - 1 idle helpers from one fixed set of
+# package-owned threads (cpe_crew_borrow); with none free it takes its
+# one-thread path. Else it splits its work into chunks and its caller starts
+# on them at once while the helpers are woken (cpe_crew_run); every thread
+# claims chunks one at a time from an atomic counter, so a helper that its
+# CPU gives no time to simply takes fewer chunks (or none). What a chunk
+# covers is fixed by the kernel (each table row lies in one chunk and sums
+# its contributions in input order), so only which thread runs a chunk
+# varies, never a result. The caller waits only for helpers that have
+# started a chunk; one that has not is called off. Helpers spin briefly
+# after their last chunk (back-to-back calls find them awake), then sleep on
+# a condition variable; a caller waiting for a helper's last chunk does the
+# same: a waiting thread does not take the CPU another process needs. A call
+# that took clearly longer with helpers than its caller alone would have
+# taken (a helper or the caller lost its CPU to another process midway)
+# sends the calls of the next 20 ms to 2 s to their callers alone (cpe_judge).
+# The set of helpers is bounded (_OVERSUBSCRIBE times the CPUs, less one),
+# however many Python threads call at once. Helpers are started on first
+# need; if the OS refuses one, the call runs with those it has (serially
+# with none) and no more are started. A forked child starts with no helpers
+# (pthread_atfork) and starts its own when it needs them.
 
 from libc.stdlib cimport getenv
 
