@@ -64,8 +64,12 @@ cdef extern from *:
     /* Runs chunks until none is left. */
     static void cpe_job_run(cpe_job *job) {
         Py_ssize_t c;
+    #if CPE_TEAM
         while ((c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n_chunks)
             job->fn(job->arg, c);
+    #else
+        for (c = job->next; c < job->n_chunks; c++) job->fn(job->arg, c);
+    #endif
     }
 
     #if CPE_TEAM
@@ -97,11 +101,11 @@ cdef extern from *:
      * calls run on their callers alone until cpe_serial_until (ns,
      * CLOCK_MONOTONIC): for cpe_backoff_ns, doubled while such calls keep
      * coming (up to CPE_BACKOFF_MAX), back to CPE_BACKOFF_MIN once they stop. */
-    #define CPE_BACKOFF_MIN 20000000L
-    #define CPE_BACKOFF_MAX 2000000000L
-    static long cpe_serial_until = 0;
-    static long cpe_backoff_ns = CPE_BACKOFF_MIN;
-    static long cpe_last_loss = 0;
+    #define CPE_BACKOFF_MIN 20000000LL
+    #define CPE_BACKOFF_MAX 2000000000LL
+    static long long cpe_serial_until = 0;
+    static long long cpe_backoff_ns = CPE_BACKOFF_MIN;
+    static long long cpe_last_loss = 0;
     static long cpe_losses = 0;
     static pthread_mutex_t cpe_pool_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -109,22 +113,22 @@ cdef extern from *:
     static inline int cpe_cas(int *p, int from, int to) {
         return __atomic_compare_exchange_n(p, &from, to, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
     }
-    static inline long cpe_now_ns(void) {
+    static inline long long cpe_now_ns(void) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
-        return (long)ts.tv_sec * 1000000000L + ts.tv_nsec;
+        return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
     }
     /* What a caller's own chunks took: how many, their sum and the
      * longest (ns). */
     typedef struct {
         Py_ssize_t n;
-        long sum, longest;
+        long long sum, longest;
     } cpe_pace;
 
     /* cpe_job_run, timing each chunk. */
     static void cpe_job_run_timed(cpe_job *job, cpe_pace *pace) {
         Py_ssize_t c;
-        long t0 = cpe_now_ns(), t1;
+        long long t0 = cpe_now_ns(), t1;
         pace->n = 0;
         pace->sum = pace->longest = 0;
         while ((c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n_chunks) {
@@ -147,13 +151,13 @@ cdef extern from *:
 
     /* Spins while h->state == v, for at most cpe_spin_ns; the state last seen. */
     static int cpe_spin_while(cpe_helper *h, int v) {
-        long t0 = 0;
+        long long t0 = 0;
         unsigned k = 0;
         int s;
         while ((s = cpe_ld(&h->state)) == v) {
             cpe_pause();
             if ((++k & 63) == 0) {
-                long t = cpe_now_ns();
+                long long t = cpe_now_ns();
                 if (t0 == 0) t0 = t;
                 else if (t - t0 > cpe_spin_ns) break;
             }
@@ -243,7 +247,8 @@ cdef extern from *:
      * the scheduler keeps it off, and a caller its own helper displaces
      * waits as long (milliseconds on a busy machine): this is how the team
      * learns that the machine is busy. */
-    static void cpe_judge(long took, const cpe_pace *pace, Py_ssize_t n_chunks, long now) {
+    static void cpe_judge(long long took, const cpe_pace *pace, Py_ssize_t n_chunks,
+                          long long now) {
         double alone;
         if (pace->n <= 0) return;
         if (pace->n == 1)
@@ -353,7 +358,7 @@ cdef extern from *:
     #if CPE_TEAM
         if (crew->n > 0) {
             int i;
-            long t_start = cpe_now_ns(), t_end;
+            long long t_start = cpe_now_ns(), t_end;
             cpe_pace pace;
             for (i = 0; i < crew->n; i++) {
                 cpe_helpers[crew->got[i]].job = &job;
