@@ -100,6 +100,7 @@ def effective_num_threads(num_threads: int | None, work: int, chunks: int) -> in
 
     The rules every entry applies: ``num_threads`` (or the default), capped
     (an explicit request at four times the CPUs), one thread for small work,
-    and no more threads than chunks.
+    no more threads than chunks, and at least ``SERIAL_THRESHOLD`` elements
+    per thread. (A call may run on fewer: the helpers it can borrow.)
     """
     return int(_core.team(check_num_threads(num_threads), work, chunks))
