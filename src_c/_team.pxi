@@ -25,8 +25,8 @@
 # after their last chunk (back-to-back calls find them awake), then sleep on
 # a condition variable; a caller waiting for a helper's last chunk does the
 # same: a waiting thread does not take the CPU another process needs. A call
-# that took clearly longer with helpers than its caller alone would have
-# taken (a helper or the caller lost its CPU to another process midway)
+# that its helpers did not make clearly faster than its caller alone would
+# have been (a helper or the caller lost its CPU to another process midway)
 # sends the calls of the next 20 ms to 2 s to their callers alone (cpe_judge).
 # The set of helpers is bounded (_OVERSUBSCRIBE times the CPUs, less one),
 # however many Python threads call at once. Helpers are started on first
@@ -239,10 +239,11 @@ cdef extern from *:
     }
 
     /* A call that took `took` ns with helpers, where its caller ran its
-     * own chunks at `pace`: if alone it would have been clearly faster (all
-     * n_chunks at the caller's pace, plus a margin), calls run alone for a
-     * while. The pace leaves out the caller's longest chunk, where the
-     * scheduler most likely took its CPU away. A helper its CPU gives no
+     * own chunks at `pace`: unless the helpers made it at least 10 % and
+     * 5 us faster than its caller alone would have been (all n_chunks at
+     * the caller's pace), calls run alone for a while. The pace leaves out
+     * the caller's longest chunk, where the scheduler most likely took its
+     * CPU away. A helper its CPU gives no
      * time to in the middle of a chunk holds its caller up for as long as
      * the scheduler keeps it off, and a caller its own helper displaces
      * waits as long (milliseconds on a busy machine): this is how the team
@@ -256,7 +257,7 @@ cdef extern from *:
         else
             alone = (double)(pace->sum - pace->longest) / (double)(pace->n - 1)
                     * (double)n_chunks;
-        if ((double)took <= 1.1 * alone + 10000.0) return;
+        if ((double)took <= 0.9 * alone - 5000.0) return;
         pthread_mutex_lock(&cpe_pool_mu);
         if (now - cpe_last_loss < 4 * cpe_backoff_ns) {
             cpe_backoff_ns *= 2;
