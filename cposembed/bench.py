@@ -31,34 +31,26 @@ targets (set for the full sizes) say nothing: it reports them as
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 import timeit
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import _membench, _state, _threads
-from ._threads import set_num_threads
 from .embedding import LearnedPositionEmbedding
 from .functional import add_positions, lookup, scatter_add
 from .layer import embed, embed_backward
 from .reference import LearnedPositionEmbedding as ReferenceEmbedding
 
 OURS = "cposembed"
-
-# The sizes (B, T) of the contention group, and its training run's steps.
-CONTENTION_SIZES = ((8, 16), (8, 128), (32, 1024))
-CONTENTION_TRAIN_STEPS = 30
 
 # Targets of issue 3: (op, contender) -> the largest acceptable
 # time(cposembed) / time(contender). Reported as ok/MISS, never asserted.
@@ -108,15 +100,6 @@ TARGETS: dict[tuple[str, str], float] = {
     ("torch layer fwd+bwd", "torch 2 x nn.Embedding fwd+bwd"): 0.2,
     ("torch layer fwd, no_grad", "torch 2 x nn.Embedding fwd"): 0.2,
     ("torch converted nn.Embedding fwd+bwd", "torch nn.Embedding fwd+bwd"): 0.3,
-    # Threads on a busy machine (issue 18): default threads against one, idle
-    # and with one CPU-bound process of the bench's own beside them.
-    **{
-        (f"contention {load}: {op} ({b}, {t}, d)", "1 thread"): limit
-        for load, limit in (("idle", 1.05), ("busy", 1.2))
-        for op in ("add_positions", "scatter_add")
-        for b, t in CONTENTION_SIZES
-    },
-    ("contention busy: train", "1 thread"): 1.2,
 }
 
 # The names --only takes, in the order the comparisons run (threads_* only
@@ -140,7 +123,6 @@ GROUP_NAMES = (
     "embed_alloc",
     "embed_backward",
     "torch_layer",
-    "contention",
 )
 
 
@@ -164,37 +146,6 @@ class Group:
     note: str = ""
     # Microsecond calls: timed in batches of calls (_time_tiny), not one by one.
     tiny: bool = False
-    # Timed with a CPU-bound process of its own running beside (busy_process).
-    busy: bool = False
-
-
-# The busy process: pure Python arithmetic (no memory traffic to speak of),
-# which also ends by itself if the bench dies before it can kill it (its
-# parent changes).
-_BUSY_CODE = (
-    "import os\n"
-    "parent = os.getppid()\n"
-    "while os.getppid() == parent:\n"
-    "    for _ in range(100000):\n"
-    "        pass\n"
-)
-
-
-@contextlib.contextmanager
-def busy_process() -> Iterator[subprocess.Popen[bytes]]:
-    """A CPU-bound child process for the block, killed at its end."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _BUSY_CODE],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(0.2)  # past its start-up, into the loop
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _progress(msg: str) -> None:
@@ -837,61 +788,6 @@ def build_groups(
             ),
         ]
 
-    def g_contention() -> list[Group]:
-        # Default threads (num_threads=None) against one thread, idle and
-        # busy, for add_positions and scatter_add of random positions at
-        # sizes from tiny to large, then a short training run as a whole.
-        from .train import train
-
-        def versus_one(run: Callable[..., Any], nbytes: int) -> list[Contender]:
-            return [
-                Contender(OURS, lambda: run(num_threads=None), nbytes),
-                Contender("1 thread", lambda: run(num_threads=1), nbytes),
-            ]
-
-        def run_train(num_threads: int | None) -> None:
-            set_num_threads(num_threads)
-            try:
-                train(steps=CONTENTION_TRAIN_STEPS, progress=False)
-            finally:
-                set_num_threads(None)
-
-        # The table holds the largest T (a --quick run's table may not).
-        Lc = max(L, max(t for _, t in CONTENTION_SIZES))
-        table = rng.standard_normal((Lc, d)).astype(dt)
-        made = []
-        note = f"table {Lc} x {d}, default threads vs num_threads=1"
-        for load in ("idle", "busy"):
-            for b, t in CONTENTION_SIZES:
-                x = rng.standard_normal((b, t, d)).astype(dt)
-                pos = rng.integers(0, Lc, size=(b, t), dtype=np.int64)
-                runs = {
-                    "add_positions": functools.partial(
-                        add_positions, x, table, out=np.empty_like(x)
-                    ),
-                    "scatter_add": functools.partial(scatter_add, np.zeros_like(table), x, pos),
-                }
-                for op, run in runs.items():
-                    made.append(
-                        Group(
-                            f"contention {load}: {op} ({b}, {t}, d)",
-                            versus_one(run, x.nbytes),
-                            note,
-                            busy=load == "busy",
-                        )
-                    )
-        train_note = f"cposembed.train.train(steps={CONTENTION_TRAIN_STEPS}), default settings"
-        for load in ("idle", "busy"):
-            made.append(
-                Group(
-                    f"contention {load}: train",
-                    versus_one(run_train, 0),
-                    train_note,
-                    busy=load == "busy",
-                )
-            )
-        return made
-
     groups: list[tuple[str, Callable[[], Group | list[Group]]]] = [
         ("lookup", g_lookup),
         ("pe_alloc", g_pe_alloc),
@@ -915,7 +811,6 @@ def build_groups(
         ("embed_alloc", g_embed_alloc),
         ("embed_backward", g_embed_backward),
         ("torch_layer", g_torch_layer),
-        ("contention", g_contention),
     ]
     return groups
 
@@ -1271,11 +1166,10 @@ def main(argv: list[str] | None = None) -> int:
                 _progress(f"      {g.op}: not compared ({no_torch})")
                 done.append(g)
                 continue
-            with busy_process() if g.busy else contextlib.nullcontext():
-                if g.tiny:
-                    _time_tiny(g, args.repeats)
-                else:
-                    _time_group(g, args.repeats)
+            if g.tiny:
+                _time_tiny(g, args.repeats)
+            else:
+                _time_group(g, args.repeats)
             ours = next(c for c in g.contenders if c.name == OURS)
             others = ", ".join(
                 f"{c.name} {ours.median / c.median:.3f}" for c in g.contenders if c is not ours
