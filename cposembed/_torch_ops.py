@@ -22,11 +22,11 @@ registrations (what ``torch.compile`` traces) and by the
 (``jvp``: Dynamo does not trace a custom ``jvp``, so the modules use these
 classes only in eager mode).
 
-**Gradient memory.** Every table gradient is new memory that nothing else
-holds, and nothing here touches it after it is returned. Large gradients
-come from an anonymous ``mmap``: the OS hands the pages out zeroed, and only
-the pages holding rows that the scatter-add writes are ever faulted in,
-instead of ``torch.zeros`` writing every page of a vocabulary-sized table.
+**Gradient memory.** Every table gradient is memory that nothing else
+holds, and nothing here touches it after it is returned. Gradients of 2 MiB
+or more are blocks handed to torch through DLPack (:func:`fresh_zeros`,
+``_core.zeroed_dlpack``): fresh zero pages from the OS, or a block that torch
+has freed, zeroed whole before it is handed out again.
 """
 
 from __future__ import annotations
@@ -107,11 +107,11 @@ def fresh_zeros(n_rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     """A new zeroed ``(n_rows, d)`` tensor that nothing else refers to, and
     the same memory as an ndarray (for the kernel to write; drop it after).
 
-    Large ones are anonymous private memory from the OS, handed to torch
-    through DLPack (``_core.zeroed_dlpack``): zero until written, a page
-    faulted in only when a row on it is first written, and given back to
-    the OS by a C deleter (no GIL needed) when torch frees the last tensor
-    using it.
+    Large ones are handed to torch through DLPack (``_core.zeroed_dlpack``):
+    anonymous private memory from the OS, zero until written, or a block
+    torch has already freed, zeroed whole. When torch frees the last tensor
+    using it, a C deleter (no GIL needed, so never waiting on Python while
+    autograd holds its locks) keeps the block or gives it back to the OS.
     """
     np_dtype = _numpy_dtype(dtype)
     if n_rows * d * np_dtype.itemsize < _FRESH_MIN_BYTES:
