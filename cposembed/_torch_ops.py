@@ -748,6 +748,18 @@ class EmbedBackwardFn(torch.autograd.Function):
 # ---- the calls: autograd functions in eager mode, the operators when compiling ----
 
 
+def _route(op: Any, fn: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """A call of ``op``'s arguments: through ``fn`` in eager mode, through the
+    operator itself (its registered autograd) when Dynamo is tracing."""
+
+    def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return op(*args)
+        return fn.apply(*args)
+
+    return call
+
+
 def lookup(table: Any, positions: Any, padding_idx: int | None = None, sparse: bool = False) -> Any:
     """``table[positions]``, differentiable (``sparse``: a sparse gradient, eager only)."""
     if torch.compiler.is_compiling():
@@ -755,27 +767,9 @@ def lookup(table: Any, positions: Any, padding_idx: int | None = None, sparse: b
     return LookupFn.apply(table, positions, padding_idx, sparse)
 
 
-def add_positions(*args: Any) -> Any:
-    """``tok + table[positions]``: the ``add_positions`` operator's arguments."""
-    if torch.compiler.is_compiling():
-        return ops.add_positions(*args)
-    return AddPositionsFn.apply(*args)
-
-
-def embed(*args: Any) -> Any:
-    """``token_table[token_ids] + position_table[positions]``: the ``embed`` operator's arguments."""
-    if torch.compiler.is_compiling():
-        return ops.embed(*args)
-    return EmbedFn.apply(*args)
-
-
-def table_grad(*args: Any) -> Any:
-    if torch.compiler.is_compiling():
-        return ops.table_grad(*args)
-    return TableGradFn.apply(*args)
-
-
-def embed_backward(*args: Any) -> Any:
-    if torch.compiler.is_compiling():
-        return ops.embed_backward(*args)
-    return EmbedBackwardFn.apply(*args)
+# tok + table[positions]; token_table[token_ids] + position_table[positions];
+# and the two backward operators: each with its operator's arguments.
+add_positions = _route(ops.add_positions, AddPositionsFn)
+embed = _route(ops.embed, EmbedFn)
+table_grad = _route(ops.table_grad, TableGradFn)
+embed_backward = _route(ops.embed_backward, EmbedBackwardFn)
