@@ -52,7 +52,7 @@ from .reference import LearnedPositionEmbedding as ReferenceEmbedding
 
 OURS = "cposembed"
 
-# Targets of issue 3: (op, contender) -> the largest acceptable
+# Targets: (op, contender) -> the largest acceptable
 # time(cposembed) / time(contender). Reported as ok/MISS, never asserted.
 TARGETS: dict[tuple[str, str], float] = {
     ("lookup(out=)", "limit: streaming fill"): 1.1,
@@ -90,13 +90,13 @@ TARGETS: dict[tuple[str, str], float] = {
     ("backward vs scatter_add (4, 100, d)", "scatter_add"): 1.3,
     ("backward vs scatter_add (B, T, d)", "scatter_add"): 1.3,
     ("decode batched: add_to((8,1,d), pos (8,1))", "numpy tok + table[pos]"): 1.0,
-    # The whole input layer (issue 11), GPT-2 sizes, Zipf-like token ids.
+    # The whole input layer, GPT-2 sizes, Zipf-like token ids.
     ("embed(out=)", "limit: streaming fill"): 1.15,
     ("embed(out=)", "torch index_select(out=) + add_"): 0.4,
     ("embed", "numpy wte[ids] + wpe[:T]"): 0.15,
     ("embed_backward", "limit: read once"): 1.8,
     ("embed_backward", "torch index_add_ + batch sum"): 0.35,
-    # PyTorch layers (issue 12): cposembed.torch against two nn.Embedding modules.
+    # PyTorch layers: cposembed.torch against nn.Embedding modules.
     ("torch layer fwd+bwd", "torch 2 x nn.Embedding fwd+bwd"): 0.2,
     ("torch layer fwd, no_grad", "torch 2 x nn.Embedding fwd"): 0.2,
     ("torch converted nn.Embedding fwd+bwd", "torch nn.Embedding fwd+bwd"): 0.3,

@@ -117,7 +117,7 @@ def test_summary_counts_mismatches():
     )
 
 
-# -- bench: the comparisons of issue 10 --------------------------------------------
+# -- bench: the class comparisons (add_to with explicit positions, backward, tiny calls) --
 NEW_OPS = {
     "add_to_explicit": [f"add_to explicit ({b}, {t}, d)" for b, t in [(4, 1), (32, 1), (4, 100)]],
     "backward_vs_scatter": [
