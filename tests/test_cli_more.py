@@ -287,6 +287,8 @@ def test_the_threads_exception_is_printed_with_its_rule(capsys):
     op = "threads: lookup(out=)"
     within = _group(op, ("cposembed", 1.116), ("1 thread", 1.0), ("limit: streaming fill", 1.05))
     beyond = _group(op, ("cposembed", 1.116), ("1 thread", 1.0), ("limit: streaming fill", 0.5))
+    for g in (within, beyond):
+        g.contenders[1].target = 0.8  # the target sits on its contender
     assert bench._judge(within, 1.116, 0.8) == (True, "ok (ours/limit 1.06)")
     assert bench._judge(beyond, 1.116, 0.8) == (False, "MISS (ours/limit 2.23)")
     rows = bench.report([within, beyond])
