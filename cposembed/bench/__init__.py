@@ -56,9 +56,10 @@ from ._report import (
     report,
     summary,
 )
-from ._timing import busy_process
+from ._timing import BUSY_CODE, busy_process
 
 __all__ = [
+    "BUSY_CODE",
     "GROUPS",
     "GROUP_NAMES",
     "OURS",
