@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -287,6 +288,8 @@ def test_the_threads_exception_is_printed_with_its_rule(capsys):
     op = "threads: lookup(out=)"
     within = _group(op, ("cposembed", 1.116), ("1 thread", 1.0), ("limit: streaming fill", 1.05))
     beyond = _group(op, ("cposembed", 1.116), ("1 thread", 1.0), ("limit: streaming fill", 0.5))
+    for g in (within, beyond):
+        g.contenders[1].target = 0.8  # the target sits on its contender
     assert bench._judge(within, 1.116, 0.8) == (True, "ok (ours/limit 1.06)")
     assert bench._judge(beyond, 1.116, 0.8) == (False, "MISS (ours/limit 2.23)")
     rows = bench.report([within, beyond])
@@ -304,3 +307,72 @@ def test_a_plain_target_is_judged_on_ours_over_this_alone():
     assert bench._rule(g, 0.65) == "ours/this <= 0.65"
     assert bench._judge(g, 0.7, 0.65) == (False, "MISS")
     assert bench._judge(g, 0.6, 0.65) == (True, "ok")
+
+
+# -- bench: contention (default threads against one, idle and beside a busy process) --
+CONTENTION_OPS = {
+    f"contention {load}: {op} ({b}, {t}, d)"
+    for load in ("idle", "busy")
+    for op in ("add_positions", "scatter_add")
+    for b, t in [(8, 16), (8, 128), (32, 1024)]
+} | {"contention idle: train", "contention busy: train"}
+
+
+def _busy_processes() -> list[int]:
+    """The pids of running (not zombie) busy processes of a bench on this machine."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # not a process, or gone meanwhile
+        if bench.BUSY_CODE in cmdline and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process list in /proc")
+def test_contention_runs_idle_and_busy_and_leaves_no_busy_process(tmp_path):
+    path = tmp_path / "b.json"
+    proc = run_module(
+        "bench", "--only", "contention", "--quick", "--no-torch", "--repeats", "1",
+        "--json", str(path),
+    )  # fmt: skip
+    assert_clean_exit(proc)
+    assert proc.stdout.rstrip("\n").splitlines()[-1] == QUICK_SUMMARY
+    rows = json.loads(path.read_text())["results"]
+    assert {r["op"] for r in rows} == CONTENTION_OPS
+    assert {r["contender"] for r in rows} == {bench.OURS, "1 thread"}
+    assert {r["op"] for r in rows if r["target"] is not None} == CONTENTION_OPS - {
+        "contention idle: train"
+    }
+    assert _busy_processes() == []
+
+
+def test_the_busy_process_is_killed_when_the_block_fails():
+    with pytest.raises(KeyboardInterrupt), bench.busy_process() as busy:
+        assert busy.poll() is None  # running
+        raise KeyboardInterrupt
+    assert busy.returncode is not None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process list in /proc")
+def test_the_busy_process_ends_by_itself_when_the_bench_dies():
+    # os._exit skips the block's cleanup, as a bench killed by a signal would.
+    code = (
+        "import os\n"
+        "from cposembed.bench import busy_process\n"
+        "with busy_process() as busy:\n"
+        "    print(busy.pid, flush=True)\n"
+        "    os._exit(0)\n"
+    )
+    proc = run_python(["-c", code], timeout=60)
+    assert_clean_exit(proc)
+    pid = int(proc.stdout)
+    deadline = time.monotonic() + 10
+    while pid in _busy_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pid not in _busy_processes()
