@@ -63,19 +63,35 @@ def default_positions(tokens_shape, offset=0):
     return offset + np.arange(tokens_shape[-2])
 
 
-def run_python(args, timeout=120, env=None, cwd=None):
+def run_python(args, timeout=120, env=None, cwd=None, check=False, stdout=None):
     """``python *args`` in a fresh interpreter on this cposembed (``["-c", code]``,
     ``["-m", "cposembed", ...]``): a crash there is a return code here, not the
-    end of the test run."""
+    end of the test run. Every test that starts a child Python starts it here.
+
+    The child imports the cposembed under test: ``PYTHONPATH`` is the directory
+    holding it, whether that is an editable install, the in-place build or an
+    installed wheel. ``env`` updates the environment; a value of None removes the
+    variable. stdout and stderr are captured as text, unless ``stdout`` is given
+    (a file descriptor), which then takes the child's stdout."""
     full_env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    full_env.update(env or {})
+    for name, value in (env or {}).items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
+    out = (
+        {"capture_output": True}
+        if stdout is None
+        else {"stdout": stdout, "stderr": subprocess.PIPE}
+    )
     return subprocess.run(
         [sys.executable, *args],
-        capture_output=True,
+        **out,
         text=True,
         env=full_env,
         cwd=cwd or PACKAGE_ROOT,
         timeout=timeout,
+        check=check,
     )
 
 
@@ -179,7 +195,7 @@ def overlap_case(kind: str, body: str) -> dict:
     return run_child(OVERLAP_SETUP.format(kind=kind) + textwrap.dedent(body))
 
 
-FLOATS_functional = [np.float32, np.float64]
+FLOAT_TYPES = [np.float32, np.float64]
 
 
 def _table(n_rows, d, dtype, seed=0):
@@ -204,7 +220,7 @@ needs_numpy2 = pytest.mark.skipif(
 )
 
 
-def run_child_hunt(code: str, timeout: float = 120, env: dict | None = None) -> dict:
+def run_json(code: str, timeout: float = 120, env: dict | None = None) -> dict:
     """Run ``code`` in a child interpreter; its last stdout line as JSON."""
     proc = run_python(["-c", textwrap.dedent(code)], timeout, env)
     assert_clean_exit(proc)
@@ -237,12 +253,48 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def same_bits_state_files(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
 def trained(dtype=np.float32, padding_idx=None) -> LearnedPositionEmbedding:
     pe = LearnedPositionEmbedding(9, 4, seed=3, dtype=dtype, padding_idx=padding_idx)
     pe.backward(np.random.default_rng(0).standard_normal((2, 3, 4)), [[1, 4, 7]])
     return pe
+
+
+class SubArray(np.ndarray):
+    """A plain ndarray subclass: the C entries decline it, the routes serve it."""
+
+
+def make_out(kind, shape=None, dtype=None, *, like=None, fill=0):
+    """An array of ``shape`` and ``dtype`` filled with ``fill``, or a copy of ``like``,
+    odd in one way: the hand-made ``out=`` (and other) arrays of the tests.
+
+    ``kind``: ``"plain"`` (C-contiguous, aligned, writable), ``"wrong_dtype"``
+    (float64 for float32, float32 otherwise), ``"read_only"``, ``"subclass"``
+    (a :class:`SubArray`), ``"byteswapped"`` (the other byte order), ``"strided"``
+    (every other element of a last axis twice as long), ``"misaligned"`` (data one
+    byte past an aligned address).
+    """
+    if like is not None:
+        like = np.asarray(like)
+        shape, dtype, fill = like.shape, like.dtype, like
+    dtype = np.dtype(dtype)
+    if kind == "plain":
+        out = np.empty(shape, dtype)
+    elif kind == "wrong_dtype":
+        out = np.empty(shape, np.float64 if dtype == np.float32 else np.float32)
+    elif kind == "read_only":
+        out = np.empty(shape, dtype)
+    elif kind == "subclass":
+        out = np.empty(shape, dtype).view(SubArray)
+    elif kind == "byteswapped":
+        out = np.empty(shape, dtype.newbyteorder())
+    elif kind == "strided":
+        out = np.empty(tuple(shape[:-1]) + (2 * shape[-1],), dtype)[..., ::2]
+    elif kind == "misaligned":
+        n = int(np.prod(shape)) * dtype.itemsize
+        out = np.zeros(n + 1, np.uint8)[1:].view(dtype).reshape(shape)
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    out[...] = fill
+    if kind == "read_only":
+        out.flags.writeable = False
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 
 import numpy as np
+from helpers import SubArray, make_out
 from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -35,8 +36,7 @@ CPUS = _core.cpu_limit()
 HUGE = 2**62  # the largest offset an empty (T == 0) call takes
 
 
-class _Sub(np.ndarray):
-    pass
+_Sub = SubArray
 
 
 class _Pos(enum.IntEnum):
@@ -321,10 +321,7 @@ def _array_form(a, kind):
     if kind == "subclass":
         return a.view(_Sub)
     if kind == "unaligned" and a.size:
-        raw = np.zeros(a.nbytes + 1, np.uint8)[1:]
-        out = raw.view(a.dtype).reshape(a.shape)
-        out[...] = a
-        return out
+        return make_out("misaligned", like=a)
     if kind == "readonly":
         a.flags.writeable = False
     if kind == "list":

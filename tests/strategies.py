@@ -4,13 +4,14 @@ the comparisons against NumPy that the property tests of every operation share."
 from __future__ import annotations
 
 import numpy as np
+from helpers import make_out
 from hypothesis import note
 from hypothesis import strategies as st
 
 CLEAR_ERRORS = (IndexError, TypeError, ValueError)
 
 
-INT_DTYPES_hostile = [
+SIZED_INT_DTYPES = [
     np.dtype(t) for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 ]
 
@@ -23,10 +24,10 @@ OTHER_DTYPES = [
 ]
 
 
-ALL_DTYPES = [np.dtype(bool)] + INT_DTYPES_hostile + FLOAT_DTYPES + OTHER_DTYPES
+ALL_DTYPES = [np.dtype(bool)] + SIZED_INT_DTYPES + FLOAT_DTYPES + OTHER_DTYPES
 
 
-SWAPPABLE = [dt for dt in INT_DTYPES_hostile + FLOAT_DTYPES + OTHER_DTYPES[:2] if dt.itemsize > 1]
+SWAPPABLE = [dt for dt in SIZED_INT_DTYPES + FLOAT_DTYPES + OTHER_DTYPES[:2] if dt.itemsize > 1]
 
 
 SPECIAL_FLOATS = [np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, 5e-324, 1e-45, 1e308, -3.4e38]
@@ -77,17 +78,12 @@ def layout(draw, arr: np.ndarray) -> np.ndarray:
         axis = draw(st.integers(0, arr.ndim - 1))
         return np.repeat(arr, 2, axis=axis)[(slice(None),) * axis + (slice(None, None, 2),)]
     if how == "readonly":
-        out = arr.copy()
-        out.setflags(write=False)
-        return out
+        return make_out("read_only", like=arr)
     if how == "broadcast" and arr.ndim and arr.shape[0] >= 1:
         # A zero-stride view: every row is the first.
         return np.broadcast_to(arr[:1], arr.shape)
     if how == "unaligned" and arr.dtype.kind not in "OV" and arr.size:
-        raw = np.zeros(arr.nbytes + 1, dtype=np.uint8)[1:]
-        out = raw.view(arr.dtype).reshape(arr.shape)
-        out[...] = arr
-        return out
+        return make_out("misaligned", like=arr)
     return np.ascontiguousarray(arr)
 
 

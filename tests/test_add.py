@@ -6,15 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import (
+    FLOAT_TYPES,
     OVERLAP_KINDS,
     OVERLAP_WORDS,
-    FLOATS_functional,
     _deep,
     _rows_for,
     _sizes,
     _table,
     assert_numpy_or_refused,
     assert_same,
+    make_out,
     needs_numpy2,
     overlap_case,
     run_child,
@@ -43,13 +44,12 @@ from plain import (
     _plain_table,
     _rng,
     _same_bits,
-    _Sub,
     _table_variant,
     _threads_ok,
 )
 from strategies import (
     CLEAR_ERRORS,
-    INT_DTYPES_hostile,
+    SIZED_INT_DTYPES,
     _bits,
     float_values,
     index_arrays,
@@ -165,20 +165,19 @@ def test_add_entry_accepts_exactly_the_plain_case(data):
     shape = np.shape(tok)
     out = None
     if out_kind == "plain":
-        out = np.full(shape, -3, dtype)
+        out = make_out("plain", shape, dtype, fill=-3)
     elif out_kind == "tokens":
         out = tok
     elif out_kind == "dtype":
-        out = np.zeros(shape, np.float64 if dtype == np.float32 else np.float32)
+        out = make_out("wrong_dtype", shape, dtype)
     elif out_kind == "shape":
         out = np.zeros(shape + (1,), dtype)
     elif out_kind == "readonly":
-        out = np.zeros(shape, dtype)
-        out.flags.writeable = False
+        out = make_out("read_only", shape, dtype)
     elif out_kind == "strided" and len(shape) >= 1:
-        out = np.zeros(shape[:-1] + (2 * shape[-1],), dtype)[..., ::2]
+        out = make_out("strided", shape, dtype)
     elif out_kind == "subclass":
-        out = np.zeros(shape, dtype).view(_Sub)
+        out = make_out("subclass", shape, dtype)
     elif out_kind in ("on_tokens", "on_table") and _plain(tok, dtype) and tok.size:
         # ...but no output may share memory with what the call reads.
         host = tok if out_kind == "on_tokens" else table
@@ -292,7 +291,7 @@ def test_add_in_place_through_the_entry(dtype):
 
 
 # ---------------------------------------------------------------- add
-@pytest.mark.parametrize("dtype", FLOATS_functional)
+@pytest.mark.parametrize("dtype", FLOAT_TYPES)
 @pytest.mark.parametrize("which", [0, 1])
 @pytest.mark.parametrize("offset", [0, 5])
 def test_add_default_positions(dtype, which, offset):
@@ -338,7 +337,7 @@ def test_add_explicit_positions_broadcast(tok_shape, pos_shape):
 @pytest.mark.parametrize(
     "tok_dtype", [np.float16, np.float32, np.float64, np.int8, np.int32, np.uint16, np.bool_]
 )
-@pytest.mark.parametrize("table_dtype", FLOATS_functional)
+@pytest.mark.parametrize("table_dtype", FLOAT_TYPES)
 def test_add_result_dtype_follows_numpy(tok_dtype, table_dtype):
     table = _table(10, 4, table_dtype)
     tok = (np.random.RandomState(4).randn(2, 5, 4) * 3).astype(tok_dtype)
@@ -456,9 +455,7 @@ def test_add_positions_out_alias_and_overlap(table, data):
     else:
         out = np.zeros((B, T, 2 * d), dtype=table.dtype)[..., ::2]
     positions = data.draw(
-        st.one_of(
-            st.none(), index_arrays(L, shape=(T,), dtypes=st.sampled_from(INT_DTYPES_hostile))
-        )
+        st.one_of(st.none(), index_arrays(L, shape=(T,), dtypes=st.sampled_from(SIZED_INT_DTYPES)))
     )
     if positions is not None:
         assume(

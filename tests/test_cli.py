@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
-from helpers import PACKAGE_ROOT, run_module
+from helpers import run_module, run_python
 
 import cposembed
 import cposembed.train
@@ -30,16 +28,7 @@ Sample position embeddings (first 5 dimensions):
 
 
 def _run(*args, env=None, cwd=None):
-    full_env = dict(os.environ, **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "cposembed", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=cwd,
-        timeout=300,
-        check=True,
-    )
+    return run_python(["-m", "cposembed", *args], timeout=300, env=env, cwd=cwd, check=True)
 
 
 def test_demo_prints_the_handbook_lines(tmp_path):
@@ -104,15 +93,7 @@ def run_into_a_closed_pipe(args, cwd):
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        return subprocess.run(
-            [sys.executable, "-m", "cposembed", *args],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT),
-            cwd=cwd,
-            timeout=300,
-        )
+        return run_python(["-m", "cposembed", *args], timeout=300, cwd=cwd, stdout=write_end)
     finally:
         os.close(write_end)
 
@@ -172,16 +153,7 @@ def run_cli(args, cwd, block_matplotlib=False):
     if block_matplotlib:
         code += "sys.modules['matplotlib'] = None\n"
     code += "from cposembed.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        check=False,
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_python(["-c", code, *args], timeout=300, cwd=cwd)
 
 
 def adjacent_line(stdout):

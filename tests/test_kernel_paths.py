@@ -3,20 +3,18 @@
 The size rules are changed with ``_core.set_tuning`` so that small data
 reaches every path: streaming (non-temporal) vs ordinary stores on aligned,
 offset and odd-length rows, in place and not; the scatter-add's plans
-(distinct rows, the scan with and without column blocks, the sort) on 1-4
+(distinct rows, the scan under the default and smaller scan budgets, the
+sort) on 1-4
 threads, bitwise, with positions repeating over leading axes; the SGD row
 update. Then both sides of the serial and streaming thresholds at their real
 sizes, the tiny-call paths of the class, the reusable output blocks, and the
-machine-limit probes and quick run of the benchmark.
+benchmark's machine-limit probes.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import platform
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -658,10 +656,7 @@ def test_reuse_can_be_turned_off_by_environment():
     )
     # Kept when on: the output's block and the positions' 64 KiB scratch.
     for value, expected in (("0", "0 False"), ("1", "2 True"), (" 0 ", "0 False")):
-        env = dict(os.environ, CPOSEMBED_REUSE_OUTPUTS=value)
-        res = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
-        )
+        res = run_python(["-c", code], env={"CPOSEMBED_REUSE_OUTPUTS": value}, check=True)
         assert res.stdout.split() == expected.split(), value
 
 

@@ -11,7 +11,7 @@ from helpers import (
     assert_same,
     bits,
     needs_numpy2,
-    run_child_hunt,
+    run_json,
 )
 from hypothesis import given
 from hypothesis import strategies as st
@@ -505,7 +505,7 @@ def test_empty_tables_and_empty_positions_match_numpy(L, d):
 
 def test_huge_broadcast_ids_never_crash():
     """Stride-0 token ids of 2**40 and 2**58 elements: MemoryError/ValueError, no crash."""
-    result = run_child_hunt(
+    result = run_json(
         """
         import json
         import numpy as np

@@ -6,14 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import (
+    FLOAT_TYPES,
     INDEX_DTYPES,
     OVERLAP_KINDS,
     OVERLAP_WORDS,
-    FLOATS_functional,
     _rows_for,
     _sizes,
     _table,
     assert_numpy_or_refused,
+    make_out,
     overlap_case,
     tuned,
 )
@@ -47,7 +48,7 @@ from plain import (
 )
 from strategies import (
     CLEAR_ERRORS,
-    INT_DTYPES_hostile,
+    SIZED_INT_DTYPES,
     _bits,
     index_arrays,
     layout,
@@ -123,9 +124,9 @@ def test_lookup_entry_accepts_exactly_the_plain_case(data):
     )
     out = None
     if out_kind == "plain":
-        out = np.full(out_shape, -7, dtype)
+        out = make_out("plain", out_shape, dtype, fill=-7)
     elif out_kind == "dtype":
-        out = np.zeros(out_shape, np.float64 if dtype == np.float32 else np.float32)
+        out = make_out("wrong_dtype", out_shape, dtype)
     elif out_kind == "shape":
         out = np.zeros(out_shape[:-1] + (d + 1,), dtype)
     elif out_kind == "strided":
@@ -133,15 +134,13 @@ def test_lookup_entry_accepts_exactly_the_plain_case(data):
         if out.flags.c_contiguous:
             out = None
     elif out_kind == "readonly":
-        out = np.zeros(out_shape, dtype)
-        out.flags.writeable = False
+        out = make_out("read_only", out_shape, dtype)
     elif out_kind == "subclass":
-        out = np.zeros(out_shape, dtype).view(_Sub)
+        out = make_out("subclass", out_shape, dtype)
     elif out_kind == "unaligned":
-        raw = np.zeros(int(np.prod(out_shape)) * dtype.itemsize + 1, np.uint8)[1:]
-        out = raw.view(dtype).reshape(out_shape)
+        out = make_out("misaligned", out_shape, dtype)
     elif out_kind == "swapped":
-        out = np.zeros(out_shape, dtype.newbyteorder())
+        out = make_out("byteswapped", out_shape, dtype)
     elif out_kind == "on_table" and _plain_table(table) and table.size and 0 < np.prod(out_shape):
         # out's bytes overlap the table's: rebuild both in one buffer.
         size = int(np.prod(out_shape))
@@ -410,7 +409,7 @@ def test_class_equals_reference(dtype, pos):
 
 
 # ---------------------------------------------------------------- lookup
-@pytest.mark.parametrize("dtype", FLOATS_functional)
+@pytest.mark.parametrize("dtype", FLOAT_TYPES)
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("which", [0, 1])
 def test_lookup_every_index_dtype_both_sides_of_threshold(dtype, index_dtype, which):
@@ -532,7 +531,7 @@ def test_class_call_any_index_matches_reference(table, data):
 @given(table=tables(), data=st.data())
 def test_lookup_out_any_layout_or_overlap(table, data):
     L, d = table.shape
-    pos = data.draw(index_arrays(L, dtypes=st.sampled_from(INT_DTYPES_hostile)), label="positions")
+    pos = data.draw(index_arrays(L, dtypes=st.sampled_from(SIZED_INT_DTYPES)), label="positions")
     assume(pos.size == 0 or (pos.astype(np.int64).min() >= -L and pos.astype(np.int64).max() < L))
     shape = pos.shape + (d,)
     mode = data.draw(st.sampled_from(["fresh", "fortran", "reversed", "strided", "table"]))

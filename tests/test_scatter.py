@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import (
+    FLOAT_TYPES,
     INDEX_DTYPES,
     OVERLAP_KINDS,
     OVERLAP_WORDS,
-    FLOATS_functional,
     _deep,
     _rows_for,
     _sizes,
@@ -49,7 +49,7 @@ from plain import (
 )
 from strategies import (
     CLEAR_ERRORS,
-    INT_DTYPES_hostile,
+    SIZED_INT_DTYPES,
     _bits,
     float_values,
     index_arrays,
@@ -265,7 +265,7 @@ def test_scatter_entry_declines_negative_plans():
 
 
 # ---------------------------------------------------------------- scatter_add
-@pytest.mark.parametrize("dtype", FLOATS_functional)
+@pytest.mark.parametrize("dtype", FLOAT_TYPES)
 @pytest.mark.parametrize("which", [0, 1])
 @pytest.mark.parametrize("kind", ["arange", "random", "few", "one"])
 def test_scatter_add_bitwise_np_add_at_any_threads(dtype, which, kind):
@@ -339,7 +339,7 @@ def test_scatter_add_converts_and_handles_layouts():
     data=st.data(),
     n_rows=st.integers(1, 30),
     d=st.integers(1, 12),
-    dtype=st.sampled_from(FLOATS_functional),
+    dtype=st.sampled_from(FLOAT_TYPES),
     index_dtype=st.sampled_from([np.int8, np.int32, np.int64, np.uint16, np.uint64]),
     threads=st.integers(1, 4),
 )
@@ -428,7 +428,7 @@ def test_scatter_add_grad_output_overlapping_grad(data):
     hi = data.draw(st.integers(lo, L))
     g = grad[lo:hi] if data.draw(st.booleans()) else grad[lo:hi][::-1]
     positions = data.draw(
-        index_arrays(L, shape=(hi - lo,), dtypes=st.sampled_from(INT_DTYPES_hostile))
+        index_arrays(L, shape=(hi - lo,), dtypes=st.sampled_from(SIZED_INT_DTYPES))
     )
     assume(
         positions.size == 0

@@ -14,7 +14,6 @@ from helpers import (
     run_child,
     run_python,
     same_bits,
-    same_bits_state_files,
     trained,
 )
 
@@ -132,10 +131,10 @@ def test_pickle_round_trip(dtype, padding_idx, with_grad):
     ]
     for back in [*copies, copy.deepcopy(pe)]:
         assert type(back) is LearnedPositionEmbedding
-        assert same_bits_state_files(back.embeddings, pe.embeddings)
+        assert same_bits(back.embeddings, pe.embeddings)
         assert back.padding_idx == pe.padding_idx and back.dtype == pe.dtype
         if with_grad:
-            assert same_bits_state_files(back.grad, pe.grad)
+            assert same_bits(back.grad, pe.grad)
             assert back.grad is not pe.grad
         else:
             assert back.grad is None
@@ -146,7 +145,7 @@ def test_pickle_round_trip(dtype, padding_idx, with_grad):
             if pe.padding_idx is not None:
                 want[pe.padding_idx] = pe.embeddings[pe.padding_idx]
         back.sgd_step(0.5)
-        assert same_bits_state_files(back.embeddings, want)
+        assert same_bits(back.embeddings, want)
 
 
 def test_pickle_keeps_the_touched_rows_mask():
@@ -155,7 +154,7 @@ def test_pickle_keeps_the_touched_rows_mask():
     back.grad[0] = 1.0  # an untouched row: sgd_step skips it, as on the original
     before = back.embeddings[0].copy()
     back.sgd_step(1.0)
-    assert same_bits_state_files(back.embeddings[0], before)
+    assert same_bits(back.embeddings[0], before)
 
 
 # -- __setstate__: every field checked --------------------------------------------
@@ -224,7 +223,7 @@ def test_setstate_refuses_a_bad_field_and_keeps_the_instance(key, value, words):
     with pytest.raises(ValueError, match=words):
         pe.__setstate__(state)
     # nothing kept from the refused state
-    assert pe.embeddings is table_before and same_bits_state_files(pe.embeddings, values_before)
+    assert pe.embeddings is table_before and same_bits(pe.embeddings, values_before)
     assert pe.grad is None and pe.padding_idx is None
 
 
@@ -304,7 +303,7 @@ def test_setstate_grad_is_usable_whatever_its_layout(grad):
     assert pe.grad.dtype == np.float32 and pe.grad.dtype.isnative
     assert pe.grad.flags.c_contiguous and pe.grad.flags.writeable
     pe.backward(np.ones((1, 4)), [3])
-    assert pe.grad is not given and same_bits_state_files(given, given_copy)  # a converted copy
+    assert pe.grad is not given and same_bits(given, given_copy)  # a converted copy
     want = given_copy.astype(np.float32)
     want[3] += 1
     assert np.array_equal(pe.grad, want)
@@ -325,7 +324,7 @@ def test_setstate_accepts_the_state_of_an_old_version():
     pe = LearnedPositionEmbedding(4, 2, seed=0)
     back = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)
     back.__setstate__({"_embeddings": pe.embeddings.copy()})
-    assert same_bits_state_files(back.embeddings, pe.embeddings) and back.grad is None
+    assert same_bits(back.embeddings, pe.embeddings) and back.grad is None
     with pytest.raises(ValueError, match="unknown keys"):
         back.__setstate__({"_embeddings": pe.embeddings.copy(), "padding_idx": 1})
     with pytest.raises(ValueError, match="grad"):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from helpers import (
     run_child,
+    run_python,
     tuned,
 )
 from plain import (
@@ -47,13 +48,7 @@ def test_env_var_sets_default_threads():
         ({"OMP_NUM_THREADS": "1"}, 1),
         ({"CPOSEMBED_NUM_THREADS": "1", "OMP_NUM_THREADS": "2"}, 1),
     ):
-        res = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, **env),
-            check=True,
-        )
+        res = run_python(["-c", code], env=env, check=True)
         assert int(res.stdout) == expected
 
 
@@ -174,13 +169,13 @@ threadpoolctl = pytest.importorskip("threadpoolctl")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-CPUS_thread_control = _threads._cpu_limit()
+CPU_LIMIT = _threads._cpu_limit()
 
 
 needs_openmp = pytest.mark.skipif(not cposembed.openmp_enabled(), reason="serial build")
 
 
-needs_2_cpus = pytest.mark.skipif(CPUS_thread_control < 2, reason="needs 2 CPUs")
+needs_2_cpus = pytest.mark.skipif(CPU_LIMIT < 2, reason="needs 2 CPUs")
 
 
 # Large enough to be above SERIAL_THRESHOLD with many chunks.
@@ -238,19 +233,8 @@ def _threads_used(spy, num_threads=None) -> set[int]:
 
 
 def _in_subprocess(env_updates: dict, code: str) -> dict:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "CPOSEMBED_NUM_THREADS")
-    }
-    env.update(env_updates)
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    env = {"OMP_NUM_THREADS": None, "CPOSEMBED_NUM_THREADS": None, **env_updates}
+    proc = run_python(["-c", textwrap.dedent(code)], env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -279,8 +263,8 @@ def test_omp_num_threads_limits_default():
 
 @needs_openmp
 def test_default_capped_by_cpus():
-    r = _in_subprocess({"OMP_NUM_THREADS": str(CPUS_thread_control * 8)}, PROBE)
-    assert r["default"] == CPUS_thread_control
+    r = _in_subprocess({"OMP_NUM_THREADS": str(CPU_LIMIT * 8)}, PROBE)
+    assert r["default"] == CPU_LIMIT
 
 
 @needs_openmp
@@ -390,7 +374,7 @@ def test_threadpoolctl_lists_the_extensions_openmp_runtime():
 @needs_openmp
 @needs_2_cpus
 def test_threadpool_limits_limits_the_default(spy):
-    assert cposembed.get_num_threads() == min(CPUS_thread_control, _core.omp_max_threads())
+    assert cposembed.get_num_threads() == min(CPU_LIMIT, _core.omp_max_threads())
     before = _threads_used(spy)
     with threadpoolctl.threadpool_limits(1, user_api="openmp"):
         assert _core.omp_max_threads() == 1
@@ -400,7 +384,7 @@ def test_threadpool_limits_limits_the_default(spy):
     with threadpoolctl.threadpool_limits(1):  # all APIs
         assert _threads_used(spy) == {1}
     with threadpoolctl.threadpool_limits(2, user_api="openmp"):
-        assert _threads_used(spy) == {min(2, CPUS_thread_control)}
+        assert _threads_used(spy) == {min(2, CPU_LIMIT)}
 
 
 @needs_openmp
@@ -427,10 +411,10 @@ def test_set_num_threads_wins_over_threadpool_limits(spy):
 def test_explicit_num_threads_may_exceed_cpus_up_to_a_cap(spy):
     """Oversubscription is the caller's choice, up to four times the CPUs; beyond
     that a request is capped, never handed to OpenMP as it is."""
-    n = CPUS_thread_control + 2
+    n = CPU_LIMIT + 2
     assert _threads_used(spy, num_threads=n) == {n}
     for huge in (
-        4 * CPUS_thread_control + 1,
+        4 * CPU_LIMIT + 1,
         50_000,
         100_000,
         2**31,
@@ -438,7 +422,7 @@ def test_explicit_num_threads_may_exceed_cpus_up_to_a_cap(spy):
         2**100,
         np.int64(2**62),
     ):
-        assert _threads_used(spy, num_threads=huge) == {4 * CPUS_thread_control}
+        assert _threads_used(spy, num_threads=huge) == {4 * CPU_LIMIT}
 
 
 @needs_openmp

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import (
     run_child,
-    run_child_hunt,
+    run_json,
 )
 
 import cposembed
@@ -362,7 +362,7 @@ def test_ids_and_positions_changed_by_another_thread_during_embed():
     and an out-of-range value while embed / embed_backward run (large enough to
     release the GIL): every call gives rows from a valid snapshot, or IndexError
     with nothing written."""
-    result = run_child_hunt(
+    result = run_json(
         """
         import json, threading, time
         import numpy as np

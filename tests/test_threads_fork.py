@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 from helpers import (
-    run_child_hunt,
+    run_json,
+    run_python,
 )
 
 import cposembed
@@ -74,18 +75,8 @@ def _run(
     body: str, timeout: float = TIMEOUT, fallback: bool = False
 ) -> subprocess.CompletedProcess:
     code = PRELUDE + (NO_PAUSE if fallback else "") + textwrap.dedent(body)
-    env = dict(os.environ)
-    env.pop("CPOSEMBED_NUM_THREADS", None)
-    env.pop("OMP_NUM_THREADS", None)
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    env = {"CPOSEMBED_NUM_THREADS": None, "OMP_NUM_THREADS": None}
+    return run_python(["-c", code], timeout, env, cwd=REPO)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -264,7 +255,7 @@ def test_guard_is_load_bearing_with_libgomp():
 def test_fork_while_another_thread_runs_the_kernels():
     """A child forked while a worker thread is inside multithreaded kernels
     gets correct results and does not hang."""
-    result = run_child_hunt(
+    result = run_json(
         """
         import json, os, threading
         import numpy as np
