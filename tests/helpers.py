@@ -166,10 +166,10 @@ def assert_numpy_or_refused(result: dict, allowed: tuple[str, ...], words: str =
         )
 
 
-# -- a. positions sharing memory with what the call writes -----------------------
+# -- positions sharing memory with what the call writes -----------------------
 # `buf` holds the positions as int64 bits; the output (or tokens, or gradient)
 # is a float64 view of the same bytes shifted by one element, so writing row
-# i changes position i + 1. "zeros" is the layout of the issue; "mixed" holds
+# i changes position i + 1. "zeros" holds positions that are all 0; "mixed" holds
 # distinct valid positions, so a kernel that reads a position after writing
 # over it gives a visibly different result.
 OVERLAP_SETUP = """

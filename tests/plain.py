@@ -379,7 +379,8 @@ def _lead_and_positions(data, n_rows, plain=False):
         shape = tuple(shape)
     else:
         shape = data.draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
-    # More axes than the rows have (leading 1s): see test_entries_decline_positions_with_more_axes.
+    # More axes than the rows have (leading 1s): see
+    # test_dispatch.py::test_entries_decline_positions_with_more_axes_than_the_rows.
     assume(len(shape) <= len(lead) or not _period_ok(shape, lead))
     positions = data.draw(positions_of(shape, n_rows, plain), label="positions")
     offset = _pick(data.draw, [0, np.int64(0)], [1, False, 0.0], 0.1, plain=plain)

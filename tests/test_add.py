@@ -62,12 +62,10 @@ from strategies import (
 import cposembed
 from cposembed import LearnedPositionEmbedding, _core
 
-DOCUMENTED = ("ValueError", "IndexError", "TypeError")
-
 
 @pytest.mark.parametrize("kind", OVERLAP_KINDS)
 def test_add_positions_out_overlapping_positions(kind):
-    """a. add_positions(tok, table, pos, out=out), tok separate, out sharing memory with pos."""
+    """add_positions(tok, table, pos, out=out), tok separate, out sharing memory with pos."""
     result = overlap_case(
         kind,
         """
@@ -83,7 +81,7 @@ def test_add_positions_out_overlapping_positions(kind):
 
 @pytest.mark.parametrize("kind", OVERLAP_KINDS)
 def test_add_positions_in_place_on_tokens_overlapping_positions(kind):
-    """a. add_positions(tok, table, pos, out=tok) where tok shares memory with pos."""
+    """add_positions(tok, table, pos, out=tok) where tok shares memory with pos."""
     result = overlap_case(
         kind,
         """
@@ -96,10 +94,10 @@ def test_add_positions_in_place_on_tokens_overlapping_positions(kind):
     assert_numpy_or_refused(result, ("ValueError",), OVERLAP_WORDS)
 
 
-# -- f. masked arrays -----------------------------------------------------------------
+# -- masked arrays -----------------------------------------------------------------
 @pytest.mark.parametrize("positions", ["None", "[[0, 2, 1]]"], ids=["default", "explicit"])
 def test_add_to_masked_array_keeps_the_mask_or_refuses(positions):
-    """f. pe.add_to(masked array): a masked result with NumPy's mask, or TypeError."""
+    """pe.add_to(masked array): a masked result with NumPy's mask, or TypeError."""
     body = f"""
     pe = LearnedPositionEmbedding(4, 2, seed=0, dtype=np.float64)
     data = np.arange(12.0).reshape(2, 3, 2)

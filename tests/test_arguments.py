@@ -1,6 +1,7 @@
-"""The argument checks of the Python layer: one integer checker, one table checker,
-offsets, masked arrays and other subclasses, NumPy scalars in messages, and
-framework tensors in from_pretrained."""
+"""The argument checks every operation shares: one integer checker, one table
+checker, offsets, masked arrays and other subclasses, NumPy scalars in messages,
+framework tensors in from_pretrained; huge shapes, extreme positions, either
+byte order and NaN/Inf, property-based."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from helpers import run_module, run_python
 
 import cposembed
 import cposembed.train
-from cposembed import LearnedPositionEmbedding, bench
+from cposembed import LearnedPositionEmbedding
 from cposembed import __main__ as cli
 
 HANDBOOK_OUT5 = """\
@@ -118,18 +118,6 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path, args):
         assert proc.stderr.startswith("usage:")
     elif args[:1] != ["bench"]:  # the bench's progress goes to stderr
         assert proc.stderr == ""
-
-
-# -- bench: one direction, the rule beside each target, no empty comparison ---------
-def test_every_bench_option_has_help():
-    actions = [a for a in bench.make_parser()._actions if a.option_strings]
-    assert {"--dtype", "--json", "--markdown", "--no-torch"} <= {
-        s for a in actions for s in a.option_strings
-    }
-    for action in actions:
-        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
-    dtype = next(a for a in actions if "--dtype" in a.option_strings)
-    assert "float32" in dtype.help
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

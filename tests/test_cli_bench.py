@@ -80,7 +80,7 @@ def test_summary_counts_mismatches():
 
 
 # -- bench: the class comparisons (add_to with explicit positions, backward, tiny calls) --
-NEW_OPS = {
+CLASS_OPS = {
     "add_to_explicit": [f"add_to explicit ({b}, {t}, d)" for b, t in [(4, 1), (32, 1), (4, 100)]],
     "backward_vs_scatter": [
         f"backward vs scatter_add {s}"
@@ -96,8 +96,8 @@ NEW_OPS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(NEW_OPS))
-def test_new_comparisons_run_check_equal_outputs_and_have_targets(tmp_path, name):
+@pytest.mark.parametrize("name", sorted(CLASS_OPS))
+def test_class_comparisons_run_check_equal_outputs_and_have_targets(tmp_path, name):
     path = tmp_path / "b.json"
     code = bench.main(
         ["--quick", "--no-torch", "--repeats", "1", "--only", name, "--json", str(path)]
@@ -107,7 +107,7 @@ def test_new_comparisons_run_check_equal_outputs_and_have_targets(tmp_path, name
     by_op: dict[str, list[dict]] = {}
     for r in rows:
         by_op.setdefault(r["op"], []).append(r)
-    for op in NEW_OPS[name]:
+    for op in CLASS_OPS[name]:
         assert op in by_op, f"{op!r} not in the results: {sorted(by_op)}"
         peers = [r for r in by_op[op] if r["contender"] != bench.OURS]
         assert peers and all(r["check"] == "equal" for r in peers), peers
@@ -239,3 +239,15 @@ def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
     assert {"lookup(out=)", "scatter_add random", "tiny: pe(5)"} <= ops
     assert all(not r["check"].startswith("MISMATCH") for r in data["results"])
     assert "cposembed" in capsys.readouterr().out
+
+
+# -- bench: one direction, the rule beside each target, no empty comparison ---------
+def test_every_bench_option_has_help():
+    actions = [a for a in bench.make_parser()._actions if a.option_strings]
+    assert {"--dtype", "--json", "--markdown", "--no-torch"} <= {
+        s for a in actions for s in a.option_strings
+    }
+    for action in actions:
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+    dtype = next(a for a in actions if "--dtype" in a.option_strings)
+    assert "float32" in dtype.help

@@ -444,7 +444,7 @@ def test_class_calls_go_straight_to_the_lookup_entry(monkeypatch):
             other()
 
 
-# ----------------------------------------------- regressions found by these tests
+# ------------------------------------------ positions with more axes than the rows
 def test_entries_decline_positions_with_more_axes_than_the_rows():
     table = np.arange(20, dtype=np.float32).reshape(10, 2)
     tok = np.zeros((3, 2), np.float32)

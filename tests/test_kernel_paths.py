@@ -4,9 +4,8 @@ The size rules are changed with ``_core.set_tuning`` so that small data
 reaches every path: streaming (non-temporal) vs ordinary stores on aligned,
 offset and odd-length rows, in place and not; the scatter-add's plans
 (distinct rows, the scan under the default and smaller scan budgets, the
-sort) on 1-4
-threads, bitwise, with positions repeating over leading axes; the SGD row
-update. Then both sides of the serial and streaming thresholds at their real
+sort) on 1-4 threads, bitwise, with positions repeating over leading axes; the
+SGD row update. Then both sides of the serial and streaming thresholds at their real
 sizes, the tiny-call paths of the class, the reusable output blocks, and the
 benchmark's machine-limit probes.
 """

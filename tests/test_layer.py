@@ -379,7 +379,6 @@ def test_embed_broadcast_error_names_the_shape_it_means(via):
     assert "(1, 3)" in str(info.value)
 
 
-# ============================================================ what held up
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 3), BIG])
 def test_tied_and_overlapping_gradient_tables_are_sequential_add_at(dtype, shape):

@@ -1,5 +1,5 @@
-"""Learning the table: padding_idx, sgd_step, resized, save/load, pickle,
-positions_from_mask and the ``train`` command, each against plain NumPy."""
+"""Learning the table: padding_idx, sgd_step (and its C entry's plain case), resized,
+a training loop and the ``train`` function, each against plain NumPy."""
 
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ from cposembed import (
 from cposembed.reference import LearnedPositionEmbedding as Reference
 
 
-# -- e. a user-assigned grad of the wrong shape ----------------------------------------
+# -- a user-assigned grad of the wrong shape ----------------------------------------
 @pytest.mark.parametrize("positions", ["[50 % 8, 3]", "[50]"], ids=["valid-rows", "row-50"])
 def test_user_assigned_grad_of_the_wrong_shape(positions):
-    """e. pe.grad = a (100, 2) array for an (8, 2) table, then backward: ValueError, nothing written."""
+    """pe.grad = a (100, 2) array for an (8, 2) table, then backward: ValueError, nothing written."""
     body = f"""
     pe = LearnedPositionEmbedding(8, 2, seed=0)
     user = np.zeros((100, 2))

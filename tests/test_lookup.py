@@ -64,7 +64,7 @@ from cposembed.reference import LearnedPositionEmbedding as Reference
 
 @pytest.mark.parametrize("kind", OVERLAP_KINDS)
 def test_lookup_out_overlapping_positions(kind):
-    """a. lookup(table, pos, out=out) where out shares memory with pos."""
+    """lookup(table, pos, out=out) where out shares memory with pos."""
     result = overlap_case(
         kind,
         """
@@ -78,7 +78,7 @@ def test_lookup_out_overlapping_positions(kind):
 
 @pytest.mark.parametrize("kind", OVERLAP_KINDS)
 def test_class_call_out_overlapping_positions(kind):
-    """a. pe(pos, out=out) where out shares memory with pos."""
+    """pe(pos, out=out) where out shares memory with pos."""
     result = overlap_case(
         kind,
         """

@@ -213,7 +213,7 @@ def test_per_row_offsets_give_exact_positions_or_refuse(data, mask, dtype):
         assert "np." not in str(info.value)
 
 
-def test_the_examples_of_the_issue_refuse_instead_of_wrapping():
+def test_offsets_at_the_uint64_and_int64_limits_refuse_instead_of_wrapping():
     with pytest.raises(ValueError, match="18446744073709551615"):
         positions_from_mask([[1, 1]], offset=np.uint64(2**64 - 1))
     with pytest.raises(ValueError, match="offset 9223372036854775807"):

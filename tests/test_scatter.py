@@ -65,7 +65,7 @@ from cposembed import LearnedPositionEmbedding, _core
 
 @pytest.mark.parametrize("kind", OVERLAP_KINDS)
 def test_scatter_add_grad_output_overlapping_positions(kind):
-    """a. scatter_add(grad, g, pos) where g shares memory with pos (only read, never written)."""
+    """scatter_add(grad, g, pos) where g shares memory with pos (only read, never written)."""
     result = overlap_case(
         kind,
         """
@@ -81,7 +81,7 @@ def test_scatter_add_grad_output_overlapping_positions(kind):
 
 @pytest.mark.parametrize("kind", OVERLAP_KINDS)
 def test_scatter_add_grad_table_overlapping_positions(kind):
-    """a. scatter_add(grad, g, pos) where the gradient table shares memory with pos."""
+    """scatter_add(grad, g, pos) where the gradient table shares memory with pos."""
     result = overlap_case(
         kind,
         """

@@ -20,7 +20,7 @@ from helpers import (
 from cposembed import LearnedPositionEmbedding
 
 
-# -- d. crafted pickled state, then sgd_step -------------------------------------------
+# -- crafted pickled state, then sgd_step -------------------------------------------
 @pytest.mark.parametrize(
     "field,value",
     [
@@ -32,7 +32,7 @@ from cposembed import LearnedPositionEmbedding
     ids=["touched-long", "touched-short", "grad-small", "grad-large"],
 )
 def test_crafted_state_then_sgd_step(field, value):
-    """d. __setstate__ with a touched mask or grad of the wrong size, then sgd_step."""
+    """__setstate__ with a touched mask or grad of the wrong size, then sgd_step."""
     body = f"""
     pe = LearnedPositionEmbedding(8, 4, seed=0)
     state = pe.__getstate__()
@@ -112,9 +112,6 @@ def test_unpickles_an_instance_pickled_before_padding_idx_existed():
     assert back.padding_idx is None and same_bits(back.embeddings, pe.embeddings)
     back.sgd_step(1.0)  # no bookkeeping: every row is updated
     assert same_bits(back.embeddings, pe.embeddings - np.float32(1.0))
-
-
-KIND = "cposembed.LearnedPositionEmbedding"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

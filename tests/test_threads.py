@@ -56,13 +56,13 @@ def test_openmp_enabled_is_bool():
     assert isinstance(cposembed.openmp_enabled(), bool)
 
 
-# -- c. absurd explicit thread counts ------------------------------------------------
+# -- absurd explicit thread counts ------------------------------------------------
 ABSURD_THREADS = [100_000, 50_000, 2**31, 2**63, 2**100]
 
 
 @pytest.mark.parametrize("op", ["lookup", "add_positions", "scatter_add"])
 def test_absurd_num_threads(op):
-    """c. num_threads of 100_000 .. 2**100 on a large call: the right result or ValueError."""
+    """num_threads of 100_000 .. 2**100 on a large call: the right result or ValueError."""
     body = f"""
     op = {op!r}
     rng = np.random.default_rng(0)
@@ -323,10 +323,6 @@ def test_cposembed_num_threads_env_read_at_call_time(monkeypatch, spy):
 
 
 # --- threadpoolctl ---------------------------------------------------------------
-def _openmp_libs():
-    return [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "openmp"]
-
-
 @needs_openmp
 def test_threadpoolctl_lists_the_extensions_openmp_runtime():
     """The OpenMP library threadpoolctl sees is the one the extension brought in,

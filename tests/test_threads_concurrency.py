@@ -237,7 +237,7 @@ def test_gil_probe_detects_a_call_that_holds_the_gil(monkeypatch):
     assert _observe_gil_release(call, mutate, lambda mixed: mixed) == 0
 
 
-# -- b. positions changed by another thread during the calls ---------------------
+# -- positions changed by another thread during the calls ---------------------
 RACE = """
 import threading, time
 table = np.random.default_rng(0).standard_normal(({L}, {d}))
@@ -303,13 +303,13 @@ print(json.dumps({{"counts": counts, "problems": problems[:10]}}))
     "L,d,n", [(64, 256, 512), (16, 8, 32)], ids=["multithreaded-kernels", "small-serial"]
 )
 def test_positions_changed_by_another_thread_during_calls(L, d, n):
-    """b. A thread flips shared positions between valid values and 10**12 during the calls."""
+    """A thread flips shared positions between valid values and 10**12 during the calls."""
     result = run_child(RACE.format(L=L, d=d, n=n, calls=4000, seconds=10), timeout=180)
     assert result["problems"] == [], result
     assert sum(result["counts"].values()) > 0, result
 
 
-# -- g. the class's table swapped during calls -------------------------------------------
+# -- the class's table swapped during calls -------------------------------------------
 SWAP = """
 import threading, time
 L, d, n = 64, 256, 4096
@@ -350,7 +350,7 @@ print(json.dumps({"counts": counts, "problems": problems[:10]}))
 
 
 def test_class_table_swapped_by_another_thread_during_calls():
-    """g. pe(positions) (the C call) while another thread swaps ``pe._embeddings``
+    """pe(positions) (the C call) while another thread swaps ``pe._embeddings``
     between tables, None and a string: one table's rows or a worded error."""
     result = run_child(SWAP, timeout=180)
     assert result["problems"] == [], result
