@@ -278,17 +278,17 @@ def make_out(kind, shape=None, dtype=None, *, like=None, fill=0):
         shape, dtype, fill = like.shape, like.dtype, like
     dtype = np.dtype(dtype)
     if kind == "plain":
-        out = np.empty(shape, dtype)
+        out = np.zeros(shape, dtype)
     elif kind == "wrong_dtype":
-        out = np.empty(shape, np.float64 if dtype == np.float32 else np.float32)
+        out = np.zeros(shape, np.float64 if dtype == np.float32 else np.float32)
     elif kind == "read_only":
-        out = np.empty(shape, dtype)
+        out = np.zeros(shape, dtype)
     elif kind == "subclass":
-        out = np.empty(shape, dtype).view(SubArray)
+        out = np.zeros(shape, dtype).view(SubArray)
     elif kind == "byteswapped":
-        out = np.empty(shape, dtype.newbyteorder())
+        out = np.zeros(shape, dtype.newbyteorder())
     elif kind == "strided":
-        out = np.empty(tuple(shape[:-1]) + (2 * shape[-1],), dtype)[..., ::2]
+        out = np.zeros(tuple(shape[:-1]) + (2 * shape[-1],), dtype)[..., ::2]
     elif kind == "misaligned":
         n = int(np.prod(shape)) * dtype.itemsize
         out = np.zeros(n + 1, np.uint8)[1:].view(dtype).reshape(shape)
