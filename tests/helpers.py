@@ -259,8 +259,9 @@ def trained(dtype=np.float32, padding_idx=None) -> LearnedPositionEmbedding:
     return pe
 
 
-class SubArray(np.ndarray):
-    """A plain ndarray subclass: the C entries decline it, the routes serve it."""
+class _Sub(np.ndarray):
+    """A plain ndarray subclass: the C entries decline it, the routes serve it (the
+    name shows in test ids)."""
 
 
 def make_out(kind, shape=None, dtype=None, *, like=None, fill=0):
@@ -269,7 +270,7 @@ def make_out(kind, shape=None, dtype=None, *, like=None, fill=0):
 
     ``kind``: ``"plain"`` (C-contiguous, aligned, writable), ``"wrong_dtype"``
     (float64 for float32, float32 otherwise), ``"read_only"``, ``"subclass"``
-    (a :class:`SubArray`), ``"byteswapped"`` (the other byte order), ``"strided"``
+    (a :class:`_Sub`), ``"byteswapped"`` (the other byte order), ``"strided"``
     (every other element of a last axis twice as long), ``"misaligned"`` (data one
     byte past an aligned address).
     """
@@ -284,7 +285,7 @@ def make_out(kind, shape=None, dtype=None, *, like=None, fill=0):
     elif kind == "read_only":
         out = np.zeros(shape, dtype)
     elif kind == "subclass":
-        out = np.zeros(shape, dtype).view(SubArray)
+        out = np.zeros(shape, dtype).view(_Sub)
     elif kind == "byteswapped":
         out = np.zeros(shape, dtype.newbyteorder())
     elif kind == "strided":

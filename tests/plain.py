@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 
 import numpy as np
-from helpers import SubArray, make_out
+from helpers import _Sub, make_out
 from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -34,9 +34,6 @@ CPUS = _core.cpu_limit()
 
 
 HUGE = 2**62  # the largest offset an empty (T == 0) call takes
-
-
-_Sub = SubArray
 
 
 class _Pos(enum.IntEnum):
