@@ -53,6 +53,11 @@ cdef inline void _take_gil(PyThreadState* state) noexcept:
 # _run_kernel, the one place that maps a table dtype to the kernels'
 # specialisations (real_t in _kernels.pxi). A dtype is added here: in
 # _has_kernels, in _run_kernel, and in real_t.
+#
+# A kernel call cannot fail: whatever it needs was allocated before, with
+# the GIL held, by _scratch_or_raise, which raises the MemoryError there.
+# So the kernels are noexcept nogil, and their hot paths neither check for
+# an error nor take the GIL back to raise one.
 
 cdef enum Kernel:
     K_LOOKUP
@@ -89,6 +94,21 @@ cdef struct KernelCall:
     ScatterPlan plan
     double lr            # the SGD step, rounded to the dtype by _kernel_as
     int64_t* scratch
+
+
+cdef inline void _kernel_call(KernelCall* c, Kernel kernel, void* out, const void* src,
+                              const int64_t* rows, Py_ssize_t n, Py_ssize_t m, Py_ssize_t d,
+                              int n_threads) noexcept:
+    # The fields every kernel takes; the others zeroed, for the entry to set.
+    memset(c, 0, sizeof(KernelCall))
+    c.kernel = kernel
+    c.out = out
+    c.src = src
+    c.rows = rows
+    c.n = n
+    c.m = m
+    c.d = d
+    c.n_threads = n_threads
 
 
 cdef inline bint _has_kernels(int typenum) noexcept:
@@ -309,6 +329,7 @@ cdef object _lookup_entry(object table, object positions, object out, object num
     cdef Index ix
     cdef cnp.ndarray o
     cdef KernelCall c
+    cdef int nt
     cdef int64_t row
     if out is None and num_threads is None and _is_integer(positions):
         # One row (`pe(5)`, the commonest tiny call): a copy of it.
@@ -329,17 +350,13 @@ cdef object _lookup_entry(object table, object positions, object out, object num
             o = <cnp.ndarray>out
         else:
             return None
-        c.n_threads = _threads_for(num_threads, ix.n * d, ix.n)
-        if not c.n_threads:
+        nt = _threads_for(num_threads, ix.n * d, ix.n)
+        if not nt:
             return None
         if ix.n and d:
-            c.kernel = K_LOOKUP
-            c.src = cnp.PyArray_DATA(t)
-            c.rows = ix.rows
-            c.out = cnp.PyArray_DATA(o)
-            c.n = ix.n
+            _kernel_call(&c, K_LOOKUP, cnp.PyArray_DATA(o), cnp.PyArray_DATA(t), ix.rows,
+                         ix.n, ix.n, d, nt)
             c.L = L
-            c.d = d
             c.stream = cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
             _run_kernel(&c, typenum)
         return o
@@ -419,6 +436,7 @@ def add(tokens, table, positions, offset, out, num_threads):
     cdef bint in_place = out is tokens
     cdef cnp.ndarray o
     cdef KernelCall c
+    cdef int nt
     if not _row_positions(positions, offset, k, L, &ix, &m):
         return None
     try:
@@ -433,18 +451,13 @@ def add(tokens, table, positions, offset, out, num_threads):
         else:
             return None
         N = _lead_size(k)
-        c.n_threads = _threads_for(num_threads, N * d, N)
-        if not c.n_threads:
+        nt = _threads_for(num_threads, N * d, N)
+        if not nt:
             return None
         if N and d and m:
-            c.kernel = K_ADD
-            c.src = cnp.PyArray_DATA(k)
+            _kernel_call(&c, K_ADD, cnp.PyArray_DATA(o), cnp.PyArray_DATA(k), ix.rows, N, m,
+                         d, nt)
             c.table = cnp.PyArray_DATA(t)
-            c.rows = ix.rows
-            c.out = cnp.PyArray_DATA(o)
-            c.n = N
-            c.m = m
-            c.d = d
             # In place the lines are read anyway: ordinary stores.
             c.stream = not in_place and cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
             c.in_place = in_place
@@ -501,6 +514,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     cdef Py_ssize_t m, N, T
     cdef size_t capacity
     cdef KernelCall c
+    cdef int nt
     if not _row_positions(positions, offset, g, L, &ix, &m):
         return None
     try:
@@ -511,22 +525,16 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
             T = cnp.PyArray_DIMS(g)[nd - 2]
             if 0 < T < N and _repeats(ix.rows, N, T):
                 m = T
-        c.n_threads = _threads_for(num_threads, N * d, min(L, m))
-        if not c.n_threads:
+        nt = _threads_for(num_threads, N * d, min(L, m))
+        if not nt:
             return None
         if N and d and m:
-            c.kernel = K_SCATTER_ADD
-            c.out = cnp.PyArray_DATA(G)
-            c.src = cnp.PyArray_DATA(g)
-            c.rows = ix.rows
-            c.n = N
-            c.m = m
+            _kernel_call(&c, K_SCATTER_ADD, cnp.PyArray_DATA(G), cnp.PyArray_DATA(g),
+                         ix.rows, N, m, d, nt)
             c.L = L
-            c.d = d
             c.plan = <ScatterPlan>plan
-            c.scratch = <int64_t*>_scratch_or_raise(
-                _scatter_scratch_bytes(L, m, c.n_threads), &capacity,
-                "the scatter-add's scratch")
+            c.scratch = <int64_t*>_scratch_or_raise(_scatter_scratch_bytes(L, m, nt),
+                                                    &capacity, "the scatter-add's scratch")
             _run_kernel(&c, typenum)
             _scratch_give(c.scratch, capacity)
         _mark_rows(touched, ix.rows, m if N else 0, skip_row)
@@ -570,18 +578,14 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
     cdef KernelCall c
     cdef int64_t* rows = <int64_t*>_scratch_or_raise((L if L > 0 else 1) * sizeof(int64_t),
                                                      &capacity, "the SGD step's row list")
-    c.n = _marked_rows(mark, L, skip_row, rows)
-    c.n_threads = _threads_for(num_threads, c.n * d, c.n)
-    if c.n_threads:
-        c.kernel = K_SGD
-        c.out = cnp.PyArray_DATA(t)
-        c.src = cnp.PyArray_DATA(G)
-        c.rows = rows
-        c.d = d
+    cdef Py_ssize_t n = _marked_rows(mark, L, skip_row, rows)
+    cdef int nt = _threads_for(num_threads, n * d, n)
+    if nt:
+        _kernel_call(&c, K_SGD, cnp.PyArray_DATA(t), cnp.PyArray_DATA(G), rows, n, n, d, nt)
         c.lr = lr
         _run_kernel(&c, typenum)
     _scratch_give(rows, capacity)
-    return True if c.n_threads else None
+    return True if nt else None
 
 
 cdef int _pair_type(object token_table, object position_table) noexcept:
@@ -632,6 +636,7 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
     cdef Index ids, ix
     cdef cnp.ndarray o
     cdef KernelCall c
+    cdef int nt
     if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
         return None
     try:
@@ -643,20 +648,15 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
             o = <cnp.ndarray>out
         else:
             return None
-        c.n_threads = _threads_for(num_threads, ids.n * d, ids.n)
-        if not c.n_threads:
+        nt = _threads_for(num_threads, ids.n * d, ids.n)
+        if not nt:
             return None
         if ids.n and d and m:
-            c.kernel = K_EMBED
-            c.src = cnp.PyArray_DATA(tt)
+            _kernel_call(&c, K_EMBED, cnp.PyArray_DATA(o), cnp.PyArray_DATA(tt), ix.rows,
+                         ids.n, m, d, nt)
             c.ids = ids.rows
             c.V = V
             c.table = cnp.PyArray_DATA(pt)
-            c.rows = ix.rows
-            c.out = cnp.PyArray_DATA(o)
-            c.n = ids.n
-            c.m = m
-            c.d = d
             c.stream = cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
             _run_kernel(&c, typenum)
         return o
@@ -705,6 +705,7 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
     cdef Index ids, ix
     cdef size_t nbytes, capacity = 0
     cdef KernelCall c
+    cdef int nt
     if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
         return None
     try:
@@ -713,23 +714,17 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
         for i in range(ids.nd):
             if cnp.PyArray_DIMS(g)[i] != ids.shape[i]:
                 return None
-        c.n_threads = _threads_for(num_threads, ids.n * d, ids.n)
-        if not c.n_threads:
+        nt = _threads_for(num_threads, ids.n * d, ids.n)
+        if not nt:
             return None
         if ids.n and d and m:
-            c.kernel = K_SCATTER_PAIR
-            c.out = cnp.PyArray_DATA(gt)
-            c.V = V
-            c.ids = ids.rows
+            _kernel_call(&c, K_SCATTER_PAIR, cnp.PyArray_DATA(gt), cnp.PyArray_DATA(g),
+                         ix.rows, ids.n, m, d, nt)
             c.out2 = cnp.PyArray_DATA(gp)
+            c.ids = ids.rows
+            c.V = V
             c.L = L
-            c.rows = ix.rows
-            c.m = m
-            c.src = cnp.PyArray_DATA(g)
-            c.n = ids.n
-            c.d = d
-            c.scratch = NULL
-            nbytes = _pair_scratch_bytes(V, L, ids.n, c.n_threads)
+            nbytes = _pair_scratch_bytes(V, L, ids.n, nt)
             if nbytes:
                 c.scratch = <int64_t*>_scratch_or_raise(nbytes, &capacity,
                                                         "the backward pass's scratch")

@@ -1410,34 +1410,77 @@ def _scratch_failure_calls():
     out = np.full((600, 4), 7.0, np.float32)
     return [
         ("lookup", lambda: _core.lookup(table, many, out, None), 0, _NO_POSITIONS, [out]),
-        ("public lookup", lambda: cposembed.lookup(table, many, out=out), 0, _NO_POSITIONS,
-         [out]),
-        ("pe", lambda: embedding.LearnedPositionEmbedding(1000, 4, seed=0)(many), 0,
-         _NO_POSITIONS, []),
-        ("add arange", lambda: _core.add(tokens, table, None, 0, None, None), 0,
-         _NO_POSITIONS, []),
-        ("add", lambda: _core.add(tokens, table, many, 0, tokens, None), 0, _NO_POSITIONS,
-         [tokens]),
-        ("scatter_add", lambda: _core.scatter_add(grad, g, [1, 2, 1], 0, None, touched, 2),
-         0, "cannot allocate the scatter-add's scratch", [grad, touched]),
-        ("public scatter_add", lambda: cposembed.scatter_add(grad, g, [1, 2, 1]), 0,
-         "cannot allocate the scatter-add's scratch", [grad]),
-        ("sgd_step", lambda: _core.sgd_step(table, grad, touched, 0.5, -1), 0,
-         "cannot allocate the SGD step's row list", [table]),
-        ("embed ids", lambda: _core.embed(ids, table, table, None, 0, None, None), 0,
-         _NO_POSITIONS, []),
-        ("embed positions", lambda: _core.embed(ids, table, table, None, 0, None, None), 1,
-         _NO_POSITIONS, []),
-        ("embed_backward", lambda: _core.embed_backward(
-            *pair, tokens, ids, None, 0, 2, *marks, 3), 2,
-         "cannot allocate the backward pass's scratch", [*pair, *marks]),
-        ("embed_backward positions", lambda: _core.embed_backward(
-            *pair, tokens, ids, None, 0, 2, *marks, 3), 1, _NO_POSITIONS, [*pair, *marks]),
+        ("public lookup", lambda: cposembed.lookup(table, many, out=out), 0, _NO_POSITIONS, [out]),
+        (
+            "pe",
+            lambda: embedding.LearnedPositionEmbedding(1000, 4, seed=0)(many),
+            0,
+            _NO_POSITIONS,
+            [],
+        ),
+        ("add arange", lambda: _core.add(tokens, table, None, 0, None, None), 0, _NO_POSITIONS, []),
+        (
+            "add",
+            lambda: _core.add(tokens, table, many, 0, tokens, None),
+            0,
+            _NO_POSITIONS,
+            [tokens],
+        ),
+        (
+            "scatter_add",
+            lambda: _core.scatter_add(grad, g, [1, 2, 1], 0, None, touched, 2),
+            0,
+            "cannot allocate the scatter-add's scratch",
+            [grad, touched],
+        ),
+        (
+            "public scatter_add",
+            lambda: cposembed.scatter_add(grad, g, [1, 2, 1]),
+            0,
+            "cannot allocate the scatter-add's scratch",
+            [grad],
+        ),
+        (
+            "sgd_step",
+            lambda: _core.sgd_step(table, grad, touched, 0.5, -1),
+            0,
+            "cannot allocate the SGD step's row list",
+            [table],
+        ),
+        (
+            "embed ids",
+            lambda: _core.embed(ids, table, table, None, 0, None, None),
+            0,
+            _NO_POSITIONS,
+            [],
+        ),
+        (
+            "embed positions",
+            lambda: _core.embed(ids, table, table, None, 0, None, None),
+            1,
+            _NO_POSITIONS,
+            [],
+        ),
+        (
+            "embed_backward",
+            lambda: _core.embed_backward(*pair, tokens, ids, None, 0, 2, *marks, 3),
+            2,
+            "cannot allocate the backward pass's scratch",
+            [*pair, *marks],
+        ),
+        (
+            "embed_backward positions",
+            lambda: _core.embed_backward(*pair, tokens, ids, None, 0, 2, *marks, 3),
+            1,
+            _NO_POSITIONS,
+            [*pair, *marks],
+        ),
     ]
 
 
 @pytest.mark.parametrize(
-    "case", range(len(_scratch_failure_calls())),
+    "case",
+    range(len(_scratch_failure_calls())),
     ids=[c[0] for c in _scratch_failure_calls()],
 )
 def test_no_memory_for_scratch_is_a_memory_error_with_nothing_written(case):
