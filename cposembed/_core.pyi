@@ -127,6 +127,7 @@ def block(nbytes: int) -> _Block: ...  # Py_ssize_t nbytes > 0
 def pool_info() -> tuple[int, int, int, bool]: ...  # (blocks, bytes, limit, enabled)
 def set_pool(enabled: bool = True, limit_bytes: int | None = None) -> None: ...
 def clear_pool() -> None: ...
+def fail_scratch(n: int, after: int = 0) -> int: ...  # tests: n requests of scratch fail
 
 # Zeroed tables handed out through DLPack (src_c/_zeros.pxi).
 def zeroed_dlpack(rows: int, cols: int, itemsize: int) -> Any: ...  # a "dltensor" PyCapsule

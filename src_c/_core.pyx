@@ -47,6 +47,108 @@ cdef inline void _take_gil(PyThreadState* state) noexcept:
         PyEval_RestoreThread(state)
 
 
+# ---- the kernels of each dtype -------------------------------------------------
+#
+# Each entry describes its kernel call in a KernelCall and hands it to
+# _run_kernel, the one place that maps a table dtype to the kernels'
+# specialisations (real_t in _kernels.pxi). A dtype is added here: in
+# _has_kernels, in _run_kernel, and in real_t.
+#
+# A kernel call cannot fail: whatever it needs was allocated before, with
+# the GIL held, by _scratch_or_raise, which raises the MemoryError there.
+# So the kernels are noexcept nogil, and their hot paths neither check for
+# an error nor take the GIL back to raise one.
+
+cdef enum Kernel:
+    K_LOOKUP
+    K_ADD
+    K_SCATTER_ADD
+    K_SGD
+    K_EMBED
+    K_SCATTER_PAIR
+
+
+cdef struct KernelCall:
+    # One kernel call, its operands named as in the kernels' signatures
+    # (_kernels.pxi); each kernel reads only the fields it takes. The arrays'
+    # data are untyped here: _run_kernel gives them the dtype.
+    #   out: written: the output (lookup, add, embed), grad (scatter-add),
+    #     the table (SGD), gtok (the pair); out2: gpos (the pair)
+    #   src: read: the table (lookup), tokens (add, embed), g (the
+    #     scatter-adds), grad (SGD); table: the position table (add, embed)
+    Kernel kernel
+    void* out
+    void* out2
+    const void* src
+    const void* table
+    const int64_t* rows
+    const int64_t* ids
+    Py_ssize_t n         # rows to write or read (N)
+    Py_ssize_t m         # entries of `rows` (the period)
+    Py_ssize_t L
+    Py_ssize_t V
+    Py_ssize_t d
+    int n_threads
+    int stream
+    int in_place
+    ScatterPlan plan
+    double lr            # the SGD step, rounded to the dtype by _kernel_as
+    int64_t* scratch
+
+
+cdef inline void _kernel_call(KernelCall* c, Kernel kernel, void* out, const void* src,
+                              const int64_t* rows, Py_ssize_t n, Py_ssize_t m, Py_ssize_t d,
+                              int n_threads) noexcept:
+    # The fields every kernel takes; the others zeroed, for the entry to set.
+    memset(c, 0, sizeof(KernelCall))
+    c.kernel = kernel
+    c.out = out
+    c.src = src
+    c.rows = rows
+    c.n = n
+    c.m = m
+    c.d = d
+    c.n_threads = n_threads
+
+
+cdef inline bint _has_kernels(int typenum) noexcept:
+    """The table dtypes the kernels run on."""
+    return typenum == cnp.NPY_FLOAT or typenum == cnp.NPY_DOUBLE
+
+
+cdef void _run_kernel(const KernelCall* c, int typenum) noexcept:
+    """Run c.kernel on data of dtype `typenum` (one _has_kernels accepts),
+    without the GIL unless the work is small (_release_gil)."""
+    cdef PyThreadState* gil = _release_gil(c.n * c.d)
+    if typenum == cnp.NPY_FLOAT:
+        _kernel_as(c, <float*>NULL)
+    else:
+        _kernel_as(c, <double*>NULL)
+    _take_gil(gil)
+
+
+cdef void _kernel_as(const KernelCall* c, real_t* kind) noexcept nogil:
+    # c.kernel on real_t data (`kind` only names the type).
+    if c.kernel == K_LOOKUP:
+        _lookup(<const real_t*>c.src, c.rows, <real_t*>c.out, c.n, c.L, c.d, c.n_threads,
+                c.stream)
+    elif c.kernel == K_ADD:
+        _add(<const real_t*>c.src, <const real_t*>c.table, c.rows, <real_t*>c.out, c.n,
+             c.m, c.d, c.n_threads, c.stream, c.in_place)
+    elif c.kernel == K_SCATTER_ADD:
+        _scatter_add(<real_t*>c.out, <const real_t*>c.src, c.rows, c.L, c.d, c.m,
+                     c.n // c.m, c.n_threads, c.plan, c.scratch)
+    elif c.kernel == K_SGD:
+        _sgd_rows(<real_t*>c.out, <const real_t*>c.src, c.rows, c.n, c.d, <real_t>c.lr,
+                  c.n_threads)
+    elif c.kernel == K_EMBED:
+        _embed(<const real_t*>c.src, c.ids, c.V, <const real_t*>c.table, c.rows,
+               <real_t*>c.out, c.n, c.m, c.d, c.n_threads, c.stream)
+    else:
+        _scatter_pair(<real_t*>c.out, c.V, c.ids, <real_t*>c.out2, c.L, c.rows, c.m,
+                      <const real_t*>c.src, c.n, c.d, c.n_threads, c.scratch)
+
+
 cdef bint _plain_as(object obj, int typenum) noexcept:
     """An exact ndarray of dtype `typenum`, native byte order, C-contiguous, aligned."""
     if not cnp.PyArray_CheckExact(obj):
@@ -61,16 +163,12 @@ cdef bint _plain_as(object obj, int typenum) noexcept:
 
 
 cdef int _table_type(object table) noexcept:
-    """NPY_FLOAT or NPY_DOUBLE for a plain 2-D table; -1 for anything else."""
+    """The dtype of a plain 2-D table with kernels (_has_kernels); -1 for anything else."""
     if not cnp.PyArray_CheckExact(table):
         return -1
     cdef cnp.ndarray t = <cnp.ndarray>table
     cdef int typenum = cnp.PyArray_TYPE(t)
-    if (
-        cnp.PyArray_NDIM(t) != 2
-        or not (typenum == cnp.NPY_FLOAT or typenum == cnp.NPY_DOUBLE)
-        or not _plain_as(t, typenum)
-    ):
+    if cnp.PyArray_NDIM(t) != 2 or not _has_kernels(typenum) or not _plain_as(t, typenum):
         return -1
     return typenum
 
@@ -99,9 +197,10 @@ cdef bint _writable_out(object out, int typenum, int nd, const cnp.npy_intp* dim
     return _apart(o, table)
 
 
-cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, int typenum):
-    """A fresh C-contiguous array; large ones from the reusable blocks."""
-    cdef Py_ssize_t nbytes = 4 if typenum == cnp.NPY_FLOAT else 8
+cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, cnp.ndarray like):
+    """A fresh C-contiguous array of `like`'s dtype; large ones from the reusable blocks."""
+    cdef int typenum = cnp.PyArray_TYPE(like)
+    cdef Py_ssize_t nbytes = cnp.PyArray_ITEMSIZE(like)
     cdef int k
     for k in range(nd):
         if dims[k] and nbytes > (<Py_ssize_t>1 << 62) // dims[k]:
@@ -132,49 +231,82 @@ cdef bint _offset_value(object offset, Py_ssize_t lo, Py_ssize_t hi,
     return True
 
 
-cdef bint _positions_for(object positions, object offset, Py_ssize_t L,
-                         const cnp.npy_intp* lead, int n_lead, Index* ix,
-                         Py_ssize_t* m) noexcept:
+cdef int _positions_for(object positions, object offset, Py_ssize_t L,
+                        const cnp.npy_intp* lead, int n_lead, Index* ix,
+                        Py_ssize_t* m) except -1:
     """Positions for rows laid out as lead[:n_lead]: row i takes
     ix.rows[i % m]. `positions=None`: offset + arange(T) over the last lead
     axis; else positions whose shape, without leading 1s, equals the
     trailing axes of the lead shape (anything else that broadcasts is
-    materialised by the Python layer). False: declined, nothing held."""
+    materialised by the Python layer). 1; 0: declined, nothing held;
+    MemoryError as _read_index."""
     cdef Py_ssize_t T, start, zero
     cdef int k, core
     ix.rows = NULL
     if positions is None:
         if n_lead < 1:
-            return False
+            return 0
         T = lead[n_lead - 1]
         if not _offset_value(offset, 0, L - T if T else (<Py_ssize_t>1 << 62), &start):
-            return False
+            return 0
         m[0] = T
         return _arange_index(start, T, ix)
     if not _offset_value(offset, 0, 0, &zero):
-        return False
+        return 0
     if not _read_index(positions, L, ix):
-        return False
+        return 0
     k = 0
     while k < ix.nd and ix.shape[k] == 1:
         k += 1
     core = ix.nd - k
     if ix.nd > n_lead:  # more axes than the rows: NumPy's result would have them
         _index_free(ix)
-        return False
+        return 0
     for k in range(core):
         if ix.shape[ix.nd - core + k] != lead[n_lead - core + k]:
             _index_free(ix)
-            return False
+            return 0
     m[0] = ix.n
-    return True
+    return 1
 
 
-cdef bint _row_positions(object positions, object offset, cnp.ndarray rows_array,
-                         Py_ssize_t L, Index* ix, Py_ssize_t* m) noexcept:
+cdef int _row_positions(object positions, object offset, cnp.ndarray rows_array,
+                        Py_ssize_t L, Index* ix, Py_ssize_t* m) except -1:
     """_positions_for the rows of `rows_array` (shape (..., d))."""
     return _positions_for(positions, offset, L, cnp.PyArray_DIMS(rows_array),
                           cnp.PyArray_NDIM(rows_array) - 1, ix, m)
+
+
+cdef inline Py_ssize_t _lead_size(cnp.ndarray a) noexcept:
+    # The rows of an array of shape (..., d): the product of its leading axes.
+    cdef Py_ssize_t n = 1
+    cdef int k
+    for k in range(cnp.PyArray_NDIM(a) - 1):
+        n *= cnp.PyArray_DIMS(a)[k]
+    return n
+
+
+cdef void _mark_rows(object touched, const int64_t* rows, Py_ssize_t n,
+                     Py_ssize_t skip_row) noexcept:
+    # The tail of a scatter-add, first half: touched[rows[:n]] = True, then
+    # touched[skip_row] = False (skip_row -1: none); touched None: nothing.
+    cdef uint8_t* mark
+    cdef Py_ssize_t i
+    if touched is None:
+        return
+    mark = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>touched)
+    for i in range(n):
+        mark[rows[i]] = 1
+    if skip_row >= 0:
+        mark[skip_row] = 0
+
+
+cdef void _zero_row(cnp.ndarray table, Py_ssize_t row) noexcept:
+    # The tail of a scatter-add, second half: table[row] = 0, the padding
+    # row that gets no gradient (row -1: none).
+    cdef Py_ssize_t nbytes = cnp.PyArray_DIMS(table)[1] * cnp.PyArray_ITEMSIZE(table)
+    if row >= 0 and nbytes:
+        memset(cnp.PyArray_BYTES(table) + row * nbytes, 0, nbytes)
 
 
 def lookup(table, positions, out, num_threads):
@@ -196,6 +328,7 @@ cdef object _lookup_entry(object table, object positions, object out, object num
     cdef Py_ssize_t L = cnp.PyArray_DIMS(t)[0], d = cnp.PyArray_DIMS(t)[1]
     cdef Index ix
     cdef cnp.ndarray o
+    cdef KernelCall c
     cdef int nt
     cdef int64_t row
     if out is None and num_threads is None and _is_integer(positions):
@@ -208,12 +341,11 @@ cdef object _lookup_entry(object table, object positions, object out, object num
                d * cnp.PyArray_ITEMSIZE(t))
         return o
     if not _read_index(positions, L, &ix):
-        _raise_if_out_of_memory()
         return None
     try:
         ix.shape[ix.nd] = d
         if out is None:
-            o = _new_output(ix.nd + 1, ix.shape, typenum)
+            o = _new_output(ix.nd + 1, ix.shape, t)
         elif _writable_out(out, typenum, ix.nd + 1, ix.shape, t):
             o = <cnp.ndarray>out
         else:
@@ -221,27 +353,15 @@ cdef object _lookup_entry(object table, object positions, object out, object num
         nt = _threads_for(num_threads, ix.n * d, ix.n)
         if not nt:
             return None
-        _run_lookup(t, &ix, o, typenum, nt)
+        if ix.n and d:
+            _kernel_call(&c, K_LOOKUP, cnp.PyArray_DATA(o), cnp.PyArray_DATA(t), ix.rows,
+                         ix.n, ix.n, d, nt)
+            c.L = L
+            c.stream = cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
+            _run_kernel(&c, typenum)
         return o
     finally:
         _index_free(&ix)
-
-
-cdef void _run_lookup(cnp.ndarray t, Index* ix, cnp.ndarray o, int typenum,
-                      int n_threads) noexcept:
-    cdef Py_ssize_t L = cnp.PyArray_DIMS(t)[0], d = cnp.PyArray_DIMS(t)[1], n = ix.n
-    cdef int stream = cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
-    cdef const void* tp = cnp.PyArray_DATA(t)
-    cdef void* op = cnp.PyArray_DATA(o)
-    cdef const int64_t* rows = ix.rows
-    if n == 0 or d == 0:
-        return
-    cdef PyThreadState* gil = _release_gil(n * d)
-    if typenum == cnp.NPY_FLOAT:
-        _lookup(<const float*>tp, rows, <float*>op, n, L, d, n_threads, stream)
-    else:
-        _lookup(<const double*>tp, rows, <double*>op, n, L, d, n_threads, stream)
-    _take_gil(gil)
 
 
 @cython.auto_pickle(False)  # the subclass pickles its checked state itself
@@ -280,6 +400,19 @@ cdef class TableCall:
         return result
 
 
+cdef int _rows_type(object table, object rows_array) noexcept:
+    # The dtype of a plain (L, d) table with kernels and of a plain array
+    # of shape (..., d) with that dtype (tokens, a gradient); -1 else.
+    cdef int typenum = _table_type(table)
+    if typenum < 0 or not _plain_as(rows_array, typenum):
+        return -1
+    cdef cnp.ndarray a = <cnp.ndarray>rows_array
+    cdef int nd = cnp.PyArray_NDIM(a)
+    if nd < 1 or cnp.PyArray_DIMS(a)[nd - 1] != cnp.PyArray_DIMS(<cnp.ndarray>table)[1]:
+        return -1
+    return typenum
+
+
 def add(tokens, table, positions, offset, out, num_threads):
     """``tokens + table[positions]`` into ``out`` (or a new array), returned;
     None if declined.
@@ -291,26 +424,24 @@ def add(tokens, table, positions, offset, out, num_threads):
     out: None, ``tokens`` (in place), or a plain writable array of tokens'
     shape and dtype, apart from tokens and the table.
     """
-    cdef int typenum = _table_type(table)
-    if typenum < 0 or not _plain_as(tokens, typenum):
+    cdef int typenum = _rows_type(table, tokens)
+    if typenum < 0:
         return None
     cdef cnp.ndarray t = <cnp.ndarray>table
     cdef cnp.ndarray k = <cnp.ndarray>tokens
     cdef Py_ssize_t L = cnp.PyArray_DIMS(t)[0], d = cnp.PyArray_DIMS(t)[1]
     cdef int nd = cnp.PyArray_NDIM(k)
-    if nd < 1 or cnp.PyArray_DIMS(k)[nd - 1] != d:
-        return None
     cdef Index ix
-    cdef Py_ssize_t m, N, i
+    cdef Py_ssize_t m, N
     cdef bint in_place = out is tokens
     cdef cnp.ndarray o
+    cdef KernelCall c
     cdef int nt
     if not _row_positions(positions, offset, k, L, &ix, &m):
-        _raise_if_out_of_memory()
         return None
     try:
         if out is None:
-            o = _new_output(nd, cnp.PyArray_DIMS(k), typenum)
+            o = _new_output(nd, cnp.PyArray_DIMS(k), t)
         elif in_place or _writable_out(out, typenum, nd, cnp.PyArray_DIMS(k), t):
             o = <cnp.ndarray>out
             if in_place and (not cnp.PyArray_ISWRITEABLE(o) or not _apart(o, t)):
@@ -319,36 +450,21 @@ def add(tokens, table, positions, offset, out, num_threads):
                 return None
         else:
             return None
-        N = 1
-        for i in range(nd - 1):
-            N *= cnp.PyArray_DIMS(k)[i]
+        N = _lead_size(k)
         nt = _threads_for(num_threads, N * d, N)
         if not nt:
             return None
         if N and d and m:
-            _run_add(k, t, ix.rows, o, typenum, N, m, nt, in_place)
+            _kernel_call(&c, K_ADD, cnp.PyArray_DATA(o), cnp.PyArray_DATA(k), ix.rows, N, m,
+                         d, nt)
+            c.table = cnp.PyArray_DATA(t)
+            # In place the lines are read anyway: ordinary stores.
+            c.stream = not in_place and cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
+            c.in_place = in_place
+            _run_kernel(&c, typenum)
         return o
     finally:
         _index_free(&ix)
-
-
-cdef void _run_add(cnp.ndarray k, cnp.ndarray t, const int64_t* rows, cnp.ndarray o,
-                   int typenum, Py_ssize_t N, Py_ssize_t m, int n_threads,
-                   bint in_place) noexcept:
-    cdef Py_ssize_t d = cnp.PyArray_DIMS(t)[1]
-    # In place the lines are read anyway: ordinary stores.
-    cdef int stream = not in_place and cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
-    cdef const void* kp = cnp.PyArray_DATA(k)
-    cdef const void* tp = cnp.PyArray_DATA(t)
-    cdef void* op = cnp.PyArray_DATA(o)
-    cdef PyThreadState* gil = _release_gil(N * d)
-    if typenum == cnp.NPY_FLOAT:
-        _add(<const float*>kp, <const float*>tp, rows, <float*>op, N, m, d, n_threads,
-             stream, in_place)
-    else:
-        _add(<const double*>kp, <const double*>tp, rows, <double*>op, N, m, d,
-             n_threads, stream, in_place)
-    _take_gil(gil)
 
 
 cdef bint _mask_ok(object mask, Py_ssize_t L) noexcept:
@@ -378,17 +494,15 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     padding_idx, whose row is zero before every call), or -1. plan: a
     ScatterPlan (PLAN_AUTO: chosen per call; the others force one, for tests).
     """
-    cdef int typenum = _table_type(grad)
-    if typenum < 0 or not _plain_as(grad_output, typenum):
+    cdef int typenum = _rows_type(grad, grad_output)
+    if typenum < 0:
         return None
     cdef cnp.ndarray G = <cnp.ndarray>grad
     cdef cnp.ndarray g = <cnp.ndarray>grad_output
     cdef Py_ssize_t L = cnp.PyArray_DIMS(G)[0], d = cnp.PyArray_DIMS(G)[1]
     cdef int nd = cnp.PyArray_NDIM(g)
     if (
-        nd < 1
-        or cnp.PyArray_DIMS(g)[nd - 1] != d
-        or not cnp.PyArray_ISWRITEABLE(G)
+        not cnp.PyArray_ISWRITEABLE(G)
         or not _apart(g, G)
         or not _mask_ok(touched, L)
         or (touched is not None and not _apart(<cnp.ndarray>touched, G))
@@ -397,17 +511,14 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     ):
         return None
     cdef Index ix
-    cdef Py_ssize_t m, N, T, i
-    cdef bint ok = True
-    cdef uint8_t* mark
+    cdef Py_ssize_t m, N, T
+    cdef size_t capacity
+    cdef KernelCall c
     cdef int nt
     if not _row_positions(positions, offset, g, L, &ix, &m):
-        _raise_if_out_of_memory()
         return None
     try:
-        N = 1
-        for i in range(nd - 1):
-            N *= cnp.PyArray_DIMS(g)[i]
+        N = _lead_size(g)
         # (B, T) positions that repeat every sequence (arange expanded,
         # typically) are one period of T: the distinct-rows plan takes them.
         if positions is not None and m == N and nd >= 3:
@@ -418,46 +529,19 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
         if not nt:
             return None
         if N and d and m:
-            ok = _run_scatter(G, g, ix.rows, typenum, N, m, nt, <ScatterPlan>plan)
-            if not ok:
-                raise MemoryError("cannot allocate the scatter-add's scratch")
-        if touched is not None:
-            mark = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>touched)
-            for i in range(m if N else 0):
-                mark[ix.rows[i]] = 1
-            if skip_row >= 0:
-                mark[skip_row] = 0
-        if skip_row >= 0 and d:
-            if typenum == cnp.NPY_FLOAT:
-                memset(<float*>cnp.PyArray_DATA(G) + skip_row * d, 0, d * sizeof(float))
-            else:
-                memset(<double*>cnp.PyArray_DATA(G) + skip_row * d, 0, d * sizeof(double))
+            _kernel_call(&c, K_SCATTER_ADD, cnp.PyArray_DATA(G), cnp.PyArray_DATA(g),
+                         ix.rows, N, m, d, nt)
+            c.L = L
+            c.plan = <ScatterPlan>plan
+            c.scratch = <int64_t*>_scratch_or_raise(_scatter_scratch_bytes(L, m, nt),
+                                                    &capacity, "the scatter-add's scratch")
+            _run_kernel(&c, typenum)
+            _scratch_give(c.scratch, capacity)
+        _mark_rows(touched, ix.rows, m if N else 0, skip_row)
+        _zero_row(G, skip_row)
         return grad
     finally:
         _index_free(&ix)
-
-
-cdef bint _run_scatter(cnp.ndarray G, cnp.ndarray g, const int64_t* rows, int typenum,
-                       Py_ssize_t N, Py_ssize_t m, int n_threads,
-                       ScatterPlan plan) noexcept:
-    cdef Py_ssize_t L = cnp.PyArray_DIMS(G)[0], d = cnp.PyArray_DIMS(G)[1]
-    cdef void* gp = cnp.PyArray_DATA(G)
-    cdef const void* sp = cnp.PyArray_DATA(g)
-    cdef size_t capacity
-    cdef int64_t* scratch = <int64_t*>_scratch_take(_scatter_scratch_bytes(L, m, n_threads),
-                                                    &capacity)
-    if scratch == NULL:
-        return False
-    cdef PyThreadState* gil = _release_gil(N * d)
-    if typenum == cnp.NPY_FLOAT:
-        _scatter_add(<float*>gp, <const float*>sp, rows, L, d, m, N // m, n_threads, plan,
-                     scratch)
-    else:
-        _scatter_add(<double*>gp, <const double*>sp, rows, L, d, m, N // m, n_threads, plan,
-                     scratch)
-    _take_gil(gil)
-    _scratch_give(scratch, capacity)
-    return True
 
 
 def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=None):
@@ -491,25 +575,17 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
     if touched is not None:
         mark = <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>touched)
     cdef size_t capacity
-    cdef int64_t* rows = <int64_t*>_scratch_take((L if L > 0 else 1) * sizeof(int64_t),
-                                                 &capacity)
-    if rows == NULL:
-        raise MemoryError("cannot allocate the SGD step's row list")
+    cdef KernelCall c
+    cdef int64_t* rows = <int64_t*>_scratch_or_raise((L if L > 0 else 1) * sizeof(int64_t),
+                                                     &capacity, "the SGD step's row list")
     cdef Py_ssize_t n = _marked_rows(mark, L, skip_row, rows)
     cdef int nt = _threads_for(num_threads, n * d, n)
-    if not nt:
-        _scratch_give(rows, capacity)
-        return None
-    cdef void* tp = cnp.PyArray_DATA(t)
-    cdef const void* gp = cnp.PyArray_DATA(G)
-    cdef PyThreadState* gil = _release_gil(n * d)
-    if typenum == cnp.NPY_FLOAT:
-        _sgd_rows(<float*>tp, <const float*>gp, rows, n, d, <float>lr, nt)
-    else:
-        _sgd_rows(<double*>tp, <const double*>gp, rows, n, d, lr, nt)
-    _take_gil(gil)
+    if nt:
+        _kernel_call(&c, K_SGD, cnp.PyArray_DATA(t), cnp.PyArray_DATA(G), rows, n, n, d, nt)
+        c.lr = lr
+        _run_kernel(&c, typenum)
     _scratch_give(rows, capacity)
-    return True
+    return True if nt else None
 
 
 cdef int _pair_type(object token_table, object position_table) noexcept:
@@ -523,17 +599,20 @@ cdef int _pair_type(object token_table, object position_table) noexcept:
     return typenum
 
 
-cdef bint _ids_positions(object token_ids, Py_ssize_t V, object positions, object offset,
-                         Py_ssize_t L, Index* ids, Index* ix, Py_ssize_t* m) noexcept:
+cdef int _ids_positions(object token_ids, Py_ssize_t V, object positions, object offset,
+                        Py_ssize_t L, Index* ids, Index* ix, Py_ssize_t* m) except -1:
     """Token ids (checked against V) and _positions_for them (laid out as the
-    ids). False: declined, nothing held."""
+    ids): 1; 0: declined, nothing held; MemoryError as _read_index."""
+    cdef int found = -1
     ix.rows = NULL
     if not _read_index(token_ids, V, ids):
-        return False
-    if not _positions_for(positions, offset, L, ids.shape, ids.nd, ix, m):
-        _index_free(ids)
-        return False
-    return True
+        return 0
+    try:
+        found = _positions_for(positions, offset, L, ids.shape, ids.nd, ix, m)
+    finally:
+        if found != 1:
+            _index_free(ids)
+    return found
 
 
 def embed(token_ids, token_table, position_table, positions, offset, out, num_threads):
@@ -556,14 +635,14 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
     cdef Py_ssize_t d = cnp.PyArray_DIMS(tt)[1], m
     cdef Index ids, ix
     cdef cnp.ndarray o
+    cdef KernelCall c
     cdef int nt
     if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
-        _raise_if_out_of_memory()
         return None
     try:
         ids.shape[ids.nd] = d
         if out is None:
-            o = _new_output(ids.nd + 1, ids.shape, typenum)
+            o = _new_output(ids.nd + 1, ids.shape, tt)
         elif _writable_out(out, typenum, ids.nd + 1, ids.shape, tt) and _apart(
                 <cnp.ndarray>out, pt):
             o = <cnp.ndarray>out
@@ -573,28 +652,17 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
         if not nt:
             return None
         if ids.n and d and m:
-            _run_embed(tt, &ids, pt, &ix, m, o, typenum, nt)
+            _kernel_call(&c, K_EMBED, cnp.PyArray_DATA(o), cnp.PyArray_DATA(tt), ix.rows,
+                         ids.n, m, d, nt)
+            c.ids = ids.rows
+            c.V = V
+            c.table = cnp.PyArray_DATA(pt)
+            c.stream = cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
+            _run_kernel(&c, typenum)
         return o
     finally:
         _index_free(&ix)
         _index_free(&ids)
-
-
-cdef void _run_embed(cnp.ndarray tt, Index* ids, cnp.ndarray pt, Index* ix, Py_ssize_t m,
-                     cnp.ndarray o, int typenum, int n_threads) noexcept:
-    cdef Py_ssize_t V = cnp.PyArray_DIMS(tt)[0], d = cnp.PyArray_DIMS(tt)[1], N = ids.n
-    cdef int stream = cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
-    cdef const void* tp = cnp.PyArray_DATA(tt)
-    cdef const void* pp = cnp.PyArray_DATA(pt)
-    cdef void* op = cnp.PyArray_DATA(o)
-    cdef PyThreadState* gil = _release_gil(N * d)
-    if typenum == cnp.NPY_FLOAT:
-        _embed(<const float*>tp, ids.rows, V, <const float*>pp, ix.rows, <float*>op, N, m,
-               d, n_threads, stream)
-    else:
-        _embed(<const double*>tp, ids.rows, V, <const double*>pp, ix.rows, <double*>op, N,
-               m, d, n_threads, stream)
-    _take_gil(gil)
 
 
 def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids, positions,
@@ -635,11 +703,10 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
     ):
         return None
     cdef Index ids, ix
-    cdef bint ok = True
+    cdef size_t nbytes, capacity = 0
+    cdef KernelCall c
     cdef int nt
-    cdef uint8_t* mark
     if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
-        _raise_if_out_of_memory()
         return None
     try:
         if nd != ids.nd + 1 or cnp.PyArray_DIMS(g)[nd - 1] != d:
@@ -651,52 +718,26 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
         if not nt:
             return None
         if ids.n and d and m:
-            ok = _run_scatter_pair(gt, &ids, gp, &ix, m, g, typenum, nt)
-            if not ok:
-                raise MemoryError("cannot allocate the backward pass's scratch")
-        if token_touched is not None:
-            mark = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>token_touched)
-            for i in range(ids.n):
-                mark[ids.rows[i]] = 1
-            if token_skip_row >= 0:
-                mark[token_skip_row] = 0
-        if position_touched is not None:
-            mark = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>position_touched)
-            for i in range(m if ids.n else 0):
-                mark[ix.rows[i]] = 1
-        if token_skip_row >= 0 and d:
-            memset(cnp.PyArray_BYTES(gt) + token_skip_row * d * cnp.PyArray_ITEMSIZE(gt), 0,
-                   d * cnp.PyArray_ITEMSIZE(gt))
+            _kernel_call(&c, K_SCATTER_PAIR, cnp.PyArray_DATA(gt), cnp.PyArray_DATA(g),
+                         ix.rows, ids.n, m, d, nt)
+            c.out2 = cnp.PyArray_DATA(gp)
+            c.ids = ids.rows
+            c.V = V
+            c.L = L
+            nbytes = _pair_scratch_bytes(V, L, ids.n, nt)
+            if nbytes:
+                c.scratch = <int64_t*>_scratch_or_raise(nbytes, &capacity,
+                                                        "the backward pass's scratch")
+            _run_kernel(&c, typenum)
+            _scratch_give(c.scratch, capacity)
+        _mark_rows(token_touched, ids.rows, ids.n, token_skip_row)
+        _mark_rows(position_touched, ix.rows, m if ids.n else 0, -1)
+        _zero_row(gt, token_skip_row)
         return True
     finally:
         _index_free(&ix)
         _index_free(&ids)
 
-
-cdef bint _run_scatter_pair(cnp.ndarray gt, Index* ids, cnp.ndarray gp, Index* ix,
-                            Py_ssize_t m, cnp.ndarray g, int typenum,
-                            int n_threads) noexcept:
-    cdef Py_ssize_t V = cnp.PyArray_DIMS(gt)[0], L = cnp.PyArray_DIMS(gp)[0]
-    cdef Py_ssize_t d = cnp.PyArray_DIMS(gt)[1], N = ids.n
-    cdef void* tp = cnp.PyArray_DATA(gt)
-    cdef void* pp = cnp.PyArray_DATA(gp)
-    cdef const void* sp = cnp.PyArray_DATA(g)
-    cdef size_t nbytes = _pair_scratch_bytes(V, L, N, n_threads), capacity = 0
-    cdef int64_t* scratch = NULL
-    if nbytes:
-        scratch = <int64_t*>_scratch_take(nbytes, &capacity)
-        if scratch == NULL:
-            return False
-    cdef PyThreadState* gil = _release_gil(N * d)
-    if typenum == cnp.NPY_FLOAT:
-        _scatter_pair(<float*>tp, V, ids.rows, <float*>pp, L, ix.rows, m,
-                      <const float*>sp, N, d, n_threads, scratch)
-    else:
-        _scatter_pair(<double*>tp, V, ids.rows, <double*>pp, L, ix.rows, m,
-                      <const double*>sp, N, d, n_threads, scratch)
-    _take_gil(gil)
-    _scratch_give(scratch, capacity)
-    return True
 
 # The scatter-add plans by name at module level too (tests force them).
 for _plan in ScatterPlan:

@@ -9,8 +9,11 @@
 # Read here: a Python int, a NumPy integer scalar, an ndarray of any
 # native-order integer dtype (any shape, strides and alignment, 0-d too), and
 # (nested) lists of Python ints and NumPy integer scalars. Anything else,
-# and any value out of range, is declined (_read_index returns False with
-# nothing written); the Python layer then normalises or words the error.
+# and any value out of range, is declined (_read_index returns 0 with
+# nothing held); the Python layer then normalises or words the error. A
+# buffer that cannot be allocated is a MemoryError, raised where the
+# allocation failed (the readers are `except -1`): the Python layer would
+# only retry what cannot succeed.
 
 from libc.stdint cimport int8_t, int16_t, int32_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
@@ -83,32 +86,18 @@ cdef inline void _index_free(Index* ix) noexcept:
     ix.rows = NULL
 
 
-# Set when a position buffer could not be allocated: the entry that declined
-# then raises MemoryError instead (_raise_if_out_of_memory), rather than have
-# the Python layer retry what cannot succeed.
-cdef bint _index_out_of_memory = False
-
-
-cdef inline bint _index_alloc(Index* ix, Py_ssize_t n) noexcept:
-    global _index_out_of_memory
+cdef inline int _index_alloc(Index* ix, Py_ssize_t n) except -1:
+    # Room for n rows in `ix`, or MemoryError (nothing held).
     ix.n = n
+    ix.rows = NULL
     if n <= _INLINE:
         ix.rows = ix.inline
-    elif n > (<Py_ssize_t>1 << 60) // <Py_ssize_t>sizeof(int64_t):
-        ix.rows = NULL  # absurd: no machine holds it (and n * 8 could overflow)
-    else:
-        ix.rows = <int64_t*>_scratch_take(n * sizeof(int64_t), &ix.capacity)
-    if ix.rows == NULL:
-        _index_out_of_memory = True
-    return ix.rows != NULL
-
-
-cdef int _raise_if_out_of_memory() except -1:
-    # After a declined read of positions: MemoryError if that was the reason.
-    global _index_out_of_memory
-    if _index_out_of_memory:
-        _index_out_of_memory = False
+        return 0
+    if n > (<Py_ssize_t>1 << 60) // <Py_ssize_t>sizeof(int64_t):
+        # Absurd: no machine holds it (and n * 8 could overflow).
         raise MemoryError("cannot allocate the buffer for the call's positions")
+    ix.rows = <int64_t*>_scratch_or_raise(n * sizeof(int64_t), &ix.capacity,
+                                          "the buffer for the call's positions")
     return 0
 
 
@@ -190,7 +179,7 @@ cdef bint _read_typed(const char* p, Py_ssize_t stride, Py_ssize_t n, int64_t L,
     return _read_run(p, stride, n, L, dst, <uint64_t*>NULL)
 
 
-cdef bint _read_array(cnp.ndarray a, Py_ssize_t L, Index* ix) noexcept:
+cdef int _read_array(cnp.ndarray a, Py_ssize_t L, Index* ix) except -1:
     cdef int typenum = cnp.PyArray_TYPE(a)
     cdef int nd = cnp.PyArray_NDIM(a)
     cdef int itemsize = <int>cnp.PyArray_ITEMSIZE(a)
@@ -210,8 +199,7 @@ cdef bint _read_array(cnp.ndarray a, Py_ssize_t L, Index* ix) noexcept:
     ix.nd = nd
     for k in range(nd):
         ix.shape[k] = shape[k]
-    if not _index_alloc(ix, n):
-        return False
+    _index_alloc(ix, n)
     if n == 0:
         return True
     if nd == 0 or cnp.PyArray_IS_C_CONTIGUOUS(a):
@@ -293,22 +281,24 @@ cdef bint _fill_from_list(list lst, int depth, Index* ix, Py_ssize_t L,
     return True
 
 
-cdef bint _read_list(list lst, Py_ssize_t L, Index* ix) noexcept:
+cdef int _read_list(list lst, Py_ssize_t L, Index* ix) except -1:
     cdef Py_ssize_t pos = 0
-    if not _list_shape(lst, ix) or not _index_alloc(ix, ix.n):
+    if not _list_shape(lst, ix):
         return False
+    _index_alloc(ix, ix.n)
     if not (_fill_from_list(lst, 0, ix, L, &pos) and pos == ix.n):
         _index_free(ix)
         return False
     return True
 
 
-cdef bint _read_index(object positions, Py_ssize_t L, Index* ix) noexcept:
-    """Positions into `ix` (rows wrapped into [0, L)); False: declined, nothing held."""
+cdef int _read_index(object positions, Py_ssize_t L, Index* ix) except -1:
+    """Positions into `ix` (rows wrapped into [0, L)): 1; 0: declined, nothing
+    held; MemoryError if no buffer for them could be had."""
     ix.rows = NULL
     if _is_integer(positions):
         ix.nd = 0
-        _index_alloc(ix, 1)
+        _index_alloc(ix, 1)  # inline: cannot fail
         if _int_value(positions, L, ix.rows):
             return True
         return False
@@ -319,14 +309,12 @@ cdef bint _read_index(object positions, Py_ssize_t L, Index* ix) noexcept:
     return False
 
 
-cdef bint _arange_index(Py_ssize_t start, Py_ssize_t T, Index* ix) noexcept:
-    # offset + arange(T) (checked by the caller to lie in [0, L)).
+cdef int _arange_index(Py_ssize_t start, Py_ssize_t T, Index* ix) except -1:
+    # offset + arange(T) (checked by the caller to lie in [0, L)): 1.
     cdef Py_ssize_t i
-    ix.rows = NULL
     ix.nd = 1
     ix.shape[0] = T
-    if not _index_alloc(ix, T):
-        return False
+    _index_alloc(ix, T)
     for i in range(T):
         ix.rows[i] = start + i
     return True

@@ -161,10 +161,23 @@ cdef enum:
     _SCRATCH_POOLED = 65536
 
 
+# Requests of scratch that fail on purpose, after _scratch_spared more
+# succeed (fail_scratch): how the tests reach every entry's MemoryError.
+cdef Py_ssize_t _scratch_failures = 0
+cdef Py_ssize_t _scratch_spared = 0
+
+
 cdef void* _scratch_take(size_t nbytes, size_t* capacity) noexcept:
     """At least `nbytes` (> 0) of scratch, its size in `capacity`; NULL if
     out of memory. With the GIL held; give it back with _scratch_give."""
+    global _scratch_failures, _scratch_spared
     cdef void* p = NULL
+    if _scratch_failures:
+        if _scratch_spared:
+            _scratch_spared -= 1
+        else:
+            _scratch_failures -= 1
+            return NULL
     if nbytes >= _SCRATCH_POOLED and _enabled:
         p = _take(nbytes, capacity)
     if p == NULL:
@@ -177,3 +190,25 @@ cdef void _scratch_give(void* p, size_t capacity) noexcept:
     """Scratch from _scratch_take, back to the pool or freed; with the GIL held."""
     if p != NULL and (capacity < _SCRATCH_POOLED or not _give_back(p, capacity)):
         free(p)
+
+
+cdef void* _scratch_or_raise(size_t nbytes, size_t* capacity, str what) except NULL:
+    """_scratch_take, or MemoryError("cannot allocate <what>"). Every entry
+    takes its scratch this way, with the GIL held and before its kernel
+    starts: the kernels never allocate, so they stay noexcept nogil and
+    nothing on their hot paths checks for an error or takes the GIL."""
+    cdef void* p = _scratch_take(nbytes, capacity)
+    if p == NULL:
+        raise MemoryError(f"cannot allocate {what}")
+    return p
+
+
+def fail_scratch(Py_ssize_t n, Py_ssize_t after=0):
+    """Make `n` requests of scratch fail, as if out of memory, once `after`
+    more have succeeded (tests); n=0 ends it. Returns how many failures were
+    still to come."""
+    global _scratch_failures, _scratch_spared
+    cdef Py_ssize_t pending = _scratch_failures
+    _scratch_failures = max(0, n)
+    _scratch_spared = max(0, after)
+    return pending

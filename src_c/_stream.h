@@ -342,9 +342,10 @@ static inline void cpe_fill_f32(float *dst, ptrdiff_t n, float value, int stream
     for (; k < n; k++) dst[k] = value;
 }
 
-/* Sum of n floats with 8 independent vector accumulators: bound by memory,
- * not by the latency of one chain of adds. Order differs from NumPy's sum;
- * this is a bandwidth probe, not a numerical routine. */
+/* Sum of n floats with independent accumulators (4 SSE vectors of 4 lanes,
+ * 16 floats a step; 8 scalars without SSE2): bound by memory, not by the
+ * latency of one chain of adds. Order differs from NumPy's sum; this is a
+ * bandwidth probe, not a numerical routine. */
 static inline double cpe_read_sum_f32(const float *src, ptrdiff_t n) {
     ptrdiff_t k = 0;
     double total = 0.0;

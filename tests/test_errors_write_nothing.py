@@ -9,8 +9,10 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
+from helpers import tuned
+
 import cposembed
-from cposembed import LearnedPositionEmbedding, _threads
+from cposembed import LearnedPositionEmbedding, _core, _threads, embedding
 
 L, D = 64, 512
 
@@ -324,3 +326,117 @@ def test_class_error_path_writes_nothing(name, warm, pe):
     assert b.tokens.tobytes() == tok0 and b.out.tobytes() == out0
     if not warm:
         assert pe.grad is None
+
+
+# ------------------------------------------------------- no memory for scratch
+
+_NO_POSITIONS = "cannot allocate the buffer for the call's positions"
+
+
+def _scratch_failure_calls():
+    """(name, call, failures spared, message, arrays the call may write)."""
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((1000, 4)).astype(np.float32)
+    many = rng.integers(0, 1000, 600)  # beyond the Index's inline rows
+    tokens = rng.standard_normal((1, 600, 4)).astype(np.float32)
+    grad = np.zeros((1000, 4), np.float32)
+    g = rng.standard_normal((3, 4)).astype(np.float32)
+    touched = np.zeros(1000, bool)
+    ids = rng.integers(0, 1000, (1, 600))
+    pair = (np.zeros((1000, 4), np.float32), np.zeros((1000, 4), np.float32))
+    marks = (np.zeros(1000, bool), np.zeros(1000, bool))
+    out = np.full((600, 4), 7.0, np.float32)
+    return [
+        ("lookup", lambda: _core.lookup(table, many, out, None), 0, _NO_POSITIONS, [out]),
+        ("public lookup", lambda: cposembed.lookup(table, many, out=out), 0, _NO_POSITIONS, [out]),
+        (
+            "pe",
+            lambda: embedding.LearnedPositionEmbedding(1000, 4, seed=0)(many),
+            0,
+            _NO_POSITIONS,
+            [],
+        ),
+        ("add arange", lambda: _core.add(tokens, table, None, 0, None, None), 0, _NO_POSITIONS, []),
+        (
+            "add",
+            lambda: _core.add(tokens, table, many, 0, tokens, None),
+            0,
+            _NO_POSITIONS,
+            [tokens],
+        ),
+        (
+            "scatter_add",
+            lambda: _core.scatter_add(grad, g, [1, 2, 1], 0, None, touched, 2),
+            0,
+            "cannot allocate the scatter-add's scratch",
+            [grad, touched],
+        ),
+        (
+            "public scatter_add",
+            lambda: cposembed.scatter_add(grad, g, [1, 2, 1]),
+            0,
+            "cannot allocate the scatter-add's scratch",
+            [grad],
+        ),
+        (
+            "sgd_step",
+            lambda: _core.sgd_step(table, grad, touched, 0.5, -1),
+            0,
+            "cannot allocate the SGD step's row list",
+            [table],
+        ),
+        (
+            "embed ids",
+            lambda: _core.embed(ids, table, table, None, 0, None, None),
+            0,
+            _NO_POSITIONS,
+            [],
+        ),
+        (
+            "embed positions",
+            lambda: _core.embed(ids, table, table, None, 0, None, None),
+            1,
+            _NO_POSITIONS,
+            [],
+        ),
+        (
+            "embed_backward",
+            lambda: _core.embed_backward(*pair, tokens, ids, None, 0, 2, *marks, 3),
+            2,
+            "cannot allocate the backward pass's scratch",
+            [*pair, *marks],
+        ),
+        (
+            "embed_backward positions",
+            lambda: _core.embed_backward(*pair, tokens, ids, None, 0, 2, *marks, 3),
+            1,
+            _NO_POSITIONS,
+            [*pair, *marks],
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    "case",
+    range(len(_scratch_failure_calls())),
+    ids=[c[0] for c in _scratch_failure_calls()],
+)
+def test_no_memory_for_scratch_is_a_memory_error_with_nothing_written(case):
+    """Each entry's allocation failure: its MemoryError, raised where the
+    allocation failed, nothing written, and nothing left behind: the same
+    call runs once memory is back."""
+    name, call, spared, message, written = _scratch_failure_calls()[case]
+    if name == "embed_backward" and not _core.openmp_enabled():
+        pytest.skip("one thread: the backward pass needs no scratch")
+    before = [a.copy() for a in written]
+    with tuned(serial_below=1):  # two threads where asked: the pair's scratch
+        _core.fail_scratch(1, after=spared)
+        try:
+            with pytest.raises(MemoryError, match=f"^{message}$"):
+                call()
+        finally:
+            left = _core.fail_scratch(0)
+        assert left == 0  # the failure was the call's, not a later one's
+        for a, b in zip(written, before):
+            assert np.array_equal(a, b)
+        assert call() is not None
