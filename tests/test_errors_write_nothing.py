@@ -8,7 +8,6 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-
 from helpers import tuned
 
 import cposembed
