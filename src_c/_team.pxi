@@ -15,9 +15,13 @@
 # n threads first borrows up to n - 1 idle helpers from one fixed set of
 # package-owned threads (cpe_crew_borrow); with none free it takes its
 # one-thread path. Else it splits its work into chunks and its caller starts
-# on them at once while the helpers are woken (cpe_crew_run); every thread
-# claims chunks one at a time from an atomic counter, so a helper that its
-# CPU gives no time to simply takes fewer chunks (or none). What a chunk
+# on them at once while the helpers are woken (cpe_crew_run). Each thread
+# first gets one contiguous share of the chunks (what OpenMP's static
+# schedule gives: a streaming kernel runs on one long run per thread, which
+# the prefetchers follow); it claims its own chunks front to back, and when
+# its share is empty it steals the last chunks of the others' shares, one at
+# a time, so a helper that its CPU gives no time to simply runs fewer chunks
+# (or none). What a chunk
 # covers is fixed by the kernel (each table row lies in one chunk and sums
 # its contributions in input order), so only which thread runs a chunk
 # varies, never a result. The caller waits only for helpers that have
@@ -52,27 +56,67 @@ cdef extern from *:
 
     typedef void (*cpe_chunk_fn)(void *arg, Py_ssize_t chunk);
 
-    /* One call's work: chunks 0..n_chunks-1 of fn(arg, chunk), claimed from
-     * `next` by whichever thread is free. Lives on the caller's stack. */
+    #define CPE_CREW_MAX 64
+    #if CPE_TEAM
+    /* One thread's share of a call's chunks: [lo, hi) packed as lo << 32 | hi,
+     * on a cache line of its own. Its owner claims from the front (lo),
+     * others steal from the back (hi). */
+    typedef struct {
+        unsigned long long v;
+        char pad[64 - sizeof(unsigned long long)];
+    } cpe_share;
+
+    /* One call's work: chunks 0..n_chunks-1 of fn(arg, chunk), cut into one
+     * contiguous share per thread (share 0: the caller's; 1 + i: its i-th
+     * helper's); a thread whose share is empty steals from the backs of the
+     * others. Lives on the caller's stack. */
     typedef struct {
         cpe_chunk_fn fn;
         void *arg;
         Py_ssize_t n_chunks;
-        Py_ssize_t next;
+        int n_shares;
+        cpe_share share[CPE_CREW_MAX + 1] __attribute__((aligned(64)));
     } cpe_job;
 
-    /* Runs chunks until none is left. */
-    static void cpe_job_run(cpe_job *job) {
-        Py_ssize_t c;
-    #if CPE_TEAM
-        while ((c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n_chunks)
-            job->fn(job->arg, c);
-    #else
-        for (c = job->next; c < job->n_chunks; c++) job->fn(job->arg, c);
-    #endif
+    static void cpe_job_init(cpe_job *job, cpe_chunk_fn fn, void *arg, Py_ssize_t n_chunks,
+                             int n_threads) {
+        int t;
+        job->fn = fn;
+        job->arg = arg;
+        job->n_chunks = n_chunks;
+        job->n_shares = n_threads;
+        for (t = 0; t < n_threads; t++) {
+            unsigned long long lo = (unsigned long long)(n_chunks * t / n_threads);
+            unsigned long long hi = (unsigned long long)(n_chunks * (t + 1) / n_threads);
+            job->share[t].v = lo << 32 | hi;
+        }
     }
 
-    #if CPE_TEAM
+    /* The next chunk for thread t (its share's front, else the back of
+     * another's), or -1 when none is left. */
+    static Py_ssize_t cpe_claim(cpe_job *job, int t) {
+        unsigned long long v;
+        int k;
+        v = __atomic_fetch_add(&job->share[t].v, 1ULL << 32, __ATOMIC_RELAXED);
+        if ((v >> 32) < (v & 0xffffffffULL)) return (Py_ssize_t)(v >> 32);
+        for (k = 1; k < job->n_shares; k++) {
+            cpe_share *s = &job->share[(t + k) % job->n_shares];
+            v = __atomic_load_n(&s->v, __ATOMIC_RELAXED);
+            while ((v >> 32) < (v & 0xffffffffULL)) {
+                if (__atomic_compare_exchange_n(&s->v, &v, v - 1, 0, __ATOMIC_RELAXED,
+                                                __ATOMIC_RELAXED))
+                    return (Py_ssize_t)(v & 0xffffffffULL) - 1;
+            }
+        }
+        return -1;
+    }
+
+    /* Runs chunks as thread t until none is left. */
+    static void cpe_job_run(cpe_job *job, int t) {
+        Py_ssize_t c;
+        while ((c = cpe_claim(job, t)) >= 0) job->fn(job->arg, c);
+    }
+
     /* A helper's state: who may touch its `job`, and who sleeps on `cv`.
      * FREE (idle, awake) -> ASSIGNED (by a caller) -> RUNNING (the helper
      * took it) -> DONE -> FREE (the caller gives it back). A caller that
@@ -84,6 +128,7 @@ cdef extern from *:
 
     typedef struct {
         int state;
+        int share;              /* its share of the job */
         cpe_job *job;
         pthread_mutex_t mu;
         pthread_cond_t cv;
@@ -97,6 +142,7 @@ cdef extern from *:
     static int cpe_max_helpers = 0;         /* set from the CPU count */
     static int cpe_refused = 0;             /* the OS refused a thread: start no more */
     static long cpe_spin_ns = 20000;        /* how long an idle thread spins before sleeping */
+    #define CPE_FINISH_SPIN_MAX 1000000L    /* ns: the longest a caller spins for a chunk */
     /* After a call that took longer with helpers than it would have alone,
      * calls run on their callers alone until cpe_serial_until (ns,
      * CLOCK_MONOTONIC): for cpe_backoff_ns, doubled while such calls keep
@@ -131,7 +177,7 @@ cdef extern from *:
         long long t0 = cpe_now_ns(), t1;
         pace->n = 0;
         pace->sum = pace->longest = 0;
-        while ((c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n_chunks) {
+        while ((c = cpe_claim(job, 0)) >= 0) {
             job->fn(job->arg, c);
             t1 = cpe_now_ns();
             pace->n++;
@@ -150,7 +196,7 @@ cdef extern from *:
     }
 
     /* Spins while h->state == v, for at most cpe_spin_ns; the state last seen. */
-    static int cpe_spin_while(cpe_helper *h, int v) {
+    static int cpe_spin_while_ns(cpe_helper *h, int v, long spin_ns) {
         long long t0 = 0;
         unsigned k = 0;
         int s;
@@ -159,10 +205,13 @@ cdef extern from *:
             if ((++k & 63) == 0) {
                 long long t = cpe_now_ns();
                 if (t0 == 0) t0 = t;
-                else if (t - t0 > cpe_spin_ns) break;
+                else if (t - t0 > spin_ns) break;
             }
         }
         return s;
+    }
+    static int cpe_spin_while(cpe_helper *h, int v) {
+        return cpe_spin_while_ns(h, v, cpe_spin_ns);
     }
 
     /* Sleeps while the state is `asleep`, if it can move it from `awake`. */
@@ -188,7 +237,7 @@ cdef extern from *:
             int s = cpe_ld(&h->state);
             if (s == H_ASSIGNED) {
                 if (cpe_cas(&h->state, H_ASSIGNED, H_RUNNING)) {
-                    cpe_job_run(h->job);
+                    cpe_job_run(h->job, h->share);
                     cpe_set(h, H_DONE, H_RUNNING_WAITED);
                 }
                 continue;
@@ -279,10 +328,11 @@ cdef extern from *:
     }
 
     /* The end of a helper's part in a call: called off if it never started,
-     * else waited for (it is in its last chunk); then FREE again. */
-    static void cpe_finish(cpe_helper *h) {
+     * else waited for (it is in its last chunk): spinning for up to
+     * `spin_ns`, then asleep; then FREE again. */
+    static void cpe_finish(cpe_helper *h, long spin_ns) {
         if (cpe_cas(&h->state, H_ASSIGNED, H_FREE)) return;
-        if (cpe_spin_while(h, H_RUNNING) == H_RUNNING)
+        if (cpe_spin_while_ns(h, H_RUNNING, spin_ns) == H_RUNNING)
             cpe_sleep(h, H_RUNNING, H_RUNNING_WAITED);
         cpe_set(h, H_FREE, H_DONE_SLEEP);
     }
@@ -323,7 +373,6 @@ cdef extern from *:
 
     /* The helpers one call has borrowed (cpe_crew_borrow), until it has run
      * its chunks with them (cpe_crew_run gives them back). */
-    #define CPE_CREW_MAX 64
     typedef struct {
         int n;
         int got[CPE_CREW_MAX];
@@ -351,22 +400,30 @@ cdef extern from *:
      * chunk on whichever is free, then gives the crew back. */
     static void cpe_crew_run(cpe_crew *crew, cpe_chunk_fn fn, void *arg,
                              Py_ssize_t n_chunks) {
-        cpe_job job;
-        job.fn = fn;
-        job.arg = arg;
-        job.n_chunks = n_chunks;
-        job.next = 0;
+        Py_ssize_t c;
     #if CPE_TEAM
         if (crew->n > 0) {
+            cpe_job job;
             int i;
             long long t_start = cpe_now_ns(), t_end;
+            long spin;
             cpe_pace pace;
+            cpe_job_init(&job, fn, arg, n_chunks, 1 + crew->n);
             for (i = 0; i < crew->n; i++) {
                 cpe_helpers[crew->got[i]].job = &job;
+                cpe_helpers[crew->got[i]].share = 1 + i;
                 cpe_set(&cpe_helpers[crew->got[i]], H_ASSIGNED, H_FREE_SLEEP);
             }
             cpe_job_run_timed(&job, &pace);
-            for (i = 0; i < crew->n; i++) cpe_finish(&cpe_helpers[crew->got[i]]);
+            /* A running helper ends its last chunk within about one chunk's
+             * time unless its CPU was taken away: the caller spins that long
+             * (at least cpe_spin_ns, at most CPE_FINISH_SPIN_MAX) before it
+             * sleeps, so an idle machine does not pay a wake-up per call. */
+            spin = cpe_spin_ns;
+            if (spin > 0 && pace.n > 0 && pace.sum / pace.n > spin)
+                spin = pace.sum / pace.n < CPE_FINISH_SPIN_MAX ? (long)(pace.sum / pace.n)
+                                                               : CPE_FINISH_SPIN_MAX;
+            for (i = 0; i < crew->n; i++) cpe_finish(&cpe_helpers[crew->got[i]], spin);
             cpe_give_back(crew->got, crew->n);
             crew->n = 0;
             t_end = cpe_now_ns();
@@ -374,7 +431,7 @@ cdef extern from *:
             return;
         }
     #endif
-        cpe_job_run(&job);
+        for (c = 0; c < n_chunks; c++) fn(arg, c);
     }
     #if !CPE_TEAM
     static void cpe_team_init(void) {}
@@ -519,6 +576,12 @@ cdef int _threads_for(object num_threads, Py_ssize_t work, Py_ssize_t chunks) no
 def default_threads():
     """The default thread count (get_num_threads)."""
     return _default_threads()
+
+
+def env_threads():
+    """CPOSEMBED_NUM_THREADS as the default thread count reads it: its value,
+    0 when unset or blank, -1 when it is not a positive integer."""
+    return _env_threads()
 
 
 def team(num_threads, Py_ssize_t work, Py_ssize_t chunks):
