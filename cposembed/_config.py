@@ -60,7 +60,7 @@ def _num_threads_source() -> str:
     problem = _threads.env_num_threads_error()
     if problem:
         return f"omp_get_max_threads() ({problem}; ignored)"
-    if os.environ.get("CPOSEMBED_NUM_THREADS", "").strip():
+    if _core.env_threads() > 0:
         return "CPOSEMBED_NUM_THREADS"
     return "omp_get_max_threads()"
 

@@ -45,17 +45,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-_ASCII_SPACE = " \t\n\v\f\r"
-
-
 def env_num_threads_error() -> str | None:
-    """What is wrong with ``CPOSEMBED_NUM_THREADS``, or None if it is unset or valid."""
+    """What is wrong with ``CPOSEMBED_NUM_THREADS``, or None if it is unset or valid.
+
+    The C side parses it (``_core.env_threads``, the value the default uses);
+    this only words its verdict.
+    """
+    if _core.env_threads() >= 0:
+        return None
     raw = os.environ.get("CPOSEMBED_NUM_THREADS", "")
-    digits = raw.strip(_ASCII_SPACE)  # what the C side skips, no other white space
-    if not digits:
-        return None
-    if digits.isascii() and digits.isdigit() and int(digits) >= 1:
-        return None
     return f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}"
 
 

@@ -138,6 +138,36 @@ def test_calls_complete_when_no_helper_may_start():
     assert r["last"] == 4  # the plan was 4 threads; the caller ran it alone
 
 
+@needs_openmp
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread CPU times: Linux")
+def test_idle_helpers_sleep_instead_of_spinning():
+    """After its calls a process uses no CPU: its helpers sleep, not spin."""
+    code = textwrap.dedent(
+        """
+        import json, resource, time
+        import numpy as np
+        import cposembed
+        from cposembed import _core
+
+        tokens = np.ones((8, 1024, 256), np.float32)
+        table = np.ones((1024, 256), np.float32)
+        for _ in range(50):
+            cposembed.add_positions(tokens, table, num_threads=2)
+        time.sleep(0.05)  # longer than any spin
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(0.5)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        print(json.dumps({"cpu": cpu, "team": _core.team_info()}))
+        """
+    )
+    proc = run_python(["-c", code])
+    assert_clean_exit(proc)
+    r = last_json(proc)
+    assert r["team"]["started"] >= 1, r
+    assert r["cpu"] < 0.05, r  # 0.5 s of a spinning helper would be 0.5 s
+
+
 # Counts the threads of this process while many Python threads call the
 # kernels at once: the helpers are one set for all callers.
 _COUNT_THREADS = """
