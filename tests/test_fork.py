@@ -66,6 +66,19 @@ PRELUDE = textwrap.dedent(
 
     def check(results):
         return all(np.array_equal(x, y) for x, y in zip(results, reference()))
+
+    def load_libgomp():
+        # The libgomp this process has loaded and an empty region body for
+        # its GOMP_parallel; exits with SKIP where there is none.
+        import ctypes
+        maps = open("/proc/self/maps").read()
+        paths = sorted({l.split()[-1] for l in maps.splitlines() if "libgomp" in l})
+        if not paths:
+            print("SKIP not libgomp"); sys.exit(0)
+        gomp = ctypes.CDLL(paths[0])
+        body = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
+        gomp.GOMP_parallel.argtypes = [type(body), ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        return gomp, body
     """
 )
 
@@ -174,14 +187,7 @@ def test_fork_after_another_library_used_libgomp():
     the parent, cposembed never did: the child must not hang in cposembed."""
     proc = _run(
         """
-        import ctypes
-        maps = open("/proc/self/maps").read()
-        paths = sorted({l.split()[-1] for l in maps.splitlines() if "libgomp" in l})
-        if not paths:
-            print("SKIP not libgomp"); sys.exit(0)
-        gomp = ctypes.CDLL(paths[0])
-        body = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
-        gomp.GOMP_parallel.argtypes = [type(body), ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        gomp, body = load_libgomp()
         gomp.GOMP_parallel(body, None, 2, 0)  # a 2-thread region led by this thread
         assert not _core.went_parallel()
 
@@ -248,14 +254,7 @@ def test_kernels_never_enter_an_openmp_region():
     (whose pool the parent never created) without hanging."""
     proc = _run(
         """
-        import ctypes
-        maps = open("/proc/self/maps").read()
-        paths = sorted({l.split()[-1] for l in maps.splitlines() if "libgomp" in l})
-        if not paths:
-            print("SKIP not libgomp"); sys.exit(0)
-        gomp = ctypes.CDLL(paths[0])
-        body = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
-        gomp.GOMP_parallel.argtypes = [type(body), ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        gomp, body = load_libgomp()
         assert check(run_all(2))
         assert _core.went_parallel()
         pid = os.fork()
