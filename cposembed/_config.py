@@ -60,9 +60,22 @@ def _num_threads_source() -> str:
     problem = _threads.env_num_threads_error()
     if problem:
         return f"omp_get_max_threads() ({problem}; ignored)"
-    if os.environ.get("CPOSEMBED_NUM_THREADS", "").strip():
+    if _core.env_threads() > 0:
         return "CPOSEMBED_NUM_THREADS"
     return "omp_get_max_threads()"
+
+
+def _team_summary() -> str:
+    """The kernels' helper threads (src_c/_team.pxi): started, cap, refusals."""
+    team = _core.team_info()
+    if not team["max"]:
+        return "no helper threads (every call runs on its caller)"
+    text = f"{team['started']} of at most {team['max']} helper threads started"
+    if team["refused"]:
+        text += "; the OS refused one (no more are started)"
+    if team["losses"]:
+        text += f"; {team['losses']} calls ran slower with helpers (the machine was busy)"
+    return text
 
 
 def config() -> dict[str, Any]:
@@ -79,6 +92,7 @@ def config() -> dict[str, Any]:
         "num_threads_from": _num_threads_source(),
         "omp_get_max_threads": _core.omp_max_threads(),
         "cpus_available": _threads._cpu_limit(),
+        "team": _team_summary(),
         "serial_threshold_elements": _core.SERIAL_THRESHOLD,
         "stream_threshold_bytes": _core.STREAM_THRESHOLD_BYTES,
         "env": {

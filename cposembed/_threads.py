@@ -1,16 +1,15 @@
-"""Thread settings: ``get_num_threads``, ``set_num_threads``, and the fork guard.
+"""Thread settings: ``get_num_threads`` and ``set_num_threads``.
 
-The rules themselves (defaults, caps, serial threshold) live in C, in
-``src_c/_team.pxi``, where every entry applies them; this module sets what
-only Python knows (the CPUs this process may run on, a forked child's
-state) and words the errors for what the C side declines.
+The rules themselves (defaults, caps, serial threshold) and the team that
+runs the kernels live in C, in ``src_c/_team.pxi``, where every entry applies
+them; this module sets what only Python knows (the CPUs this process may run
+on, again in a forked child) and words the errors for what the C side
+declines.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 import warnings
 from typing import Any
 
@@ -34,68 +33,27 @@ def _cpu_limit() -> int:
 # practically never changes while a process runs.
 _core.set_cpu_limit(_cpu_limit())
 
-# GNU libgomp is not fork-safe: a child forked by a thread that has led a
-# parallel region (ours, or any other library's on the same libgomp) hangs in
-# its first parallel region, waiting for pool threads that did not survive the
-# fork. Before each fork we release the forking thread's pool with OpenMP 5's
-# omp_pause_resource_all (libgomp frees exactly that thread's pool), so the
-# child starts a fresh one and keeps its threads. Where that is unavailable
-# the child runs serially if the parent used our threads.
-_OMP_PAUSE_HARD = 2
-_pool_released = False
 
-
-def _find_omp_pause() -> Any:
-    """libgomp's omp_pause_resource_all, or None (other runtime, or too old)."""
-    if not _OPENMP or not sys.platform.startswith("linux"):
-        return None
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libgomp" in line and "/" in line}
-        for path in sorted(paths):
-            fn = ctypes.CDLL(path).omp_pause_resource_all
-            fn.argtypes = [ctypes.c_int]
-            fn.restype = ctypes.c_int
-            return fn
-    except (OSError, AttributeError):
-        pass
-    return None
-
-
-_omp_pause = _find_omp_pause()
-
-
-def _release_openmp_pool() -> bool:
-    """Free the calling thread's libgomp pool; True if the child can use threads."""
-    return _omp_pause is not None and _omp_pause(_OMP_PAUSE_HARD) == 0
-
-
-def _before_fork() -> None:
-    global _pool_released
-    _pool_released = _release_openmp_pool()
-
-
+# The CPUs may differ in a forked child (os.sched_setaffinity before the
+# fork, or a child moved to another cpuset): read them again there. The
+# team itself starts a child with no helper threads (src_c/_team.pxi).
 def _after_fork_in_child() -> None:
-    if _core.went_parallel() and not _pool_released:
-        _core.set_serial_child(True)
     _core.set_cpu_limit(_cpu_limit())
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
-
-
-_ASCII_SPACE = " \t\n\v\f\r"
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def env_num_threads_error() -> str | None:
-    """What is wrong with ``CPOSEMBED_NUM_THREADS``, or None if it is unset or valid."""
+    """What is wrong with ``CPOSEMBED_NUM_THREADS``, or None if it is unset or valid.
+
+    The C side parses it (``_core.env_threads``, the value the default uses);
+    this only words its verdict.
+    """
+    if _core.env_threads() >= 0:
+        return None
     raw = os.environ.get("CPOSEMBED_NUM_THREADS", "")
-    digits = raw.strip(_ASCII_SPACE)  # what the C side skips, no other white space
-    if not digits:
-        return None
-    if digits.isascii() and digits.isdigit() and int(digits) >= 1:
-        return None
     return f"CPOSEMBED_NUM_THREADS must be a positive integer; got {raw!r}"
 
 
@@ -140,6 +98,7 @@ def effective_num_threads(num_threads: int | None, work: int, chunks: int) -> in
 
     The rules every entry applies: ``num_threads`` (or the default), capped
     (an explicit request at four times the CPUs), one thread for small work,
-    and no more threads than chunks.
+    no more threads than chunks, and at least ``SERIAL_THRESHOLD`` elements
+    per thread. (A call may run on fewer: the helpers it can borrow.)
     """
     return int(_core.team(check_num_threads(num_threads), work, chunks))

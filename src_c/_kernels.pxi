@@ -12,12 +12,15 @@
 # batch) and positions that repeat along leading axes run without
 # materialising N indices.
 #
-# Work is split by hand into one contiguous block of rows per thread (what
-# schedule="static" would do) so that each thread can end its block with a
-# store fence after streaming stores (see _stream.h), and so that freshly
-# allocated outputs are first touched by the thread that writes them.
+# On more than one thread, a kernel first borrows helpers from the team
+# (_team.pxi, cpe_crew_borrow); with none it takes its one-thread path.
+# Else its work is split into chunks that cpe_crew_run hands to whichever
+# thread is free: contiguous blocks of output rows, or, in the scatter-adds,
+# ranges of table rows that one chunk owns. A chunk that streams its stores
+# ends with a store fence (see _stream.h). Each kernel's job is a struct
+# (RowJob, ...) and a function of (job, chunk number) that calls the fused
+# block function for the job's dtype.
 
-from cython.parallel cimport prange
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
@@ -93,13 +96,39 @@ cdef enum:
     _GATHER_AHEAD = 8
 
 
+# A row kernel's chunk: about this many elements of output (256 KiB of
+# float32): a few microseconds of work, so that a thread its core neglects
+# holds the others up by little, for a claim that costs tens of nanoseconds.
+cdef enum:
+    _CHUNK_ELEMS = 65536
+# The scatter-adds' chunks are larger (each reads its table rows into cache
+# first): the distinct-rows plan's chunk reads about this many elements of
+# the gradient; the scan and the sort cut the table into this many ranges
+# per thread, the layer's backward into one per thread (each of its chunks
+# reads every gradient row its rows need, so more would read more).
+cdef enum:
+    _SCATTER_CHUNK_ELEMS = 524288
+    _CHUNKS_PER_THREAD = 2
+    _PAIR_CHUNKS_PER_THREAD = 1
+
+
+cdef inline Py_ssize_t _per_chunk(Py_ssize_t unit, Py_ssize_t elems) noexcept nogil:
+    # Items of `unit` elements each in a chunk of about `elems`: at least one.
+    return elems // unit if unit and elems // unit > 1 else 1
+
+
+cdef inline Py_ssize_t _chunks_of(Py_ssize_t n, Py_ssize_t per) noexcept nogil:
+    return (n + per - 1) // per
+
+
 cdef struct ScatterScratch:
     # The scratch of one scatter-add call: one block from the caller
     # (_scatter_scratch_bytes), starting at row_start.
     int64_t* row_start   # (L + 1,) counts, then first slot per row, then owners
     int64_t* order       # (m,) contribution numbers grouped by row or by owner
-    int64_t* bounds      # (n_threads + 1,) first table row of each thread
-    int64_t* q_start     # (n_threads + 1,) first slot in `order` of each thread
+    int64_t* bounds      # (n_chunks + 1,) first table row of each chunk
+    int64_t* q_start     # (n_chunks + 1,) first slot in `order` of each chunk
+    int64_t* q_fill      # (n_chunks,) next free slot of each chunk while grouping
 
 
 cdef bint _repeats(const int64_t* p, Py_ssize_t n, Py_ssize_t period) noexcept nogil:
@@ -182,8 +211,18 @@ cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d, int where) noexc
         k += step
 
 
-cdef inline Py_ssize_t _block_lo(Py_ssize_t n, int t, int n_threads) noexcept nogil:
-    return <Py_ssize_t>((<int64_t>n * t) // n_threads)
+cdef struct RowJob:
+    # A row kernel's call on the team: chunk c writes output rows
+    # c * per .. min(n, (c + 1) * per) - 1.
+    const void* src      # lookup: the table; add: the tokens; embed: the token table
+    const void* table    # add, embed: the position table
+    const int64_t* ids   # lookup: rows of src; embed: token ids
+    const int64_t* rows  # add, embed: position rows, period m
+    void* out
+    Py_ssize_t n, m, d, per
+    int stream
+    int flag             # lookup, embed: prefetch; add: in place
+    bint f64
 
 
 # ---- lookup ------------------------------------------------------------------
@@ -206,14 +245,36 @@ cdef void _lookup(const real_t* table, const int64_t* rows, real_t* out, Py_ssiz
     # out[i, :] = table[rows[i], :] for i < n, on n_threads. The next row
     # is prefetched only from a table beyond the L2 cache (rows read at
     # random from memory); a smaller one is in cache already.
-    cdef int t
+    cdef RowJob job
+    cdef cpe_crew crew
     cdef int prefetch = L * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
+    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(n, per)
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
         _lookup_block(table, rows, out, 0, n, d, stream, prefetch)
+        return
+    job.src = table
+    job.ids = rows
+    job.out = out
+    job.n = n
+    job.d = d
+    job.per = per
+    job.stream = stream
+    job.flag = prefetch
+    job.f64 = real_t is double
+    cpe_crew_run(&crew, _lookup_chunk, &job, n_chunks)
+
+
+cdef void _lookup_chunk(void* arg, Py_ssize_t c) noexcept nogil:
+    cdef RowJob* j = <RowJob*>arg
+    cdef Py_ssize_t lo = c * j.per, hi = min(j.n, lo + j.per)
+    if j.f64:
+        _lookup_block(<const double*>j.src, j.ids, <double*>j.out, lo, hi, j.d, j.stream,
+                      j.flag)
     else:
-        for t in prange(n_threads, schedule="static", num_threads=n_threads):
-            _lookup_block(table, rows, out, _block_lo(n, t, n_threads),
-                          _block_lo(n, t + 1, n_threads), d, stream, prefetch)
+        _lookup_block(<const float*>j.src, j.ids, <float*>j.out, lo, hi, j.d, j.stream,
+                      j.flag)
 
 
 # ---- add ---------------------------------------------------------------------
@@ -240,13 +301,37 @@ cdef void _add(const real_t* tokens, const real_t* table, const int64_t* rows, r
                Py_ssize_t N, Py_ssize_t m, Py_ssize_t d, int n_threads, int stream,
                int in_place) noexcept nogil:
     # out[i, :] = tokens[i, :] + table[rows[i % m], :] for i < N, on n_threads.
-    cdef int t
+    cdef RowJob job
+    cdef cpe_crew crew
+    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(N, per)
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
         _add_block(tokens, table, rows, out, 0, N, m, d, stream, in_place)
+        return
+    job.src = tokens
+    job.table = table
+    job.rows = rows
+    job.out = out
+    job.n = N
+    job.m = m
+    job.d = d
+    job.per = per
+    job.stream = stream
+    job.flag = in_place
+    job.f64 = real_t is double
+    cpe_crew_run(&crew, _add_chunk, &job, n_chunks)
+
+
+cdef void _add_chunk(void* arg, Py_ssize_t c) noexcept nogil:
+    cdef RowJob* j = <RowJob*>arg
+    cdef Py_ssize_t lo = c * j.per, hi = min(j.n, lo + j.per)
+    if j.f64:
+        _add_block(<const double*>j.src, <const double*>j.table, j.rows, <double*>j.out,
+                   lo, hi, j.m, j.d, j.stream, j.flag)
     else:
-        for t in prange(n_threads, schedule="static", num_threads=n_threads):
-            _add_block(tokens, table, rows, out, _block_lo(N, t, n_threads),
-                       _block_lo(N, t + 1, n_threads), m, d, stream, in_place)
+        _add_block(<const float*>j.src, <const float*>j.table, j.rows, <float*>j.out,
+                   lo, hi, j.m, j.d, j.stream, j.flag)
 
 
 # ---- scatter-add -------------------------------------------------------------
@@ -399,7 +484,7 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const int64_t* rows,
     # Takes the contributions j = order[q] (j = q if order is NULL) for q in
     # q_lo..q_hi-1, ascending, for every batch k: input order i = k*m + j,
     # so np.add.at's, while reading g front to back. The caller hands each
-    # thread only the j that fall in its own table rows, so no two threads
+    # chunk only the j that fall in its own table rows, so no two chunks
     # write the same row; those rows are updated at random, in cache.
     cdef Py_ssize_t k, q, j, j1
     cdef const real_t* nxt
@@ -468,29 +553,25 @@ cdef void _set_owners(int64_t* owner, int n_threads, const int64_t* bounds) noex
             owner[r] = t
 
 
-cdef void _mark_owners(int64_t* row_start, int n_threads, const int64_t* bounds,
-                       int64_t* q_start) noexcept nogil:
-    # q_start[t]: where thread t's contributions begin in `order` (q_start[n]
-    # = m); then row_start[:L] is overwritten with each row's owner.
-    cdef int t
-    for t in range(n_threads + 1):
-        q_start[t] = row_start[bounds[t]]
-    _set_owners(row_start, n_threads, bounds)
-
-
-cdef Py_ssize_t _collect_own(const int64_t* rows, Py_ssize_t m, const int64_t* owner,
-                             int64_t t, Py_ssize_t n_own, int64_t* out) noexcept nogil:
-    # out[:n_own] = the j (ascending) whose row thread t owns. Branch-free
-    # but for the end test: a branch on the owner would be a coin flip for
-    # random positions. Every thread runs this at once over all positions,
-    # each writing only its own out[:n_own].
-    cdef Py_ssize_t j, n = 0
+cdef void _group_by_owner(const int64_t* rows, Py_ssize_t m, int64_t* row_start,
+                          int n_chunks, const int64_t* bounds, int64_t* q_start,
+                          int64_t* q_fill, int64_t* order) noexcept nogil:
+    # order[q_start[c]:q_start[c + 1]] = the j (ascending) whose row chunk c
+    # owns (row_start: prefixed counts, overwritten with each row's owner).
+    # One pass, branch-free: a branch on the owner would be a coin flip for
+    # random positions.
+    cdef int c
+    cdef Py_ssize_t j
+    cdef int64_t o
+    for c in range(n_chunks + 1):
+        q_start[c] = row_start[bounds[c]]
+    for c in range(n_chunks):
+        q_fill[c] = q_start[c]
+    _set_owners(row_start, n_chunks, bounds)
     for j in range(m):
-        if n == n_own:
-            break
-        out[n] = j
-        n += owner[rows[j]] == t
-    return n
+        o = row_start[rows[j]]
+        order[q_fill[o]] = j
+        q_fill[o] += 1
 
 
 cdef int64_t _rereads(const int64_t* row_start, Py_ssize_t L,
@@ -548,56 +629,112 @@ cdef ScatterPlan _choose_plan(ScatterPlan plan, const int64_t* row_start, Py_ssi
     return PLAN_SCAN if 0 <= extra <= m // 8 else PLAN_SORT
 
 
+cdef inline int _scatter_chunks(int n_threads) noexcept nogil:
+    # The scan's and the sort's number of chunks (table row ranges).
+    return _CHUNKS_PER_THREAD * n_threads
+
+
 cdef size_t _scatter_scratch_bytes(Py_ssize_t L, Py_ssize_t m, int n_threads) noexcept nogil:
     # The bytes of _scatter_add's scratch (one block, see ScatterScratch).
-    return ((L + 1) + m + 2 * (n_threads + 1)) * sizeof(int64_t)
+    cdef Py_ssize_t c = _scatter_chunks(n_threads)
+    return ((L + 1) + m + 3 * (c + 1)) * sizeof(int64_t)
+
+
+cdef struct ScatterJob:
+    # A scatter-add on the team. Chunk c sums, by plan: PLAN_DISTINCT, the
+    # positions j in c * per .. (c + 1) * per - 1; PLAN_SCAN, the positions
+    # order[q_start[c]:q_start[c + 1]]; PLAN_SORT, table rows
+    # bounds[c]..bounds[c + 1] - 1. Each table row lies in one chunk.
+    void* grad
+    const void* g
+    const int64_t* rows
+    const int64_t* order
+    const int64_t* row_start
+    const int64_t* bounds
+    const int64_t* q_start
+    Py_ssize_t m, nb, d, per
+    ScatterPlan plan
+    bint f64
+
+
+cdef void _scatter_block(real_t* grad, const real_t* g, ScatterJob* j,
+                         Py_ssize_t c) noexcept nogil:
+    cdef Py_ssize_t lo
+    if j.plan == PLAN_DISTINCT:
+        lo = c * j.per
+        _sum_distinct(grad, g, j.rows, lo, min(j.m, lo + j.per), j.nb, j.m, j.d)
+    elif j.plan == PLAN_SCAN:
+        _scan_rows(grad, g, j.rows, j.order, j.q_start[c], j.q_start[c + 1], j.nb, j.m, j.d)
+    else:
+        _sum_rows(grad, g, j.row_start, j.order, j.bounds[c], j.bounds[c + 1], j.nb, j.m,
+                  j.d)
+
+
+cdef void _scatter_chunk(void* arg, Py_ssize_t c) noexcept nogil:
+    cdef ScatterJob* j = <ScatterJob*>arg
+    if j.f64:
+        _scatter_block(<double*>j.grad, <const double*>j.g, j, c)
+    else:
+        _scatter_block(<float*>j.grad, <const float*>j.g, j, c)
 
 
 cdef void _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
                        Py_ssize_t L, Py_ssize_t d, Py_ssize_t m, Py_ssize_t nb,
                        int n_threads, ScatterPlan plan, int64_t* scratch) noexcept nogil:
     # grad[rows[i % m], :] += g[i, :] for i < nb * m, each row summed in
-    # input order by one thread; `scratch`: _scatter_scratch_bytes of it.
+    # input order by one chunk; `scratch`: _scatter_scratch_bytes of it.
     cdef ScatterScratch s
-    cdef int t
-    cdef Py_ssize_t q_lo, q_hi, r_lo, r_hi
+    cdef ScatterJob job
+    cdef cpe_crew crew
+    cdef int c = _scatter_chunks(n_threads)
+    cdef Py_ssize_t n_chunks = c, per = _per_chunk(nb * d, _SCATTER_CHUNK_ELEMS)
     s.row_start = scratch
     s.order = s.row_start + (L + 1)
     s.bounds = s.order + m
-    s.q_start = s.bounds + (n_threads + 1)
+    s.q_start = s.bounds + (c + 1)
+    s.q_fill = s.q_start + (c + 1)
     if _count_rows(rows, m, L, s.row_start) and (plan == PLAN_AUTO or plan == PLAN_DISTINCT):
         plan = PLAN_DISTINCT
+        n_chunks = _chunks_of(m, per)
     else:
         _prefix_rows(L, s.row_start)
+        # The plan by each thread's share of the table.
         _owner_bounds(s.row_start, L, n_threads, s.bounds)
         plan = _choose_plan(plan, s.row_start, L, m, s.bounds, d, sizeof(real_t), n_threads)
-    if plan == PLAN_DISTINCT:
-        if n_threads <= 1:
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
+    if n_threads <= 1:
+        if plan == PLAN_DISTINCT:
             _sum_distinct(grad, g, rows, 0, m, nb, m, d)
-        else:
-            for t in prange(n_threads, schedule="static", num_threads=n_threads):
-                _sum_distinct(grad, g, rows, _block_lo(m, t, n_threads),
-                              _block_lo(m, t + 1, n_threads), nb, m, d)
-    elif plan == PLAN_SCAN:
-        if n_threads <= 1:
+        elif plan == PLAN_SCAN:
             _scan_rows(grad, g, rows, NULL, 0, m, nb, m, d)
         else:
-            # Thread t lists its own contributions, then scans them in order.
-            _mark_owners(s.row_start, n_threads, s.bounds, s.q_start)
-            for t in prange(n_threads, schedule="static", num_threads=n_threads):
-                q_lo = s.q_start[t]
-                q_hi = s.q_start[t + 1]
-                _collect_own(rows, m, s.row_start, t, q_hi - q_lo, s.order + q_lo)
-                _scan_rows(grad, g, rows, s.order, q_lo, q_hi, nb, m, d)
-    else:
-        _sort_by_row(rows, m, L, s.row_start, s.order)
-        if n_threads <= 1:
+            _sort_by_row(rows, m, L, s.row_start, s.order)
             _sum_rows(grad, g, s.row_start, s.order, 0, L, nb, m, d)
+        return
+    job.grad = grad
+    job.g = g
+    job.rows = rows
+    job.order = s.order
+    job.row_start = s.row_start
+    job.bounds = s.bounds
+    job.q_start = s.q_start
+    job.m = m
+    job.nb = nb
+    job.d = d
+    job.per = per
+    job.plan = plan
+    job.f64 = real_t is double
+    if plan != PLAN_DISTINCT:
+        # The chunks: ranges of table rows, for the threads the call has.
+        c = _scatter_chunks(n_threads)
+        n_chunks = c
+        _owner_bounds(s.row_start, L, c, s.bounds)
+        if plan == PLAN_SCAN:
+            _group_by_owner(rows, m, s.row_start, c, s.bounds, s.q_start, s.q_fill, s.order)
         else:
-            for t in prange(n_threads, schedule="static", num_threads=n_threads):
-                r_lo = s.bounds[t]
-                r_hi = s.bounds[t + 1]
-                _sum_rows(grad, g, s.row_start, s.order, r_lo, r_hi, nb, m, d)
+            _sort_by_row(rows, m, L, s.row_start, s.order)
+    cpe_crew_run(&crew, _scatter_chunk, &job, n_chunks)
 
 
 # ---- SGD ---------------------------------------------------------------------
@@ -642,14 +779,51 @@ cdef inline void _sgd_row(real_t* row, const real_t* gr, Py_ssize_t d,
 
 cdef void _sgd_rows(real_t* table, const real_t* grad, const int64_t* rows, Py_ssize_t n,
                     Py_ssize_t d, real_t step, int n_threads) noexcept nogil:
-    # The update of the n distinct rows `rows`; each thread owns its rows.
-    cdef Py_ssize_t i
+    # The update of the n distinct rows `rows`; each chunk owns its rows.
+    cdef SgdJob job
+    cdef cpe_crew crew
+    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(n, per)
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
-        for i in range(n):
-            _sgd_row(table + rows[i] * d, grad + rows[i] * d, d, step)
+        _sgd_block(table, grad, rows, 0, n, d, step)
+        return
+    job.table = table
+    job.grad = grad
+    job.rows = rows
+    job.n = n
+    job.d = d
+    job.per = per
+    job.step = step
+    job.f64 = real_t is double
+    cpe_crew_run(&crew, _sgd_chunk, &job, n_chunks)
+
+
+cdef void _sgd_block(real_t* table, const real_t* grad, const int64_t* rows,
+                     Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t d, real_t step) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(lo, hi):
+        _sgd_row(table + rows[i] * d, grad + rows[i] * d, d, step)
+
+
+cdef struct SgdJob:
+    # The SGD step on the team: chunk c updates rows[c * per : (c + 1) * per].
+    void* table
+    const void* grad
+    const int64_t* rows
+    Py_ssize_t n, d, per
+    double step          # the float32 step exactly, for a float32 table
+    bint f64
+
+
+cdef void _sgd_chunk(void* arg, Py_ssize_t c) noexcept nogil:
+    cdef SgdJob* j = <SgdJob*>arg
+    cdef Py_ssize_t lo = c * j.per, hi = min(j.n, lo + j.per)
+    if j.f64:
+        _sgd_block(<double*>j.table, <const double*>j.grad, j.rows, lo, hi, j.d, j.step)
     else:
-        for i in prange(n, schedule="static", num_threads=n_threads):
-            _sgd_row(table + rows[i] * d, grad + rows[i] * d, d, step)
+        _sgd_block(<float*>j.table, <const float*>j.grad, j.rows, lo, hi, j.d,
+                   <float>j.step)
 
 
 # ---- the token + position layer ------------------------------------------------
@@ -679,14 +853,39 @@ cdef void _embed(const real_t* tokens, const int64_t* ids, Py_ssize_t V,
     # token rows are gathered at random from a vocabulary table far larger
     # than the caches, so the next one is prefetched into L1 and the one
     # _AHEAD rows on into L2.
-    cdef int t
+    cdef RowJob job
+    cdef cpe_crew crew
     cdef int prefetch = V * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
+    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(N, per)
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
         _embed_block(tokens, ids, table, rows, out, 0, N, m, d, stream, prefetch)
+        return
+    job.src = tokens
+    job.ids = ids
+    job.table = table
+    job.rows = rows
+    job.out = out
+    job.n = N
+    job.m = m
+    job.d = d
+    job.per = per
+    job.stream = stream
+    job.flag = prefetch
+    job.f64 = real_t is double
+    cpe_crew_run(&crew, _embed_chunk, &job, n_chunks)
+
+
+cdef void _embed_chunk(void* arg, Py_ssize_t c) noexcept nogil:
+    cdef RowJob* j = <RowJob*>arg
+    cdef Py_ssize_t lo = c * j.per, hi = min(j.n, lo + j.per)
+    if j.f64:
+        _embed_block(<const double*>j.src, j.ids, <const double*>j.table, j.rows,
+                     <double*>j.out, lo, hi, j.m, j.d, j.stream, j.flag)
     else:
-        for t in prange(n_threads, schedule="static", num_threads=n_threads):
-            _embed_block(tokens, ids, table, rows, out, _block_lo(N, t, n_threads),
-                         _block_lo(N, t + 1, n_threads), m, d, stream, prefetch)
+        _embed_block(<const float*>j.src, j.ids, <const float*>j.table, j.rows,
+                     <float*>j.out, lo, hi, j.m, j.d, j.stream, j.flag)
 
 
 cdef void _count_owned(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int n_threads,
@@ -757,9 +956,42 @@ cdef void _sum_pair(real_t* gtok, const int64_t* ids, real_t* gpos, const int64_
 cdef size_t _pair_scratch_bytes(Py_ssize_t V, Py_ssize_t L, Py_ssize_t N,
                                 int n_threads) noexcept nogil:
     # The bytes of _scatter_pair's scratch (none for one thread).
+    cdef Py_ssize_t c = _PAIR_CHUNKS_PER_THREAD * n_threads
     if n_threads <= 1:
         return 0
-    return (V + L + 2 + n_threads + 1 + n_threads * N) * sizeof(int64_t)
+    return (V + L + 2 + c + 1 + c * N) * sizeof(int64_t)
+
+
+cdef struct PairJob:
+    # The layer's backward on the team: chunk c owns the token rows and the
+    # position rows marked c in tok_owner and pos_owner, and lists its
+    # contributions in work[c * N : (c + 1) * N].
+    void* gtok
+    void* gpos
+    const void* g
+    const int64_t* ids
+    const int64_t* rows
+    const int64_t* tok_owner
+    const int64_t* pos_owner
+    int64_t* work
+    Py_ssize_t N, m, d
+    bint f64
+
+
+cdef void _pair_block(real_t* gtok, real_t* gpos, const real_t* g, PairJob* j,
+                      Py_ssize_t c) noexcept nogil:
+    cdef int64_t* work = j.work + c * j.N
+    cdef Py_ssize_t n = _collect_pair(j.ids, j.tok_owner, j.rows, j.pos_owner, j.N, j.m, c,
+                                      work)
+    _sum_pair(gtok, j.ids, gpos, j.rows, j.pos_owner, c, g, work, n, j.m, j.d)
+
+
+cdef void _pair_chunk(void* arg, Py_ssize_t c) noexcept nogil:
+    cdef PairJob* j = <PairJob*>arg
+    if j.f64:
+        _pair_block(<double*>j.gtok, <double*>j.gpos, <const double*>j.g, j, c)
+    else:
+        _pair_block(<float*>j.gtok, <float*>j.gpos, <const float*>j.g, j, c)
 
 
 cdef void _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* gpos,
@@ -768,30 +1000,40 @@ cdef void _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
                         int64_t* scratch) noexcept nogil:
     # Both gradients of the token + position layer from one pass over g:
     # gtok[ids[i]] += g[i] and gpos[rows[i % m]] += g[i] for i < N, each
-    # table row summed in input order by one thread (bitwise np.add.at on
-    # each table). Thread t owns a range of token rows and one of position
+    # table row summed in input order by one chunk (bitwise np.add.at on
+    # each table). Chunk c owns a range of token rows and one of position
     # rows, each about 1/n of its table's cost (_owner_bounds), and reads, in
-    # order, every g[i] that either of its rows needs: with two threads about
+    # order, every g[i] that either of its rows needs: with two chunks about
     # 1.5 reads of g in all. `scratch`: _pair_scratch_bytes of it.
-    cdef Py_ssize_t i, t_lo, t_n
-    cdef int t
-    cdef int64_t* tok_owner
-    cdef int64_t* pos_owner
+    cdef Py_ssize_t i
+    cdef int c
+    cdef PairJob job
+    cdef cpe_crew crew
     cdef int64_t* bounds
-    cdef int64_t* work
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, n_threads)
     if n_threads <= 1:
         for i in range(N):
             _acc2_row(gtok + ids[i] * d, gpos + rows[i % m] * d, g + i * d,
                       g + (i + 1) * d if i + 1 < N else NULL, NULL,
                       gtok + ids[i + _AHEAD] * d if i + _AHEAD < N else NULL, d)
         return
-    tok_owner = scratch
-    pos_owner = tok_owner + (V + 1)
-    bounds = pos_owner + (L + 1)
-    work = bounds + (n_threads + 1)
-    _count_owned(ids, N, V, n_threads, tok_owner, bounds)
-    _count_owned(rows, m, L, n_threads, pos_owner, bounds)
-    for t in prange(n_threads, schedule="static", num_threads=n_threads):
-        t_lo = t * N
-        t_n = _collect_pair(ids, tok_owner, rows, pos_owner, N, m, t, work + t_lo)
-        _sum_pair(gtok, ids, gpos, rows, pos_owner, t, g, work + t_lo, t_n, m, d)
+    # The chunks for the threads the call has (the scratch holds those of
+    # the threads it asked for).
+    c = _PAIR_CHUNKS_PER_THREAD * n_threads
+    job.tok_owner = scratch
+    job.pos_owner = scratch + (V + 1)
+    bounds = scratch + (V + 1) + (L + 1)
+    job.work = bounds + (c + 1)
+    _count_owned(ids, N, V, c, <int64_t*>job.tok_owner, bounds)
+    _count_owned(rows, m, L, c, <int64_t*>job.pos_owner, bounds)
+    job.gtok = gtok
+    job.gpos = gpos
+    job.g = g
+    job.ids = ids
+    job.rows = rows
+    job.N = N
+    job.m = m
+    job.d = d
+    job.f64 = real_t is double
+    cpe_crew_run(&crew, _pair_chunk, &job, c)

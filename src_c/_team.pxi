@@ -1,18 +1,470 @@
-# How many OpenMP threads a call runs on: every rule, in one place.
+# How many threads a call runs on, and the team that runs them: every rule,
+# in one place.
 #
 # The default follows scikit-learn's _openmp_effective_n_threads:
 # set_num_threads(n) if called, else CPOSEMBED_NUM_THREADS, else OpenMP's
 # own default (omp_get_max_threads(), which honours OMP_NUM_THREADS and
 # threadpoolctl), capped by the CPUs this process may run on. An explicit
-# num_threads= on a call wins, capped at _OVERSUBSCRIBE times those CPUs (a
-# request beyond that is never handed to OpenMP, whose thread creation
-# fails or crashes for tens of thousands). Then, per call: small work runs
-# on one thread, and no more threads than pieces of work.
+# num_threads= on a call wins, capped at _OVERSUBSCRIBE times those CPUs.
+# Then, per call: small work runs on one thread, and no more threads than
+# pieces of work.
+#
+# The kernels do not enter OpenMP parallel regions (libgomp keeps a pool of
+# threads per calling thread, and exits the process when it cannot start
+# one): a call's work runs on the package's own team. A kernel planned on
+# n threads first borrows up to n - 1 idle helpers from one fixed set of
+# package-owned threads (cpe_crew_borrow); with none free it takes its
+# one-thread path. Else it splits its work into chunks and its caller starts
+# on them at once while the helpers are woken (cpe_crew_run). Each thread
+# first gets one contiguous share of the chunks (what OpenMP's static
+# schedule gives: a streaming kernel runs on one long run per thread, which
+# the prefetchers follow); it claims its own chunks front to back, and when
+# its share is empty it steals the last chunks of the others' shares, one at
+# a time, so a helper that its CPU gives no time to simply runs fewer chunks
+# (or none). What a chunk
+# covers is fixed by the kernel (each table row lies in one chunk and sums
+# its contributions in input order), so only which thread runs a chunk
+# varies, never a result. The caller waits only for helpers that have
+# started a chunk; one that has not is called off. Helpers spin briefly
+# after their last chunk (back-to-back calls find them awake), then sleep on
+# a condition variable; a caller waiting for a helper's last chunk does the
+# same: a waiting thread does not take the CPU another process needs. A call
+# that its helpers did not make clearly faster than its caller alone would
+# have been (a helper or the caller lost its CPU to another process midway)
+# sends the calls of the next 20 ms to 2 s to their callers alone (cpe_judge).
+# The set of helpers is bounded (_OVERSUBSCRIBE times the CPUs, less one),
+# however many Python threads call at once. Helpers are started on first
+# need; if the OS refuses one, the call runs with those it has (serially
+# with none) and no more are started. A forked child starts with no helpers
+# (pthread_atfork) and starts its own when it needs them.
 
 from libc.stdlib cimport getenv
 
-# Below this many elements of work a call runs on one thread: waking an
-# OpenMP team costs a few microseconds, about what copying this much takes.
+cdef extern from *:
+    """
+    /* The package's team (see the top of _team.pxi). POSIX threads; on
+     * other platforms, and in a build without OpenMP, there are no helpers
+     * and every call runs on its caller. */
+    #if CPOSEMBED_OPENMP_ENABLED && !defined(_WIN32)
+    #define CPE_TEAM 1
+    #include <pthread.h>
+    #include <signal.h>
+    #include <time.h>
+    #else
+    #define CPE_TEAM 0
+    #endif
+
+    typedef void (*cpe_chunk_fn)(void *arg, Py_ssize_t chunk);
+
+    #define CPE_CREW_MAX 64
+    #if CPE_TEAM
+    /* One thread's share of a call's chunks: [lo, hi) packed as lo << 32 | hi,
+     * on a cache line of its own. Its owner claims from the front (lo),
+     * others steal from the back (hi). */
+    typedef struct {
+        unsigned long long v;
+        char pad[64 - sizeof(unsigned long long)];
+    } cpe_share;
+
+    /* One call's work: chunks 0..n_chunks-1 of fn(arg, chunk), cut into one
+     * contiguous share per thread (share 0: the caller's; 1 + i: its i-th
+     * helper's); a thread whose share is empty steals from the backs of the
+     * others. Lives on the caller's stack. */
+    typedef struct {
+        cpe_chunk_fn fn;
+        void *arg;
+        Py_ssize_t n_chunks;
+        int n_shares;
+        cpe_share share[CPE_CREW_MAX + 1] __attribute__((aligned(64)));
+    } cpe_job;
+
+    static void cpe_job_init(cpe_job *job, cpe_chunk_fn fn, void *arg, Py_ssize_t n_chunks,
+                             int n_threads) {
+        int t;
+        job->fn = fn;
+        job->arg = arg;
+        job->n_chunks = n_chunks;
+        job->n_shares = n_threads;
+        for (t = 0; t < n_threads; t++) {
+            unsigned long long lo = (unsigned long long)(n_chunks * t / n_threads);
+            unsigned long long hi = (unsigned long long)(n_chunks * (t + 1) / n_threads);
+            job->share[t].v = lo << 32 | hi;
+        }
+    }
+
+    /* The next chunk for thread t (its share's front, else the back of
+     * another's), or -1 when none is left. */
+    static Py_ssize_t cpe_claim(cpe_job *job, int t) {
+        unsigned long long v;
+        int k;
+        v = __atomic_fetch_add(&job->share[t].v, 1ULL << 32, __ATOMIC_RELAXED);
+        if ((v >> 32) < (v & 0xffffffffULL)) return (Py_ssize_t)(v >> 32);
+        for (k = 1; k < job->n_shares; k++) {
+            cpe_share *s = &job->share[(t + k) % job->n_shares];
+            v = __atomic_load_n(&s->v, __ATOMIC_RELAXED);
+            while ((v >> 32) < (v & 0xffffffffULL)) {
+                if (__atomic_compare_exchange_n(&s->v, &v, v - 1, 0, __ATOMIC_RELAXED,
+                                                __ATOMIC_RELAXED))
+                    return (Py_ssize_t)(v & 0xffffffffULL) - 1;
+            }
+        }
+        return -1;
+    }
+
+    /* Runs chunks as thread t until none is left. */
+    static void cpe_job_run(cpe_job *job, int t) {
+        Py_ssize_t c;
+        while ((c = cpe_claim(job, t)) >= 0) job->fn(job->arg, c);
+    }
+
+    /* A helper's state: who may touch its `job`, and who sleeps on `cv`.
+     * FREE (idle, awake) -> ASSIGNED (by a caller) -> RUNNING (the helper
+     * took it) -> DONE -> FREE (the caller gives it back). A caller that
+     * finds its helper still ASSIGNED at the end sets it FREE again: the
+     * helper never read the job and never will. The *_SLEEP states: the
+     * helper sleeps on cv; RUNNING_WAITED: the caller does. */
+    enum { H_FREE, H_FREE_SLEEP, H_ASSIGNED, H_RUNNING, H_RUNNING_WAITED, H_DONE,
+           H_DONE_SLEEP };
+
+    typedef struct {
+        int state;
+        int share;              /* its share of the job */
+        cpe_job *job;
+        pthread_mutex_t mu;
+        pthread_cond_t cv;
+    } cpe_helper;
+
+    #define CPE_MAX_HELPERS 64
+    static cpe_helper cpe_helpers[CPE_MAX_HELPERS];
+    static int cpe_idle[CPE_MAX_HELPERS];   /* stack of idle helpers' numbers */
+    static int cpe_n_idle = 0;
+    static int cpe_n_started = 0;
+    static int cpe_max_helpers = 0;         /* set from the CPU count */
+    static int cpe_refused = 0;             /* the OS refused a thread: start no more */
+    static long cpe_spin_ns = 20000;        /* how long an idle thread spins before sleeping */
+    #define CPE_FINISH_SPIN_MAX 1000000L    /* ns: the longest a caller spins for a chunk */
+    /* After a call that took longer with helpers than it would have alone,
+     * calls run on their callers alone until cpe_serial_until (ns,
+     * CLOCK_MONOTONIC): for cpe_backoff_ns, doubled while such calls keep
+     * coming (up to CPE_BACKOFF_MAX), back to CPE_BACKOFF_MIN once they stop. */
+    #define CPE_BACKOFF_MIN 20000000LL
+    #define CPE_BACKOFF_MAX 2000000000LL
+    static long long cpe_serial_until = 0;
+    static long long cpe_backoff_ns = CPE_BACKOFF_MIN;
+    static long long cpe_last_loss = 0;
+    static long cpe_losses = 0;
+    static pthread_mutex_t cpe_pool_mu = PTHREAD_MUTEX_INITIALIZER;
+
+    static inline int cpe_ld(int *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+    static inline int cpe_cas(int *p, int from, int to) {
+        return __atomic_compare_exchange_n(p, &from, to, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    }
+    static inline long long cpe_now_ns(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    }
+    /* What a caller's own chunks took: how many, their sum and the
+     * longest (ns). */
+    typedef struct {
+        Py_ssize_t n;
+        long long sum, longest;
+    } cpe_pace;
+
+    /* cpe_job_run, timing each chunk. */
+    static void cpe_job_run_timed(cpe_job *job, cpe_pace *pace) {
+        Py_ssize_t c;
+        long long t0 = cpe_now_ns(), t1;
+        pace->n = 0;
+        pace->sum = pace->longest = 0;
+        while ((c = cpe_claim(job, 0)) >= 0) {
+            job->fn(job->arg, c);
+            t1 = cpe_now_ns();
+            pace->n++;
+            pace->sum += t1 - t0;
+            if (t1 - t0 > pace->longest) pace->longest = t1 - t0;
+            t0 = t1;
+        }
+    }
+
+    static inline void cpe_pause(void) {
+    #if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+    #elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+    #endif
+    }
+
+    /* Spins while h->state == v, for at most cpe_spin_ns; the state last seen. */
+    static int cpe_spin_while_ns(cpe_helper *h, int v, long spin_ns) {
+        long long t0 = 0;
+        unsigned k = 0;
+        int s;
+        while ((s = cpe_ld(&h->state)) == v) {
+            cpe_pause();
+            if ((++k & 63) == 0) {
+                long long t = cpe_now_ns();
+                if (t0 == 0) t0 = t;
+                else if (t - t0 > spin_ns) break;
+            }
+        }
+        return s;
+    }
+    static int cpe_spin_while(cpe_helper *h, int v) {
+        return cpe_spin_while_ns(h, v, cpe_spin_ns);
+    }
+
+    /* Sleeps while the state is `asleep`, if it can move it from `awake`. */
+    static void cpe_sleep(cpe_helper *h, int awake, int asleep) {
+        pthread_mutex_lock(&h->mu);
+        if (cpe_cas(&h->state, awake, asleep))
+            while (cpe_ld(&h->state) == asleep) pthread_cond_wait(&h->cv, &h->mu);
+        pthread_mutex_unlock(&h->mu);
+    }
+
+    /* Sets the state to v; wakes the sleeper if it was `asleep`. */
+    static void cpe_set(cpe_helper *h, int v, int asleep) {
+        if (__atomic_exchange_n(&h->state, v, __ATOMIC_ACQ_REL) == asleep) {
+            pthread_mutex_lock(&h->mu);
+            pthread_cond_broadcast(&h->cv);
+            pthread_mutex_unlock(&h->mu);
+        }
+    }
+
+    static void *cpe_helper_main(void *arg) {
+        cpe_helper *h = (cpe_helper *)arg;
+        for (;;) {
+            int s = cpe_ld(&h->state);
+            if (s == H_ASSIGNED) {
+                if (cpe_cas(&h->state, H_ASSIGNED, H_RUNNING)) {
+                    cpe_job_run(h->job, h->share);
+                    cpe_set(h, H_DONE, H_RUNNING_WAITED);
+                }
+                continue;
+            }
+            /* FREE or DONE: spin a little, then sleep until it changes. */
+            if (cpe_spin_while(h, s) == s)
+                cpe_sleep(h, s, s == H_DONE ? H_DONE_SLEEP : H_FREE_SLEEP);
+        }
+        return NULL;
+    }
+
+    /* Starts helper number i (pool lock held); 0 if the OS refused. */
+    static int cpe_start_helper(int i) {
+        cpe_helper *h = &cpe_helpers[i];
+        pthread_attr_t attr;
+        pthread_t thread;
+        sigset_t all, old;
+        int rc;
+        h->state = H_FREE;
+        h->job = NULL;
+        pthread_mutex_init(&h->mu, NULL);
+        pthread_cond_init(&h->cv, NULL);
+        if (pthread_attr_init(&attr) != 0) return 0;
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        /* Signals go to the interpreter's threads, never to a helper. */
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        rc = pthread_create(&thread, &attr, cpe_helper_main, h);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+        return rc == 0;
+    }
+
+    /* Up to `want` idle helpers into got[]; starts new ones up to the cap. */
+    static int cpe_borrow(int *got, int want) {
+        int n = 0;
+        pthread_mutex_lock(&cpe_pool_mu);
+        while (n < want && cpe_n_idle > 0) got[n++] = cpe_idle[--cpe_n_idle];
+        while (n < want && !cpe_refused && cpe_n_started < cpe_max_helpers) {
+            if (!cpe_start_helper(cpe_n_started)) {
+                cpe_refused = 1;
+                break;
+            }
+            got[n++] = cpe_n_started++;
+        }
+        pthread_mutex_unlock(&cpe_pool_mu);
+        return n;
+    }
+
+    /* A call that took `took` ns with helpers, where its caller ran its
+     * own chunks at `pace`: unless the helpers made it at least 10 % and
+     * 5 us faster than its caller alone would have been (all n_chunks at
+     * the caller's pace), calls run alone for a while. The pace leaves out
+     * the caller's longest chunk, where the scheduler most likely took its
+     * CPU away. A helper its CPU gives no
+     * time to in the middle of a chunk holds its caller up for as long as
+     * the scheduler keeps it off, and a caller its own helper displaces
+     * waits as long (milliseconds on a busy machine): this is how the team
+     * learns that the machine is busy. */
+    static void cpe_judge(long long took, const cpe_pace *pace, Py_ssize_t n_chunks,
+                          long long now) {
+        double alone;
+        if (pace->n <= 0) return;
+        if (pace->n == 1)
+            alone = (double)pace->sum * (double)n_chunks;
+        else
+            alone = (double)(pace->sum - pace->longest) / (double)(pace->n - 1)
+                    * (double)n_chunks;
+        if ((double)took <= 0.9 * alone - 5000.0) return;
+        pthread_mutex_lock(&cpe_pool_mu);
+        if (now - cpe_last_loss < 4 * cpe_backoff_ns) {
+            cpe_backoff_ns *= 2;
+            if (cpe_backoff_ns > CPE_BACKOFF_MAX) cpe_backoff_ns = CPE_BACKOFF_MAX;
+        } else {
+            cpe_backoff_ns = CPE_BACKOFF_MIN;
+        }
+        cpe_last_loss = now;
+        cpe_losses++;
+        __atomic_store_n(&cpe_serial_until, now + cpe_backoff_ns, __ATOMIC_RELAXED);
+        pthread_mutex_unlock(&cpe_pool_mu);
+    }
+
+    static void cpe_give_back(const int *got, int n) {
+        int i;
+        pthread_mutex_lock(&cpe_pool_mu);
+        for (i = 0; i < n; i++) cpe_idle[cpe_n_idle++] = got[i];
+        pthread_mutex_unlock(&cpe_pool_mu);
+    }
+
+    /* The end of a helper's part in a call: called off if it never started,
+     * else waited for (it is in its last chunk): spinning for up to
+     * `spin_ns`, then asleep; then FREE again. */
+    static void cpe_finish(cpe_helper *h, long spin_ns) {
+        if (cpe_cas(&h->state, H_ASSIGNED, H_FREE)) return;
+        if (cpe_spin_while_ns(h, H_RUNNING, spin_ns) == H_RUNNING)
+            cpe_sleep(h, H_RUNNING, H_RUNNING_WAITED);
+        cpe_set(h, H_FREE, H_DONE_SLEEP);
+    }
+
+    /* A fork copies no helper thread: the child starts with none. The lock
+     * is held across the fork, so the child's copy of the pool is whole. */
+    static void cpe_fork_prepare(void) { pthread_mutex_lock(&cpe_pool_mu); }
+    static void cpe_fork_parent(void) { pthread_mutex_unlock(&cpe_pool_mu); }
+    static void cpe_fork_child(void) {
+        pthread_mutex_init(&cpe_pool_mu, NULL);
+        cpe_n_idle = 0;
+        cpe_n_started = 0;
+        cpe_refused = 0;
+        cpe_serial_until = 0;
+        cpe_backoff_ns = CPE_BACKOFF_MIN;
+        cpe_last_loss = 0;
+    }
+    static void cpe_team_init(void) {
+        pthread_atfork(cpe_fork_prepare, cpe_fork_parent, cpe_fork_child);
+    }
+    static void cpe_team_set_max(int n) {
+        pthread_mutex_lock(&cpe_pool_mu);
+        cpe_max_helpers = n < 0 ? 0 : (n > CPE_MAX_HELPERS ? CPE_MAX_HELPERS : n);
+        pthread_mutex_unlock(&cpe_pool_mu);
+    }
+    static int cpe_team_started(void) { return cpe_n_started; }
+    static int cpe_team_refused(void) { return cpe_refused; }
+    static long cpe_team_losses(void) { return cpe_losses; }
+    static void cpe_team_set_spin(long ns) { cpe_spin_ns = ns < 0 ? 0 : ns; }
+    static long cpe_team_spin(void) { return cpe_spin_ns; }
+    /* For tests: as if the OS had refused (or again allowed) new threads. */
+    static void cpe_team_set_refused(int refused) {
+        pthread_mutex_lock(&cpe_pool_mu);
+        cpe_refused = refused;
+        pthread_mutex_unlock(&cpe_pool_mu);
+    }
+    #endif
+
+    /* The helpers one call has borrowed (cpe_crew_borrow), until it has run
+     * its chunks with them (cpe_crew_run gives them back). */
+    typedef struct {
+        int n;
+        int got[CPE_CREW_MAX];
+    } cpe_crew;
+
+    /* Borrows up to n_threads - 1 idle helpers for a call; returns the
+     * threads the call has, its caller included (1: run alone, nothing to
+     * give back). None while the team learns the machine is busy. Without
+     * the GIL. */
+    static int cpe_crew_borrow(cpe_crew *crew, int n_threads) {
+        crew->n = 0;
+    #if CPE_TEAM
+        {
+            int want = n_threads - 1;
+            if (want > CPE_CREW_MAX) want = CPE_CREW_MAX;
+            if (want > 0 &&
+                cpe_now_ns() >= __atomic_load_n(&cpe_serial_until, __ATOMIC_RELAXED))
+                crew->n = cpe_borrow(crew->got, want);
+        }
+    #endif
+        return 1 + crew->n;
+    }
+
+    /* Runs fn(arg, c) for c < n_chunks on the caller and its crew, each
+     * chunk on whichever is free, then gives the crew back. */
+    static void cpe_crew_run(cpe_crew *crew, cpe_chunk_fn fn, void *arg,
+                             Py_ssize_t n_chunks) {
+        Py_ssize_t c;
+    #if CPE_TEAM
+        if (crew->n > 0) {
+            cpe_job job;
+            int i;
+            long long t_start = cpe_now_ns(), t_end;
+            long spin;
+            cpe_pace pace;
+            cpe_job_init(&job, fn, arg, n_chunks, 1 + crew->n);
+            for (i = 0; i < crew->n; i++) {
+                cpe_helpers[crew->got[i]].job = &job;
+                cpe_helpers[crew->got[i]].share = 1 + i;
+                cpe_set(&cpe_helpers[crew->got[i]], H_ASSIGNED, H_FREE_SLEEP);
+            }
+            cpe_job_run_timed(&job, &pace);
+            /* A running helper ends its last chunk within about one chunk's
+             * time unless its CPU was taken away: the caller spins that long
+             * (at least cpe_spin_ns, at most CPE_FINISH_SPIN_MAX) before it
+             * sleeps, so an idle machine does not pay a wake-up per call. */
+            spin = cpe_spin_ns;
+            if (spin > 0 && pace.n > 0 && pace.sum / pace.n > spin)
+                spin = pace.sum / pace.n < CPE_FINISH_SPIN_MAX ? (long)(pace.sum / pace.n)
+                                                               : CPE_FINISH_SPIN_MAX;
+            for (i = 0; i < crew->n; i++) cpe_finish(&cpe_helpers[crew->got[i]], spin);
+            cpe_give_back(crew->got, crew->n);
+            crew->n = 0;
+            t_end = cpe_now_ns();
+            cpe_judge(t_end - t_start, &pace, n_chunks, t_end);
+            return;
+        }
+    #endif
+        for (c = 0; c < n_chunks; c++) fn(arg, c);
+    }
+    #if !CPE_TEAM
+    static void cpe_team_init(void) {}
+    static void cpe_team_set_max(int n) { (void)n; }
+    static int cpe_team_started(void) { return 0; }
+    static int cpe_team_refused(void) { return 0; }
+    static long cpe_team_losses(void) { return 0; }
+    static void cpe_team_set_spin(long ns) { (void)ns; }
+    static long cpe_team_spin(void) { return 0; }
+    static void cpe_team_set_refused(int refused) { (void)refused; }
+    #endif
+    """
+    ctypedef void (*cpe_chunk_fn)(void* arg, Py_ssize_t chunk) noexcept nogil
+    ctypedef struct cpe_crew:
+        pass
+    int cpe_crew_borrow(cpe_crew* crew, int n_threads) noexcept nogil
+    void cpe_crew_run(cpe_crew* crew, cpe_chunk_fn fn, void* arg,
+                      Py_ssize_t n_chunks) noexcept nogil
+    void cpe_team_init() noexcept nogil
+    void cpe_team_set_max(int n) noexcept nogil
+    int cpe_team_started() noexcept nogil
+    int cpe_team_refused() noexcept nogil
+    long cpe_team_losses() noexcept nogil
+    void cpe_team_set_spin(long ns) noexcept nogil
+    long cpe_team_spin() noexcept nogil
+    void cpe_team_set_refused(int refused) noexcept nogil
+
+cpe_team_init()
+
+# Every thread of a call gets at least this many elements of work (below
+# twice this a call runs on its caller alone): waking a helper costs a few
+# microseconds, about what copying this much takes, and so does setting up
+# a scatter-add's chunks.
 SERIAL_THRESHOLD = 1 << 16
 # Outputs at least this large are written with streaming (non-temporal)
 # stores: far beyond what the caches keep, so reading each line in before
@@ -32,8 +484,7 @@ cdef enum:
 
 cdef int _user_threads = 0       # set_num_threads(n); 0: not set
 cdef int _cpus = 1               # CPUs this process may run on (set from Python)
-cdef bint _serial_child = False  # a forked child that must not start threads
-cdef bint _went_parallel = False  # a parallel region ran in this process
+cdef bint _went_parallel = False  # a call was planned on more than one thread
 cdef int _last_team = 0          # threads of the last call (set with the GIL held)
 
 
@@ -66,7 +517,7 @@ cdef int _default_threads() noexcept nogil:
     # here (the Python layer reports it: get_num_threads warns, show_config
     # says so).
     cdef int n
-    if not CPOSEMBED_OPENMP_ENABLED or _serial_child:
+    if not CPOSEMBED_OPENMP_ENABLED:
         return 1
     n = _user_threads
     if n == 0:
@@ -89,7 +540,7 @@ cdef int _explicit_threads(object num_threads) noexcept:
         return 0
     if overflow < 0 or (overflow == 0 and n < 1):
         return 0
-    if not CPOSEMBED_OPENMP_ENABLED or _serial_child:
+    if not CPOSEMBED_OPENMP_ENABLED:
         return 1
     if overflow > 0 or n > _OVERSUBSCRIBE * _cpus:
         return _OVERSUBSCRIBE * _cpus
@@ -97,8 +548,9 @@ cdef int _explicit_threads(object num_threads) noexcept:
 
 
 cdef int _threads_for(object num_threads, Py_ssize_t work, Py_ssize_t chunks) noexcept:
-    # Threads for a call of `work` element operations in `chunks` pieces,
-    # or 0 when num_threads is invalid. Called by the entries with the GIL
+    # Threads for a call of `work` element operations in `chunks` pieces
+    # (at most one per piece, and per _SERIAL_BELOW elements), or 0 when
+    # num_threads is invalid. Called by the entries with the GIL
     # held, right before the kernel runs. Small work does not read the
     # default at all (it runs on one thread whatever the default is).
     global _went_parallel, _last_team
@@ -113,6 +565,8 @@ cdef int _threads_for(object num_threads, Py_ssize_t work, Py_ssize_t chunks) no
         n = 1
     elif chunks < n:
         n = <int>chunks if chunks > 1 else 1
+    if n > 1 and _SERIAL_BELOW > 0 and work // _SERIAL_BELOW < n:
+        n = <int>(work // _SERIAL_BELOW)
     if n > 1:
         _went_parallel = True
     _last_team = n
@@ -122,6 +576,12 @@ cdef int _threads_for(object num_threads, Py_ssize_t work, Py_ssize_t chunks) no
 def default_threads():
     """The default thread count (get_num_threads)."""
     return _default_threads()
+
+
+def env_threads():
+    """CPOSEMBED_NUM_THREADS as the default thread count reads it: its value,
+    0 when unset or blank, -1 when it is not a positive integer."""
+    return _env_threads()
 
 
 def team(num_threads, Py_ssize_t work, Py_ssize_t chunks):
@@ -143,24 +603,15 @@ def user_threads():
 
 def set_cpu_limit(int n):
     """The CPUs this process may run on (read by the Python layer at import
-    and in a forked child)."""
+    and in a forked child); the team may hold _OVERSUBSCRIBE times as many
+    threads, the callers included."""
     global _cpus
     _cpus = max(1, n)
+    cpe_team_set_max(_OVERSUBSCRIBE * _cpus - 1)
 
 
 def cpu_limit():
     return _cpus
-
-
-def set_serial_child(bint serial):
-    """Run everything on one thread (a forked child whose parent's OpenMP
-    pool could not be released)."""
-    global _serial_child
-    _serial_child = serial
-
-
-def serial_child():
-    return _serial_child
 
 
 def set_tuning(serial_below=None, stream_bytes=None, scan_block_bytes=None):
@@ -184,8 +635,32 @@ def last_team():
 
 
 def went_parallel():
-    """Whether a parallel region has run in this process."""
+    """Whether a call in this process was planned on more than one thread."""
     return _went_parallel
+
+
+def team_info():
+    """The team's state: a dict of the helper threads started in this
+    process, the most it may start, whether the OS refused one, and how
+    many calls took longer with helpers than they would have alone (each
+    sends the following calls to their callers alone for a while)."""
+    return {"started": cpe_team_started(), "max": _OVERSUBSCRIBE * _cpus - 1
+            if CPOSEMBED_OPENMP_ENABLED else 0, "refused": bool(cpe_team_refused()),
+            "losses": cpe_team_losses()}
+
+
+def set_team_spin(long ns):
+    """How long (ns) an idle helper, or a caller waiting for one, spins
+    before it sleeps; returns the previous value (for the bench and tests)."""
+    cdef long old = cpe_team_spin()
+    cpe_team_set_spin(ns)
+    return old
+
+
+def set_team_refused(bint refused):
+    """Act as if the OS had refused a thread (True: start no more helpers),
+    or allow new helpers again (False). For tests."""
+    cpe_team_set_refused(refused)
 
 
 def openmp_enabled():

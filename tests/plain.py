@@ -131,14 +131,16 @@ def _expected_team(num_threads, work, chunks):
     serial_below = _core.set_tuning()["serial_below"]
     if num_threads is None:
         n = 1 if work < serial_below else _core.default_threads()
-    elif not _core.openmp_enabled() or _core.serial_child():
+    elif not _core.openmp_enabled():
         n = 1
     else:
         n = min(int(num_threads), 4 * CPUS)
     if n <= 1 or work < serial_below:
         return 1
     if chunks < n:
-        return chunks if chunks > 1 else 1
+        n = chunks if chunks > 1 else 1
+    if n > 1 and serial_below > 0:
+        n = min(n, work // serial_below)
     return n
 
 

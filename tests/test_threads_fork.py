@@ -1,4 +1,14 @@
-"""Fork safety: a process forked after the parent ran OpenMP threads keeps working."""
+"""Fork safety: a process forked after the parent ran the kernels on threads keeps working.
+
+No thread survives ``fork`` but the one that called it. The kernels run on
+the package's own team of helper threads (``src_c/_team.pxi``), never in an
+OpenMP parallel region (GNU libgomp's pool does not survive a fork: a child
+forked by a thread that led a region hangs in its first one). The team's
+``pthread_atfork`` handlers hold its lock across the fork and start the
+child with no helpers; the child starts its own when it needs them. Each
+scenario runs in a fresh interpreter under a timeout, so a hang fails the
+test instead of freezing the suite.
+"""
 
 from __future__ import annotations
 
@@ -64,17 +74,25 @@ PRELUDE = textwrap.dedent(
 
     def check(results):
         return all(np.array_equal(x, y) for x, y in zip(results, reference()))
+
+    def load_libgomp():
+        # The libgomp this process has loaded and an empty region body for
+        # its GOMP_parallel; exits with SKIP where there is none.
+        import ctypes
+        maps = open("/proc/self/maps").read()
+        paths = sorted({l.split()[-1] for l in maps.splitlines() if "libgomp" in l})
+        if not paths:
+            print("SKIP not libgomp"); sys.exit(0)
+        gomp = ctypes.CDLL(paths[0])
+        body = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
+        gomp.GOMP_parallel.argtypes = [type(body), ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        return gomp, body
     """
 )
 
 
-NO_PAUSE = "_threads._omp_pause = None  # force the serial fallback\n"
-
-
-def _run(
-    body: str, timeout: float = TIMEOUT, fallback: bool = False
-) -> subprocess.CompletedProcess:
-    code = PRELUDE + (NO_PAUSE if fallback else "") + textwrap.dedent(body)
+def _run(body: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    code = PRELUDE + textwrap.dedent(body)
     env = {"CPOSEMBED_NUM_THREADS": None, "OMP_NUM_THREADS": None}
     return run_python(["-c", code], timeout, env, cwd=REPO)
 
@@ -89,25 +107,28 @@ needs_openmp = pytest.mark.skipif(
 )
 
 
-fallback = pytest.mark.parametrize(
-    "fallback", [False, True], ids=["pool-release", "serial-fallback"]
-)
-
-
-# In the child: with the pool released the kernels may use threads again;
-# in the fallback they must be serial.
+# In the child: the kernels plan on threads as in the parent, and the team
+# starts its own helpers (none came through the fork).
 CHILD_THREADS = """
 def child_threads_ok():
-    n = _threads.effective_num_threads(2, 1 << 20, 100)
-    if _threads._omp_pause is None:
-        return _core.serial_child() and n == 1
-    return not _core.serial_child() and n == 2
+    if _threads.effective_num_threads(2, 1 << 20, 100) != 2:
+        return False
+    if _core.team_info()["started"] != 0 and not _threads_started_here:
+        return False
+    return True
+
+_threads_started_here = False
+
+def child_runs_on_its_own_team():
+    global _threads_started_here
+    ok = check(run_all(2))
+    _threads_started_here = True
+    return ok and _core.team_info()["started"] >= 1
 """
 
 
 @needs_openmp
-@fallback
-def test_fork_pool_after_parallel_parent(fallback):
+def test_fork_pool_after_parallel_parent():
     """The issue's scenario: parent used 2 threads, then a fork Pool runs every kernel."""
     proc = _run(
         CHILD_THREADS
@@ -117,7 +138,9 @@ def test_fork_pool_after_parallel_parent(fallback):
 
         def child(i):
             # Explicit num_threads=2 as well as the default.
-            return child_threads_ok() and check(run_all(2)) and check(run_all(None))
+            return (
+                child_threads_ok() and child_runs_on_its_own_team() and check(run_all(None))
+            )
 
         with mp.get_context("fork").Pool(2) as pool:
             results = pool.map(child, range(16), chunksize=1)
@@ -127,14 +150,12 @@ def test_fork_pool_after_parallel_parent(fallback):
         assert check(run_all(2))
         print("OK")
         """),
-        fallback=fallback,
     )
     _ok(proc)
 
 
 @needs_openmp
-@fallback
-def test_fork_grandchild_and_repeated_forks(fallback):
+def test_fork_grandchild_and_repeated_forks():
     """Plain os.fork, nested: children and grandchildren all finish correctly."""
     proc = _run(
         CHILD_THREADS
@@ -143,7 +164,7 @@ def test_fork_grandchild_and_repeated_forks(fallback):
         for round_ in range(4):
             pid = os.fork()
             if pid == 0:
-                ok = child_threads_ok() and check(run_all(2))
+                ok = child_threads_ok() and child_runs_on_its_own_team()
                 pid2 = os.fork()
                 if pid2 == 0:
                     os._exit(0 if check(run_all(2)) else 3)
@@ -154,7 +175,6 @@ def test_fork_grandchild_and_repeated_forks(fallback):
             assert check(run_all(2))  # parent between forks, parallel again
         print("OK")
         """),
-        fallback=fallback,
     )
     _ok(proc)
 
@@ -165,14 +185,7 @@ def test_fork_after_another_library_used_libgomp():
     the parent, cposembed never did: the child must not hang in cposembed."""
     proc = _run(
         """
-        import ctypes
-        maps = open("/proc/self/maps").read()
-        paths = sorted({l.split()[-1] for l in maps.splitlines() if "libgomp" in l})
-        if not paths:
-            print("SKIP not libgomp"); sys.exit(0)
-        gomp = ctypes.CDLL(paths[0])
-        body = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
-        gomp.GOMP_parallel.argtypes = [type(body), ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        gomp, body = load_libgomp()
         gomp.GOMP_parallel(body, None, 2, 0)  # a 2-thread region led by this thread
         assert not _core.went_parallel()
 
@@ -191,21 +204,95 @@ def test_fork_after_another_library_used_libgomp():
 
 
 @needs_openmp
+def test_fork_while_other_threads_run_kernels():
+    """Forks while two other threads keep running kernels on the team: whatever
+    the helpers were doing at the fork, the child's team starts clean. (Every
+    module the loop needs is imported first: a child forked while another
+    thread imports a module waits for that import's lock forever, in any
+    Python program.)"""
+    proc = _run(
+        CHILD_THREADS
+        + textwrap.dedent("""
+        import threading
+        assert check(run_all(2)) and check(run_all(None))
+        stop = threading.Event()
+        failures = []
+
+        def busy():
+            while not stop.is_set():
+                if not check(run_all(2)):
+                    failures.append(1)
+
+        workers = [threading.Thread(target=busy) for _ in range(2)]
+        for w in workers:
+            w.start()
+        try:
+            for round_ in range(8):
+                pid = os.fork()
+                if pid == 0:
+                    ok = child_threads_ok() and child_runs_on_its_own_team()
+                    os._exit(0 if ok and check(run_all(None)) else 2)
+                _, status = os.waitpid(pid, 0)
+                assert os.waitstatus_to_exitcode(status) == 0, (round_, status)
+        finally:
+            stop.set()
+            for w in workers:
+                w.join()
+        assert not failures
+        print("OK")
+        """),
+    )
+    _ok(proc)
+
+
+@needs_openmp
+def test_kernels_never_enter_an_openmp_region():
+    """The kernels run on the package's team: a forked child whose parent ran
+    them on threads may enter a libgomp parallel region of another library
+    (whose pool the parent never created) without hanging."""
+    proc = _run(
+        """
+        gomp, body = load_libgomp()
+        assert check(run_all(2))
+        assert _core.went_parallel()
+        pid = os.fork()
+        if pid == 0:
+            gomp.GOMP_parallel(body, None, 2, 0)  # hangs if this thread led a region before
+            os._exit(0 if check(run_all(2)) else 2)
+        import time
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                assert os.waitstatus_to_exitcode(status) == 0, status
+                print("OK")
+                sys.exit(0)
+            time.sleep(0.05)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print("HANG")
+        """,
+    )
+    if "SKIP" in proc.stdout:
+        pytest.skip(proc.stdout.strip())
+    _ok(proc)
+
+
+@needs_openmp
 def test_fork_before_any_parallel_region_keeps_threads():
-    """The guard only costs threads when needed: a child forked before the parent
-    went parallel may still use OpenMP threads (libgomp has no pool to lose)."""
+    """A child forked before the parent ran anything on threads uses threads too."""
     proc = _run(
         """
         assert not _core.went_parallel()
         cposembed.set_num_threads(1)
-        assert check(run_all(1))  # serial in the parent: no OpenMP pool exists yet
+        assert check(run_all(1))  # serial in the parent: no helper exists yet
         assert not _core.went_parallel()
+        assert _core.team_info()["started"] == 0
         cposembed.set_num_threads(None)
 
         def child(i):
-            assert not _core.serial_child()
             n = _threads.effective_num_threads(2, 1 << 20, 100)
-            return n == 2 and check(run_all(2))
+            return n == 2 and check(run_all(2)) and _core.team_info()["started"] >= 1
 
         with mp.get_context("fork").Pool(2) as pool:
             results = pool.map(child, range(4), chunksize=1)
@@ -214,42 +301,6 @@ def test_fork_before_any_parallel_region_keeps_threads():
         """
     )
     _ok(proc)
-
-
-@needs_openmp
-def test_guard_is_load_bearing_with_libgomp():
-    """Without either guard, a forked child that goes parallel hangs (GNU libgomp).
-
-    This proves the tests above test something: if the runtime ever becomes
-    fork-safe this test skips rather than fails.
-    """
-    proc = _run(
-        """
-        assert check(run_all(2))
-        pid = os.fork()
-        if pid == 0:
-            _core.set_serial_child(False)  # defeat the serial fallback
-            cposembed.lookup(table, pos, num_threads=2)
-            os._exit(0)
-        import time
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-            if done:
-                print("NOHANG")
-                sys.exit(0)
-            time.sleep(0.05)
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        print("HANG")
-        """,
-        timeout=60,
-        fallback=True,  # and the pool release
-    )
-    assert proc.returncode == 0, proc.stderr
-    if "NOHANG" in proc.stdout:
-        pytest.skip("this OpenMP runtime survives fork; the guard is a no-op here")
-    assert "HANG" in proc.stdout
 
 
 def test_fork_while_another_thread_runs_the_kernels():
