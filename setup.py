@@ -183,9 +183,6 @@ class BuildExtOpenMP(build_ext):
         for ext in self.extensions:
             ext.extra_compile_args = list(ext.extra_compile_args) + compile_args
             ext.extra_link_args = list(ext.extra_link_args) + link_args
-            ext.define_macros = list(ext.define_macros) + [
-                ("CPOSEMBED_USE_OPENMP", "1" if use_openmp else "0")
-            ]
         self._write_build_info(build_info)
         super().build_extensions()
 
