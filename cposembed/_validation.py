@@ -28,11 +28,13 @@ _INT64 = np.dtype(np.int64)
 _REAL_KINDS = "biuf"
 
 
-class NotAnIntegerError(TypeError, ValueError):
+class NotAnIntegerError(TypeError):
     """An integer argument that is not an integer (``1.5``, ``"3"``, ``True``).
 
-    A ``TypeError``, and a ``ValueError`` too: the constructor's contract
-    promises ``ValueError`` for sizes that are not positive integers.
+    A ``TypeError`` only, so that ``except ValueError`` does not catch a wrong
+    type. The sizes whose contract promises ``ValueError`` for anything but a
+    positive integer (``max_seq_len``, ``embed_dim``, ...) ask
+    :func:`check_int` for that instead.
     """
 
 
@@ -58,12 +60,18 @@ def _python_values(value: Any, depth: int = 0) -> Any:
 
 
 def check_int(
-    value: Any, name: str, *, min_value: int | None = None, max_value: int | None = None
+    value: Any,
+    name: str,
+    *,
+    min_value: int | None = None,
+    max_value: int | None = None,
+    not_integer: type[Exception] = NotAnIntegerError,
 ) -> int:
     """``value`` as a Python int, in the manner of ``sklearn.utils.check_scalar``.
 
     Anything with ``__index__`` counts (Python and NumPy integers, 0-d integer
-    arrays), except bools. Not an integer: :class:`NotAnIntegerError`; outside
+    arrays), except bools. Not an integer: ``not_integer`` (a ``TypeError``
+    unless the argument's contract says otherwise); outside
     ``[min_value, max_value]``: ``ValueError``. The message names the argument.
     """
     expected = _int_range_text(min_value, max_value)
@@ -72,11 +80,11 @@ def check_int(
         or (isinstance(value, np.ndarray) and value.ndim != 0)
         or not hasattr(value, "__index__")
     ):
-        raise NotAnIntegerError(f"{name} must be {expected}; got {describe(value)}")
+        raise not_integer(f"{name} must be {expected}; got {describe(value)}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise NotAnIntegerError(f"{name} must be {expected}; got {describe(value)}") from None
+        raise not_integer(f"{name} must be {expected}; got {describe(value)}") from None
     if (min_value is not None and n < min_value) or (max_value is not None and n > max_value):
         raise ValueError(f"{name} must be {expected}; got {n}")
     return n

@@ -146,8 +146,8 @@ class LearnedPositionEmbedding(_core.TableCall):
         dtype: Any = np.float32,
         padding_idx: int | None = None,
     ) -> None:
-        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1)
-        d = v.check_int(embed_dim, "embed_dim", min_value=1)
+        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1, not_integer=ValueError)
+        d = v.check_int(embed_dim, "embed_dim", min_value=1, not_integer=ValueError)
         dt = _table_dtype(dtype)
         pad = _padding_index(padding_idx, n_rows)
         self._embeddings = np.ascontiguousarray(draw_table(n_rows, d, seed), dtype=dt)
@@ -486,7 +486,7 @@ class LearnedPositionEmbedding(_core.TableCall):
             ``new_max_len`` not a positive integer, an unknown ``method``, or a
             ``padding_idx`` that does not fit in the new length.
         """
-        new_len = v.check_int(new_max_len, "new_max_len", min_value=1)
+        new_len = v.check_int(new_max_len, "new_max_len", min_value=1, not_integer=ValueError)
         if method not in ("linear", "repeat"):
             raise ValueError(f'method must be "linear" or "repeat"; got {v.describe(method)}')
         pad = self.padding_idx

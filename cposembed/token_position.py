@@ -90,9 +90,9 @@ class TokenPositionEmbedding:
         dtype: Any = np.float32,
         padding_idx: int | None = None,
     ) -> None:
-        n_tokens = v.check_int(vocab_size, "vocab_size", min_value=1)
-        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1)
-        d = v.check_int(embed_dim, "embed_dim", min_value=1)
+        n_tokens = v.check_int(vocab_size, "vocab_size", min_value=1, not_integer=ValueError)
+        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1, not_integer=ValueError)
+        d = v.check_int(embed_dim, "embed_dim", min_value=1, not_integer=ValueError)
         dt = _table_dtype(dtype)
         rng = np.random if seed is None else np.random.RandomState(seed)
         scale = 1.0 / np.sqrt(d)

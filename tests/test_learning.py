@@ -70,7 +70,7 @@ def test_padding_idx_out_of_range(bad):
 
 @pytest.mark.parametrize("bad", [1.0, "0", True, [0]])
 def test_padding_idx_not_an_integer(bad):
-    with pytest.raises(ValueError, match="padding_idx"):
+    with pytest.raises(TypeError, match="padding_idx"):
         LearnedPositionEmbedding(10, 4, padding_idx=bad)
 
 
