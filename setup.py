@@ -251,6 +251,8 @@ EXTENSIONS = [
             "src_c/_pool.pxi",
             "src_c/_index.pxi",
             "src_c/_team.pxi",
+            "src_c/_zeros.pxi",
+            "src_c/_contract.pxi",
         ],
         define_macros=[
             ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),

@@ -22,6 +22,8 @@ import numpy as np
 # for it forever in its first call.
 from numpy import ma as _ma
 
+from . import _core
+
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _INT64 = np.dtype(np.int64)
 # Element kinds NumPy can add to a float table: bool, signed, unsigned, float.
@@ -309,21 +311,15 @@ def check_default_positions(offset: int, n_tokens: int, n_rows: int) -> None:
 
 
 def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether writing ``a`` could change ``b`` (a cheap, conservative test)."""
-    return bool(np.may_share_memory(a, b))
+    """Whether writing ``a`` could change ``b`` (a cheap, conservative test): not
+    when the entries' own rule (``_core.apart``) says so, else NumPy's bounds."""
+    return not _core.apart(a, b) and bool(np.may_share_memory(a, b))
 
 
 def plain_copy(arr: Any, dtype: Any) -> np.ndarray:
-    """``arr`` as an exact ndarray of ``dtype``, C-contiguous and aligned: itself if it
-    is one already, else a copy (``np.ascontiguousarray`` keeps a misaligned array)."""
+    """``arr`` as the entries take it for ``dtype`` (native): itself if it is plain
+    (``_core.is_plain``, the entries' own rule), else a copy: an exact ndarray,
+    C-contiguous and aligned (``np.ascontiguousarray`` keeps a misaligned array)."""
+    if _core.is_plain(arr, dtype):
+        return arr
     return np.require(arr, dtype=dtype, requirements=["C", "A", "E"])
-
-
-def plain(arr: np.ndarray) -> bool:
-    """An exact ndarray, C-contiguous, aligned, native byte order (what the C entries take)."""
-    return (
-        type(arr) is np.ndarray
-        and arr.flags.c_contiguous
-        and arr.flags.aligned
-        and arr.dtype.isnative
-    )

@@ -386,7 +386,7 @@ def _scatter_normalised(
         g_c = g_c.copy()
     g_c, pos, off = _shallow(g_c, pos, off)
     base = _base(grad_table)
-    work = base if v.plain(base) else v.plain_copy(base, native)
+    work = v.plain_copy(base, native)
     _accepted(_core.scatter_add(work, g_c, pos, off, nt, touched, skip_row))
     if work is not base:
         np.copyto(grad_table, work)

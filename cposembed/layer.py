@@ -346,8 +346,7 @@ def _embed_backward_normalised(
     g_c = v.plain_copy(g, native)
     works = []
     for table in (gt, gp):
-        base = _base(table)
-        works.append(base if v.plain(base) else v.plain_copy(base, native))
+        works.append(v.plain_copy(_base(table), native))
     _accepted(
         _core.embed_backward(
             works[0],

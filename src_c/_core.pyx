@@ -702,3 +702,6 @@ cdef bint _run_scatter_pair(cnp.ndarray gt, Index* ids, cnp.ndarray gp, Index* i
 for _plan in ScatterPlan:
     globals()[_plan.name] = _plan
 del _plan
+
+
+include "_contract.pxi"

@@ -659,6 +659,36 @@ def test_entries_take_only_plain_tables(table):
         assert np.array_equal(got, expect) and got.dtype == expect.dtype.newbyteorder("=")
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "plain",
+        "dtype",
+        "float16",
+        "int",
+        "swapped",
+        "strided",
+        "subclass",
+        "unaligned",
+        "readonly",
+        "list",
+    ],
+)
+def test_contract_checkers_agree_with_the_oracle(dtype, kind):
+    # _core.is_plain / _core.apart are what the Python layer asks; this file's
+    # own _plain / _apart stay the independent statement of the rule.
+    a = _array_form(np.arange(24, dtype=dtype).reshape(4, 6), kind)
+    writable = isinstance(a, np.ndarray) and a.flags.writeable
+    assert _core.is_plain(a, dtype) == _plain(a, dtype)
+    assert _core.is_plain(a, dtype, writable=True) == (_plain(a, dtype) and writable)
+    flat = np.zeros(10, dtype)
+    for x, y in [(flat[:5], flat[5:]), (flat[:6], flat[5:]), (flat[:0], flat), (flat, flat)]:
+        assert _core.apart(x, y) == _apart(x, y)
+    # Not C-contiguous, or not an exact ndarray: "may meet".
+    assert not _core.apart(flat[::2], flat[1::2]) and not _core.apart(flat.view(_Sub), flat[:0])
+
+
 def test_entries_at_the_table_edge_sizes():
     empty_rows = np.zeros((0, 3), np.float32)
     _same_bits(_core.lookup(empty_rows, [], None, None), np.zeros((0, 3), np.float32))
