@@ -12,6 +12,7 @@ with the minimum and maximum of the whole index array, so ``L`` and
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -90,6 +91,35 @@ def check_int(
     if (min_value is not None and n < min_value) or (max_value is not None and n > max_value):
         raise ValueError(f"{name} must be {expected}; got {n}")
     return n
+
+
+def learning_rate(lr: Any) -> float:
+    """A step's ``lr``: any finite real number, as a Python float."""
+    if isinstance(lr, (bool, np.bool_)) or not isinstance(
+        lr, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"lr must be a real number; got {describe(lr)}")
+    try:
+        value = float(lr)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"lr must be finite; got {value}")
+    return value
+
+
+def table_dtype(dtype: Any) -> np.dtype:
+    """A class's ``dtype=``: float32 (also for None, as in NumPy) or float64."""
+    if dtype is None:
+        return np.dtype(np.float32)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    # (`dt is None` first: NumPy compares None equal to float64.)
+    if dt is None or dt not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
+    return dt
 
 
 def _int_range_text(lo: int | None, hi: int | None) -> str:

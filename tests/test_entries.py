@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import cposembed
-from cposembed import _core, embedding
+from cposembed import _core, _routes
 from cposembed.reference import LearnedPositionEmbedding as Reference
 
 FLOATS = [np.dtype(np.float32), np.dtype(np.float64)]
@@ -1638,7 +1638,7 @@ def test_class_calls_go_straight_to_the_lookup_entry(monkeypatch):
     def broken(*args, **kwargs):
         raise AssertionError("normalised")
 
-    monkeypatch.setattr(embedding, "lookup_normalised", broken)
+    monkeypatch.setattr(_routes, "lookup", broken)
     pe = cposembed.LearnedPositionEmbedding(128, 64, seed=0)
     table = pe.embeddings
     a4 = _rng(1).integers(0, 128, size=(4, 128))
