@@ -88,17 +88,15 @@ class GradientState:
     ) -> np.ndarray:
         """``grad[positions[i]] += grad_output[i]``, marking the rows; the gradient."""
         grad, touched = self.to_accumulate(table)
-        skip = self.skip_row
-        if _core.scatter_add(grad, grad_output, positions, offset, None, touched, skip) is None:
-            _routes.scatter_add(
-                grad,
-                grad_output,
-                positions,
-                offset=offset,
-                num_threads=None,
-                touched=touched,
-                skip_row=skip,
-            )
+        _routes.scatter_add(
+            grad,
+            grad_output,
+            positions,
+            offset=offset,
+            num_threads=None,
+            touched=touched,
+            skip_row=self.skip_row,
+        )
         if touched is not self.touched:
             self.keep(grad, touched)
         return grad

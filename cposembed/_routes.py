@@ -12,7 +12,8 @@ layout, or one sharing memory with an input) are computed into a scratch
 array and copied in at the end, as NumPy does.
 
 One route per operation, its internal arguments keyword-only: ``lookup``,
-``add``, ``scatter_add``, ``embed``, ``embed_backward``; and the shared
+``add``, ``scatter_add``, ``embed``, ``embed_backward``; the two backward
+routes (which return nothing) call their entry first themselves; and the shared
 steps of the routes (``row_positions``, ``checked_ids``, ``id_positions``),
 which the fused optimizer backward (:mod:`cposembed.optim`) uses too.
 """
@@ -176,38 +177,6 @@ def _shallow(
     return rows.reshape(-1, rows.shape[-1]), flat, 0
 
 
-def scatter_add_marking(
-    grad_table: Any,
-    grad_output: Any,
-    positions: Any,
-    *,
-    offset: Any,
-    num_threads: Any,
-    touched: np.ndarray | None,
-    skip_row: int,
-) -> None:
-    """:func:`cposembed.scatter_add` that also marks the rows it touched and skips one:
-    the C entry, else the route.
-
-    ``touched``: a C-contiguous bool array of length L (or None) whose rows
-    that received a contribution are set True; ``skip_row``: a row that gets
-    no gradient (zeroed after the sum; ``padding_idx``), or -1.
-    """
-    done = _core.scatter_add(
-        grad_table, grad_output, positions, offset, num_threads, touched, skip_row
-    )
-    if done is None:
-        scatter_add(
-            grad_table,
-            grad_output,
-            positions,
-            offset=offset,
-            num_threads=num_threads,
-            touched=touched,
-            skip_row=skip_row,
-        )
-
-
 def scatter_add(
     grad_table: Any,
     grad_output: Any,
@@ -218,7 +187,20 @@ def scatter_add(
     touched: np.ndarray | None,
     skip_row: int,
 ) -> None:
-    """:func:`scatter_add_marking` for what its C entry declined."""
+    """:func:`cposembed.scatter_add` that also marks the rows it touched and skips one:
+    the C entry, then the route for what it declined.
+
+    ``touched``: a C-contiguous bool array of length L (or None) whose rows
+    that received a contribution are set True; ``skip_row``: a row that gets
+    no gradient (zeroed after the sum; ``padding_idx``), or -1.
+    """
+    if (
+        _core.scatter_add(
+            grad_table, grad_output, positions, offset, num_threads, touched, skip_row
+        )
+        is not None
+    ):
+        return
     v.as_grad_table(grad_table, "grad_table")
     native = v.native_dtype(grad_table.dtype)
     n_rows, d = grad_table.shape
@@ -306,7 +288,7 @@ def embed(
     return out
 
 
-def embed_backward_marking(
+def embed_backward(
     grad_token_table: Any,
     grad_position_table: Any,
     grad_output: Any,
@@ -321,7 +303,11 @@ def embed_backward_marking(
 ) -> None:
     """:func:`cposembed.embed_backward` that also marks the rows it touched (bool
     arrays of length V and L, or None) and gives token row ``token_skip_row``
-    (padding) no gradient (-1: none): the C entry, else the route."""
+    (padding) no gradient (-1: none).
+
+    The one route with the entry inside: the entry takes two tables, and a
+    ``None`` table (skipped) comes here as declined.
+    """
     if grad_token_table is not None and grad_position_table is not None:
         done = _core.embed_backward(
             grad_token_table,
@@ -337,35 +323,6 @@ def embed_backward_marking(
         )
         if done is not None:
             return
-    embed_backward(
-        grad_token_table,
-        grad_position_table,
-        grad_output,
-        token_ids,
-        positions,
-        offset=offset,
-        num_threads=num_threads,
-        token_touched=token_touched,
-        position_touched=position_touched,
-        token_skip_row=token_skip_row,
-    )
-
-
-def embed_backward(
-    grad_token_table: Any,
-    grad_position_table: Any,
-    grad_output: Any,
-    token_ids: Any,
-    positions: Any,
-    *,
-    offset: Any,
-    num_threads: Any,
-    token_touched: np.ndarray | None,
-    position_touched: np.ndarray | None,
-    token_skip_row: int,
-) -> None:
-    """:func:`embed_backward_marking` for what its C entry declined (or skipped:
-    a ``None`` table)."""
     gt = None if grad_token_table is None else v.as_grad_table(grad_token_table, "grad_token_table")
     gp = (
         None
@@ -417,7 +374,7 @@ def embed_backward(
         # One table, or two that differ in dtype or share memory: one
         # scatter-add each, tokens first (np.add.at's order on tied tables).
         if gt is not None:
-            scatter_add_marking(
+            scatter_add(
                 gt,
                 g,
                 ids,
@@ -432,7 +389,7 @@ def embed_backward(
                 if (pos is None)
                 else pos
             )
-            scatter_add_marking(
+            scatter_add(
                 gp, g, rows, offset=0, num_threads=nt, touched=position_touched, skip_row=-1
             )
         return

@@ -276,7 +276,7 @@ def _marked_table_grad(
     skip = _skip_row(padding_idx, num_rows)
     grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
     touched = np.zeros(num_rows, dtype=bool)
-    _routes.scatter_add_marking(
+    _routes.scatter_add(
         array,
         _array(grad_output),
         _maybe_array(positions),
@@ -334,7 +334,7 @@ def _embed_backward(
     d = grad_output.shape[-1]
     g_tok, a_tok = fresh_zeros(vocab_size, d, token_dtype)
     g_pos, a_pos = fresh_zeros(max_seq_len, d, position_dtype)
-    _routes.embed_backward_marking(
+    _routes.embed_backward(
         a_tok,
         a_pos,
         _array(grad_output),

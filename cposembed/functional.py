@@ -5,7 +5,8 @@ operation's C entry (``cposembed._core``) with the arguments as given; the
 entry checks them and runs the kernel, or declines (returns None, nothing
 written). What it declines goes to the operation's normalising route
 (:mod:`cposembed._routes`), which normalises the arguments or raises the
-worded error, and calls the same entry again.
+worded error, and calls the same entry again. ``scatter_add`` returns
+nothing of the entry's, so its route makes the first entry call too.
 """
 
 from __future__ import annotations
@@ -189,14 +190,14 @@ def scatter_add(
            [0., 0.],
            [1., 1.]], dtype=float32)
     """
-    if _core.scatter_add(grad_table, grad_output, positions, offset, num_threads) is None:
-        _routes.scatter_add(
-            grad_table,
-            grad_output,
-            positions,
-            offset=offset,
-            num_threads=num_threads,
-            touched=None,
-            skip_row=-1,
-        )
+    # The entry first, inside the route (nothing marked, no row skipped).
+    _routes.scatter_add(
+        grad_table,
+        grad_output,
+        positions,
+        offset=offset,
+        num_threads=num_threads,
+        touched=None,
+        skip_row=-1,
+    )
     return grad_table

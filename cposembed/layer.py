@@ -1,9 +1,10 @@
 """The whole input layer: embed and embed_backward (token + position tables).
 
-The same route as :mod:`cposembed.functional`: each function calls its C
-entry (``_core.embed``, ``_core.embed_backward``) with the arguments as
-given; what it declines goes to the normalising route
-(:mod:`cposembed._routes`).
+The same route as :mod:`cposembed.functional`: ``embed`` calls its C entry
+(``_core.embed``) with the arguments as given and what it declines goes to
+the normalising route (:mod:`cposembed._routes`); ``embed_backward``'s route
+tries its entry (``_core.embed_backward``) itself, as a skipped (None) table
+is declined before the entry is reached.
 """
 
 from __future__ import annotations
@@ -146,30 +147,16 @@ def embed_backward(
     >>> g_wte[:, 0], g_wpe[:, 0]
     (array([1., 0., 2.]), array([1., 1., 1., 0.]))
     """
-    # The entry takes two tables; a None table (skipped) goes to the route.
-    if (
-        grad_token_table is None
-        or grad_position_table is None
-        or _core.embed_backward(
-            grad_token_table,
-            grad_position_table,
-            grad_output,
-            token_ids,
-            positions,
-            offset,
-            num_threads,
-        )
-        is None
-    ):
-        _routes.embed_backward(
-            grad_token_table,
-            grad_position_table,
-            grad_output,
-            token_ids,
-            positions,
-            offset=offset,
-            num_threads=num_threads,
-            token_touched=None,
-            position_touched=None,
-            token_skip_row=-1,
-        )
+    # The entry first, inside the route: a None table (skipped) is declined.
+    _routes.embed_backward(
+        grad_token_table,
+        grad_position_table,
+        grad_output,
+        token_ids,
+        positions,
+        offset=offset,
+        num_threads=num_threads,
+        token_touched=None,
+        position_touched=None,
+        token_skip_row=-1,
+    )

@@ -747,7 +747,7 @@ def fused_position_backward(
     scratch = np.zeros((rows.size, d), dtype=table.dtype)
     if rows.size:
         skip = _scratch_skip(rows, skip_row)
-        _routes.scatter_add_marking(
+        _routes.scatter_add(
             scratch, g, inverse, offset=0, num_threads=None, touched=None, skip_row=skip
         )
     keep = rows != skip_row
@@ -787,7 +787,7 @@ def fused_layer_backward(
     token_scratch = np.zeros((token_rows.size, d), dtype=tokens.dtype)
     position_scratch = np.zeros((position_rows.size, d), dtype=places.dtype)
     if ids.size:
-        _routes.embed_backward_marking(
+        _routes.embed_backward(
             token_scratch,
             position_scratch,
             g,

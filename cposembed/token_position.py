@@ -313,7 +313,7 @@ class TokenPositionEmbedding:
         token_state, position_state = tokens._grad, places._grad
         token_grad, token_touched = token_state.to_accumulate(tokens.embeddings)
         position_grad, position_touched = position_state.to_accumulate(places.embeddings)
-        _routes.embed_backward_marking(
+        _routes.embed_backward(
             token_grad,
             position_grad,
             grad_output,
