@@ -1,21 +1,32 @@
-"""The argument checks of the Python layer: one integer checker, one table checker,
-offsets, masked arrays and other subclasses, NumPy scalars in messages, and
-framework tensors in from_pretrained."""
+"""The argument checks every operation shares: one integer checker, one table
+checker, offsets, masked arrays and other subclasses, NumPy scalars in messages,
+framework tensors in from_pretrained; huge shapes, extreme positions, either
+byte order and NaN/Inf, property-based."""
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 
 import numpy as np
 import pytest
 from helpers import run_python
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from strategies import (
+    same_bits,
+    same_values,
+    tables,
+)
 
 import cposembed
 from cposembed import LearnedPositionEmbedding
 from cposembed._validation import NotAnIntegerError, check_int, describe
 
 INTEGERS = [3, np.int8(3), np.uint16(3), np.int64(3), np.uint64(3), np.array(3)]
+
+
 NOT_INTEGERS = [1.5, 3.0, "3", None, True, np.bool_(True), np.float32(3), [3], np.array([3])]
 
 
@@ -66,8 +77,6 @@ def test_padding_idx_numpy_integer_is_accepted():
 
 
 # --- offsets -----------------------------------------------------------------
-
-
 @pytest.mark.parametrize("offset", [np.int8(2), np.uint64(2), np.int64(2), np.array(2)])
 def test_numpy_integer_offsets_match_python_int(offset):
     table = np.random.default_rng(0).standard_normal((8, 3)).astype(np.float32)
@@ -110,8 +119,6 @@ def test_huge_offset_with_no_tokens_looks_nothing_up():
 
 
 # --- masked arrays and other subclasses ------------------------------------
-
-
 def _masked(shape):
     data = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
     return np.ma.masked_array(data, mask=data % 2 == 0)
@@ -178,8 +185,6 @@ def test_memmap_table_and_output(tmp_path):
 
 
 # --- from_pretrained takes any array-like ----------------------------------
-
-
 class FakeTensor:
     """What from_pretrained needs of a framework tensor that requires grad:
     ``__array__`` refuses (as torch does) and ``.detach().cpu()`` gives values."""
@@ -251,3 +256,144 @@ def test_no_memory_for_the_positions_buffer_is_a_memory_error():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("MemoryError"), proc.stdout + proc.stderr[-1000:]
     assert "positions" in proc.stdout  # the entry's own, not a later allocation's
+
+
+_HUGE_SCRIPT = textwrap.dedent(
+    """
+    import json, numpy as np, cposembed
+    from cposembed import _core
+    table = np.ones((10, 2), np.float32)
+    results = {}
+    for shape in [(2**62,), (3, 2**61), (2**58,), (1, 2**62)]:
+        for dtype in (np.int8, np.uint8):
+            pos = np.broadcast_to(np.zeros((), dtype), shape)
+            calls = {
+                "core.lookup": lambda: _core.lookup(table, pos, None, None),
+                "core.lookup(1)": lambda: _core.lookup(table, pos, None, 1),
+                "core.add": lambda: _core.add(np.ones((1, 2), np.float32), table, pos, 0, None, None),
+                "core.scatter": lambda: _core.scatter_add(np.zeros((10, 2), np.float32),
+                                                          np.ones((1, 2), np.float32), pos, 0, None),
+                "lookup": lambda: cposembed.lookup(table, pos),
+                "add": lambda: cposembed.add_positions(np.ones((1, 2), np.float32), table, pos),
+                "scatter": lambda: cposembed.scatter_add(np.zeros((10, 2), np.float32),
+                                                         np.ones((1, 2), np.float32), pos),
+                "class": lambda: cposembed.LearnedPositionEmbedding(10, 2, seed=0)(pos),
+            }
+            for name, call in calls.items():
+                try:
+                    r = call()
+                    outcome = "None" if r is None else "returned"
+                except (MemoryError, ValueError) as exc:
+                    outcome = type(exc).__name__
+                results[f"{name} {shape} {np.dtype(dtype)}"] = outcome
+    print(json.dumps(results))
+    """
+)
+
+
+def test_huge_broadcast_positions_never_crash():
+    """Stride-0 positions of 2**62 elements: MemoryError (no buffer for them can be
+    had) or ValueError, from the entries and the public functions alike (a crash
+    would kill only the child, and fail here)."""
+    res = run_python(["-c", _HUGE_SCRIPT])
+    assert res.returncode == 0, res.stderr[-2000:]
+    results = json.loads(res.stdout)
+    assert len(results) == 4 * 2 * 8
+    for name, outcome in results.items():
+        assert outcome in ("MemoryError", "ValueError"), (name, outcome)
+
+
+@given(table=tables(), data=st.data())
+def test_nan_inf_pass_through_unchanged(table, data):
+    """Special values travel bit for bit through lookup and the table side of add."""
+    L, d = table.shape
+    assume(d > 0)
+    table = table.copy()
+    flat = table.reshape(-1)
+    flat[data.draw(st.integers(0, flat.size - 1))] = data.draw(
+        st.sampled_from([np.nan, np.inf, -np.inf, -0.0])
+    )
+    # A NaN with a payload, as a model checkpoint might carry one.
+    bits = np.array([0x7FF8DEADBEEF0001], dtype=np.uint64).view(np.float64)
+    flat[0] = bits[0].astype(table.dtype) if table.dtype == np.float64 else np.float32(np.nan)
+    pos = np.arange(-L, L)
+    assert same_bits(cposembed.lookup(table, pos), table[pos])
+    zeros = np.zeros((2, L, d), dtype=table.dtype)
+    assert same_values(cposembed.add_positions(zeros, table), zeros + table)
+    grad = np.zeros_like(table)
+    cposembed.scatter_add(grad, table[None], None)
+    want = np.zeros_like(table)
+    np.add.at(want, np.arange(L), table)
+    assert same_values(grad, want)
+
+
+# --- huge shapes: a clear error, never a crash or an attempt to touch memory ---
+HUGE_SHAPES = [
+    (2**40,),  # 1 Ti positions of int8 (a zero-stride view)
+    (2**31, 2**31),  # B*T overflows int32 and B*T*d overflows int64
+    (2**62,),  # B*T*d overflows int64 for any d > 1
+    (3, 2**61),
+]
+
+
+@pytest.mark.parametrize("shape", HUGE_SHAPES)
+def test_huge_shapes_raise_clear_errors(shape):
+    table = np.zeros((4, 8), dtype=np.float32)
+    pos = np.broadcast_to(np.int8(0), shape)
+    big_rows = (
+        np.broadcast_to(np.int8(1), shape + (8,))
+        if np.prod(shape, dtype=object) * 8 < 2**63
+        else None
+    )
+    with pytest.raises((ValueError, MemoryError, IndexError)):
+        cposembed.lookup(table, pos)
+    grad = np.zeros_like(table)
+    if big_rows is not None:
+        with pytest.raises((ValueError, MemoryError)):
+            cposembed.add_positions(big_rows, table, pos)
+        with pytest.raises((ValueError, MemoryError)):
+            cposembed.scatter_add(grad, big_rows, pos)
+        with pytest.raises((ValueError, MemoryError, IndexError)):
+            cposembed.add_positions(big_rows, table)
+    assert not grad.any()
+
+
+def test_huge_table_view_raises_clear_error():
+    table = np.broadcast_to(np.float32(0), (4, 2**45))
+    with pytest.raises((ValueError, MemoryError)):
+        cposembed.lookup(table, [0])
+
+
+@pytest.mark.parametrize("bad", [-5, 4, -(2**63), 2**63 - 1, 2**63, 2**64, 2**100, -(2**100)])
+def test_extreme_position_values(bad):
+    """Out-of-range values of any magnitude: IndexError naming the value and range."""
+    table = np.zeros((4, 2), dtype=np.float32)
+    match = f"position {bad} is out of range.*-4 <= position < 4"
+    for positions in (bad, [0, bad], [[0], [bad]]):
+        with pytest.raises(IndexError, match=match):
+            cposembed.lookup(table, positions)
+        with pytest.raises(IndexError, match=match):
+            cposembed.scatter_add(np.zeros_like(table), np.ones((2, 2)), [bad, 0])
+    if -(2**63) <= bad < 2**64:
+        arr = np.array([0, bad], dtype=np.uint64 if bad >= 2**63 else np.int64)
+        with pytest.raises(IndexError, match=match):
+            cposembed.lookup(table, arr)
+        with pytest.raises(IndexError, match=match):
+            cposembed.scatter_add(np.zeros_like(table), np.ones((2, 2)), arr)
+
+
+@pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f8", ">f8"])
+def test_table_and_grad_in_either_byte_order(dtype):
+    """A big-endian checkpoint is still float32/float64: same values as NumPy."""
+    rng = np.random.RandomState(0)
+    table = rng.randn(6, 3).astype(dtype)
+    pos = np.array([[0, 5, -1], [2, 2, -6]])
+    tok = rng.randn(2, 3, 3).astype(np.dtype(dtype).newbyteorder("="))
+    assert np.array_equal(cposembed.lookup(table, pos), table[pos])
+    assert np.array_equal(cposembed.add_positions(tok, table, pos), tok + table[pos])
+    grad = np.zeros((6, 3), dtype=dtype)
+    g = rng.randn(2, 3, 3)
+    assert cposembed.scatter_add(grad, g, pos) is grad
+    want = np.zeros((6, 3), dtype=dtype)
+    np.add.at(want, pos, g.astype(dtype))
+    assert grad.dtype == np.dtype(dtype) and np.array_equal(grad, want)

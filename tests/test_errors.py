@@ -1,5 +1,7 @@
 """Every bad input from API.md: the promised exception, a useful message, nothing written."""
 
+from __future__ import annotations
+
 import contextlib
 
 import numpy as np
@@ -26,8 +28,6 @@ def _pe():
 
 
 # ---------------------------------------------------------------- constructor
-
-
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "8", None, True, np.float64(3.0)])
 @pytest.mark.parametrize("arg", ["max_seq_len", "embed_dim"])
 def test_constructor_sizes(arg, bad):
@@ -58,8 +58,6 @@ def test_from_pretrained_bad_tables(table, exc):
 
 
 # ---------------------------------------------------------------- positions
-
-
 @pytest.mark.parametrize(
     "positions, bad",
     [
@@ -124,8 +122,6 @@ def test_first_backward_error_leaves_grad_none():
 
 
 # ---------------------------------------------------------------- add / backward inputs
-
-
 @pytest.mark.parametrize(
     "tokens, exc, words",
     [
@@ -194,8 +190,6 @@ def test_index_into_embedding_axis_only_for_lookup():
 
 
 # ---------------------------------------------------------------- out
-
-
 def test_bad_out():
     pe = _pe()
     tok = np.ones((2, 3, D), np.float32)
@@ -217,8 +211,6 @@ def test_bad_out():
 
 
 # ---------------------------------------------------------------- functional specifics
-
-
 def test_functional_bad_tables_and_grad_tables():
     g = np.ones((3, D))
     with pytest.raises(TypeError, match="float32 or float64"):
@@ -248,3 +240,21 @@ def test_bad_num_threads(bad, exc):
         cposembed.scatter_add(grad, np.ones((1, D)), [0], num_threads=bad)
     with pytest.raises(exc, match="num_threads"):
         cposembed.set_num_threads(bad)
+
+
+def test_messages_show_numpy_scalars_as_python_values():
+    table = np.zeros((5, 3), np.float32)
+    with pytest.raises(IndexError) as info:
+        cposembed.lookup(table, [np.float32(1.5), 2])
+    assert "np." not in str(info.value), str(info.value)
+    with pytest.raises(ValueError) as info:
+        LearnedPositionEmbedding(4, 2).resized(8, method=np.str_("cubic"))
+    assert "np." not in str(info.value), str(info.value)
+
+
+def test_backward_into_a_float16_user_grad_names_grad():
+    pe = LearnedPositionEmbedding(5, 3, seed=0)
+    pe.grad = np.zeros((5, 3), np.float16)
+    with pytest.raises(TypeError, match=r"\bgrad\b"):
+        pe.backward(np.ones((2, 3), np.float32), [0, 1])
+    assert not pe.grad.any()

@@ -3,21 +3,17 @@
 The size rules are changed with ``_core.set_tuning`` so that small data
 reaches every path: streaming (non-temporal) vs ordinary stores on aligned,
 offset and odd-length rows, in place and not; the scatter-add's plans
-(distinct rows, the scan with and without column blocks, the sort) on 1-4
-threads, bitwise, with positions repeating over leading axes; the SGD row
-update. Then both sides of the serial and streaming thresholds at their real
+(distinct rows, the scan under the default and smaller scan budgets, the
+sort) on 1-4 threads, bitwise, with positions repeating over leading axes; the
+SGD row update. Then both sides of the serial and streaming thresholds at their real
 sizes, the tiny-call paths of the class, the reusable output blocks, and the
-machine-limit probes and quick run of the benchmark.
+benchmark's machine-limit probes.
 """
 
 from __future__ import annotations
 
 import gc
-import json
-import os
 import platform
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -29,13 +25,29 @@ import cposembed
 from cposembed import _core, _membench
 
 FLOATS = [np.float32, np.float64]
+
+
 THREADS = [1, 2, 3, 4]
+
+
 ROW_LENGTHS = [1, 3, 4, 7, 16, 33, 130]
+
+
 PLANS = [_core.PLAN_AUTO, _core.PLAN_DISTINCT, _core.PLAN_SCAN, _core.PLAN_SORT]
+
+
 NEVER = 1 << 60  # a size no output reaches: streaming stores off
+
+
 SERIAL = _core.SERIAL_THRESHOLD
+
+
 STREAM = _core.STREAM_THRESHOLD_BYTES
+
+
 OPENMP = _core.openmp_enabled()
+
+
 # Scan budgets: the default, then smaller ones down to less than a row, under
 # which the auto plan weighs the scan against the sort (how often the rows
 # beyond the budget's worth of the most hit are hit again).
@@ -87,8 +99,6 @@ def test_set_tuning_returns_and_restores_the_rules():
 
 
 # ------------------------------------------------------ streaming vs plain
-
-
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("d", ROW_LENGTHS)
 @pytest.mark.parametrize("stream", [False, True])
@@ -194,8 +204,6 @@ def test_streaming_flag_reports_the_build():
 
 
 # ------------------------------------------------------------ scatter-add
-
-
 def _scatter_all_paths(grad0, g, positions, offset=0):
     """Every (plan, threads, scan budget) result of the entry on copies of grad0."""
     results = {}
@@ -385,8 +393,6 @@ def test_scatter_marks_touched_rows_and_skips_one(tuning, dtype, threads):
 
 
 # ---------------------------------------------------------------- sgd_step
-
-
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("touched_kind", ["all", "some", "sparse", "none_marked"])
@@ -429,8 +435,6 @@ def test_sgd_step_both_sides_of_serial_threshold(dtype, factor):
 
 
 # ------------------------------------------------------------ thresholds
-
-
 @pytest.mark.parametrize("factor", [0.5, 4])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_lookup_add_scatter_both_sides_of_serial_threshold(factor, threads):
@@ -465,8 +469,6 @@ def test_tiny_calls_both_sides_of_the_serial_threshold(delta):
 
 
 # ------------------------------------------------------- tiny fast paths
-
-
 def test_scalar_fast_path_copies_and_wraps():
     pe = cposembed.LearnedPositionEmbedding(10, 4, seed=0)
     row = pe(3)
@@ -547,8 +549,6 @@ def test_add_to_both_sides_of_the_serial_threshold():
 
 
 # ------------------------------------------------------- reusable outputs
-
-
 @pytest.fixture
 def pool_on():
     """Reuse on (whatever the environment says) and an empty pool (earlier tests
@@ -655,16 +655,11 @@ def test_reuse_can_be_turned_off_by_environment():
     )
     # Kept when on: the output's block and the positions' 64 KiB scratch.
     for value, expected in (("0", "0 False"), ("1", "2 True"), (" 0 ", "0 False")):
-        env = dict(os.environ, CPOSEMBED_REUSE_OUTPUTS=value)
-        res = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
-        )
+        res = run_python(["-c", code], env={"CPOSEMBED_REUSE_OUTPUTS": value}, check=True)
         assert res.stdout.split() == expected.split(), value
 
 
 # ------------------------------------------------------- limit probes
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [1, 15, 16, 1000, 4099])
 @pytest.mark.parametrize("stream", [False, True])
@@ -726,32 +721,6 @@ def test_membench_probes_cap_the_thread_count_as_num_threads_does():
     proc = run_python(["-c", code], timeout=60)
     assert_clean_exit(proc)
     assert float(proc.stdout) == 1 << 20
-
-
-def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
-    from cposembed import bench
-
-    path = tmp_path / "b.json"
-    code = bench.main(
-        [
-            "--quick",
-            "--no-torch",
-            "--repeats",
-            "1",
-            "--json",
-            str(path),
-            "--only",
-            "lookup",
-            "scatter_random",
-            "tiny",
-        ]
-    )
-    assert code == 0
-    data = json.loads(path.read_text())
-    ops = {r["op"] for r in data["results"]}
-    assert {"lookup(out=)", "scatter_add random", "tiny: pe(5)"} <= ops
-    assert all(not r["check"].startswith("MISMATCH") for r in data["results"])
-    assert "cposembed" in capsys.readouterr().out
 
 
 # -- zeroed tables as DLPack capsules (_zeros.pxi) -----------------------------------

@@ -1,33 +1,148 @@
-"""Learning the table: padding_idx, sgd_step, resized, save/load, pickle,
-positions_from_mask and the ``train`` command, each against plain NumPy."""
+"""Learning the table: padding_idx, sgd_step (and its C entry's plain case), resized,
+a training loop and the ``train`` function, each against plain NumPy."""
 
 from __future__ import annotations
 
-import copy
-import io
-import os
-import pathlib
-import pickle
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from helpers import (
+    DTYPES,
+    run_child,
+    same_bits,
+    tuned,
+)
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from plain import (
+    FLOATS,
+    PLAIN_THREADS,
+    THREADS,
+    Snapshot,
+    _apart,
+    _array_form,
+    _declined,
+    _expected_team,
+    _pick,
+    _plain,
+    _plain_table,
+    _rng,
+    _same_bits,
+    _table_variant,
+    _threads_ok,
+)
 
 import cposembed
 import cposembed.train
-from cposembed import LearnedPositionEmbedding, positions_from_mask
+from cposembed import (
+    LearnedPositionEmbedding,
+    _core,
+)
 from cposembed.reference import LearnedPositionEmbedding as Reference
 
-DTYPES = [np.float32, np.float64]
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# -- a user-assigned grad of the wrong shape ----------------------------------------
+@pytest.mark.parametrize("positions", ["[50 % 8, 3]", "[50]"], ids=["valid-rows", "row-50"])
+def test_user_assigned_grad_of_the_wrong_shape(positions):
+    """pe.grad = a (100, 2) array for an (8, 2) table, then backward: ValueError, nothing written."""
+    body = f"""
+    pe = LearnedPositionEmbedding(8, 2, seed=0)
+    user = np.zeros((100, 2))
+    pe.grad = user
+    positions = {positions}
+    g = np.ones((len(positions), 2))
+    outcome(lambda: pe.backward(g, positions), None, [user, pe.embeddings])
+    """
+    result = run_child(body)
+    assert result["raised"] == "ValueError", (
+        f"expected ValueError for a grad of shape (100, 2) on an (8, 2) table; got {result}"
+    )
+    assert result["unchanged"], "the user's grad array (or the table) was written"
+    assert "grad" in result["message"], result["message"]
 
 
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+# ---------------------------------------------------------------- sgd_step
+@given(data=st.data())
+def test_sgd_entry_accepts_exactly_the_plain_case(data):
+    plain = data.draw(st.booleans(), label="plain")
+    L = data.draw(st.integers(1, 10), label="L")
+    d = data.draw(st.integers(0, 7), label="d")
+    dtype = data.draw(st.sampled_from(FLOATS))
+    rng = _rng(L * 10 + d)
+    table = _table_variant(data.draw, rng.standard_normal((L, d)).astype(dtype), plain)
+    grad = rng.standard_normal((L, d)).astype(dtype)
+    grad_kind = _pick(
+        data.draw,
+        ["plain"],
+        ["dtype", "shape", "strided", "subclass", "on_table", "readonly", "swapped", "list"],
+        plain=plain,
+    )
+    if grad_kind == "shape":
+        grad = np.ones((L, d + 1), dtype)
+    elif grad_kind == "on_table" and _plain_table(table) and table.size:
+        grad = table[...]
+    else:
+        grad = _array_form(grad, grad_kind)  # read only is fine: the step reads it
+    touched_kind = _pick(
+        data.draw, ["none", "plain"], ["length", "int8", "strided", "readonly"], plain=plain
+    )
+    touched = None
+    if touched_kind in ("plain", "readonly"):
+        touched = rng.random(L) < 0.5
+        touched.flags.writeable = touched_kind == "plain"
+    elif touched_kind == "length":
+        touched = np.ones(L + 1, bool)
+    elif touched_kind == "int8":
+        touched = np.ones(L, np.int8)
+    elif touched_kind == "strided":
+        touched = np.ones(2 * L, bool)[::2]
+    lr = data.draw(st.floats(-10, 10, allow_nan=False), label="lr")
+    skip_row = _pick(data.draw, [-1, 0, L - 1], [-2, L], 0.1, plain=plain)
+    num_threads = data.draw(PLAIN_THREADS if plain else THREADS, label="num_threads")
+    serial_below = data.draw(st.sampled_from([None, 0]))
+
+    accept = (
+        _plain_table(table)
+        and table.flags.writeable
+        and _plain(grad, table.dtype)
+        and grad.shape == table.shape
+        and _apart(grad, table)
+        and (touched is None or (_plain(touched, np.bool_) and touched.shape == (L,)))
+        and -1 <= skip_row < L
+        and _threads_ok(num_threads)
+    )
+    expect = None
+    if accept:
+        rows = np.flatnonzero(touched) if touched is not None else np.arange(L)
+        rows = rows[rows != skip_row]
+        expect = table.copy()
+        step = dtype.type(lr)
+        expect[rows] = expect[rows] - step * grad[rows]
+    event("accepted" if accept else "declined")
+    snap = Snapshot(table, grad, touched)
+    with tuned(serial_below=serial_below):
+        result = _core.sgd_step(table, grad, touched, lr, skip_row, num_threads)
+        if not accept:
+            _declined(result, snap)
+            return
+        assert result is True
+        n = rows.size
+        assert _core.last_team() == _expected_team(num_threads, n * d, n)
+    snap.unchanged(but=(table,))
+    _same_bits(table, expect)
+
+
+def test_padding_idx_setter_on_a_read_only_grad_changes_nothing_or_succeeds():
+    pe = LearnedPositionEmbedding(5, 3, seed=0)
+    grad = np.ones((5, 3), np.float32)
+    grad.setflags(write=False)
+    pe.grad = grad
+    try:
+        pe.padding_idx = 1
+    except (ValueError, TypeError) as exc:
+        assert "assignment destination" not in str(exc), str(exc)
+        assert pe.padding_idx is None
+    else:
+        assert pe.padding_idx == 1
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -354,216 +469,6 @@ def test_resized_keeps_padding_idx_and_its_row():
         LearnedPositionEmbedding(8, 3, padding_idx=-1).resized(4)
 
 
-# -- save / load -----------------------------------------------------------------
-ODD_NAMES = ["table", "table.npz", "table.npy", "with space.bin", "tabellé.npz.txt", ".hidden"]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ODD_NAMES)
-def test_save_load_round_trip_is_bitwise_for_any_name(tmp_path, dtype, name):
-    pe = LearnedPositionEmbedding(11, 7, seed=9, dtype=dtype, padding_idx=-2)
-    pe.embeddings[3, 1] = -0.0
-    pe.embeddings[4, 2] = np.nan
-    path = tmp_path / name
-    pe.save(str(path))
-    assert os.listdir(tmp_path) == [name]  # exactly that file, no ".npz" added
-    back = LearnedPositionEmbedding.load(str(path))
-    assert type(back) is LearnedPositionEmbedding
-    assert same_bits(back.embeddings, pe.embeddings)
-    assert back.dtype == pe.dtype and back.padding_idx == 9
-    assert back.grad is None
-    back2 = LearnedPositionEmbedding.load(path)  # a pathlib.Path works too
-    assert same_bits(back2.embeddings, pe.embeddings)
-
-
-def test_save_load_through_file_objects():
-    pe = LearnedPositionEmbedding(5, 2, seed=0)
-    buf = io.BytesIO()
-    pe.save(buf)
-    buf.seek(0)
-    back = LearnedPositionEmbedding.load(buf)
-    assert same_bits(back.embeddings, pe.embeddings) and back.padding_idx is None
-
-
-def test_save_does_not_store_grad_and_load_is_trainable(tmp_path):
-    pe = LearnedPositionEmbedding(5, 2, seed=0)
-    pe.backward(np.ones((5, 2)))
-    pe.save(tmp_path / "t")
-    back = LearnedPositionEmbedding.load(tmp_path / "t")
-    assert back.grad is None
-    assert back.embeddings.flags.writeable and back.embeddings.flags.c_contiguous
-    back.backward(np.ones((5, 2)))
-    back.sgd_step(1.0)
-
-
-def test_load_rejects_other_files(tmp_path):
-    (tmp_path / "text").write_text("not an archive")
-    with pytest.raises(ValueError, match="save"):
-        LearnedPositionEmbedding.load(tmp_path / "text")
-    np.save(tmp_path / "plain.npy", np.ones((3, 2)))
-    with pytest.raises(ValueError, match="save"):
-        LearnedPositionEmbedding.load(tmp_path / "plain.npy")
-    with open(tmp_path / "other", "wb") as f:
-        np.savez(f, weights=np.ones((3, 2)))
-    with pytest.raises(ValueError, match="save"):
-        LearnedPositionEmbedding.load(tmp_path / "other")
-    with pytest.raises(FileNotFoundError):
-        LearnedPositionEmbedding.load(tmp_path / "missing")
-
-
-def test_load_rejects_a_newer_format(tmp_path):
-    pe = LearnedPositionEmbedding(3, 2, seed=0)
-    buf = io.BytesIO()
-    pe.save(buf)
-    buf.seek(0)
-    with np.load(buf) as z:
-        arrays = dict(z)
-    arrays["format_version"] = np.array(99)
-    with open(tmp_path / "future", "wb") as f:
-        np.savez(f, **arrays)
-    with pytest.raises(ValueError, match="version 99"):
-        LearnedPositionEmbedding.load(tmp_path / "future")
-
-
-# -- pickle ----------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_pickle_round_trip_keeps_grad_and_touched_rows(dtype):
-    rng = np.random.default_rng(5)
-    pe = LearnedPositionEmbedding(10, 4, seed=0, dtype=dtype, padding_idx=3)
-    pe.backward(rng.standard_normal((2, 3, 4)), [[1, 3, 8]])
-    back = pickle.loads(pickle.dumps(pe))
-    assert same_bits(back.embeddings, pe.embeddings)
-    assert same_bits(back.grad, pe.grad)
-    assert back.padding_idx == 3 and back.dtype == pe.dtype
-    assert back.embeddings is not pe.embeddings
-    pe.grad[0] = 7.0  # an untouched row: ignored by both
-    back.grad[0] = 7.0
-    pe.sgd_step(0.2)
-    back.sgd_step(0.2)
-    assert same_bits(back.embeddings, pe.embeddings)
-    # training continues on the copy
-    back.backward(np.ones((1, 4)), [9])
-    assert back.grad[9].any()
-
-
-def test_pickle_and_copy_without_grad():
-    pe = LearnedPositionEmbedding(4, 2, seed=0)
-    for back in (pickle.loads(pickle.dumps(pe)), copy.deepcopy(pe)):
-        assert back.grad is None and back.padding_idx is None
-        assert same_bits(back.embeddings, pe.embeddings)
-        back.backward(np.ones((4, 2)))
-        back.sgd_step(0.5)
-        assert not same_bits(back.embeddings, pe.embeddings)
-
-
-# -- positions_from_mask ---------------------------------------------------------
-def positions_loop(mask, offset=0, pad_position=0):
-    mask = np.asarray(mask)
-    out = np.empty(mask.shape, dtype=np.int64)
-    for b in range(mask.shape[0]):
-        off = offset[b] if np.ndim(offset) else offset
-        seen = 0
-        for t in range(mask.shape[1]):
-            if mask[b, t]:
-                out[b, t] = off + seen
-                seen += 1
-            else:
-                out[b, t] = pad_position
-    return out
-
-
-def test_left_and_right_padding():
-    right = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    left = right[:, ::-1].copy()
-    pos_r = positions_from_mask(right)
-    pos_l = positions_from_mask(left)
-    assert pos_r.dtype == np.int64 and pos_l.dtype == np.int64
-    assert pos_r.tolist() == [[0, 1, 2, 0, 0], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
-    assert pos_l.tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
-    assert positions_from_mask(left, pad_position=-1).tolist()[0] == [-1, -1, 0, 1, 2]
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    mask=st.tuples(st.integers(0, 5), st.integers(0, 6)).flatmap(
-        lambda bt: st.lists(st.integers(0, 1), min_size=bt[0] * bt[1], max_size=bt[0] * bt[1]).map(
-            lambda flat: np.array(flat, dtype=np.int64).reshape(bt)
-        )
-    ),
-    offset=st.integers(0, 50),
-    pad=st.integers(-3, 3),
-    as_bool=st.booleans(),
-)
-def test_positions_from_mask_matches_a_loop(mask, offset, pad, as_bool):
-    arr = mask.astype(bool) if as_bool else mask
-    got = positions_from_mask(arr, offset=offset, pad_position=pad)
-    assert got.dtype == np.int64 and got.shape == arr.shape
-    assert np.array_equal(got, positions_loop(arr, offset, pad))
-
-
-def test_per_row_offsets_and_incremental_decoding():
-    rng = np.random.default_rng(6)
-    full = np.ones((4, 12), dtype=np.int32)
-    for b, n_pad in enumerate([0, 3, 5, 11]):
-        full[b, :n_pad] = 0  # left padding
-    whole = positions_from_mask(full)
-    # decoding token by token: mask of the new column, offset = tokens seen so far
-    for t in range(6, 12):
-        seen = full[:, :t].sum(axis=1)
-        step = positions_from_mask(full[:, t : t + 1], offset=seen)
-        assert np.array_equal(step, whole[:, t : t + 1])
-    # a scalar offset when every row has seen the same number of tokens
-    assert positions_from_mask(np.ones((2, 3)), offset=4).tolist() == [[4, 5, 6]] * 2
-    offs = rng.integers(0, 9, size=4)
-    assert np.array_equal(positions_from_mask(full, offset=offs), positions_loop(full, offs))
-
-
-def test_left_padded_batch_gets_the_unpadded_rows():
-    rng = np.random.default_rng(7)
-    pe = LearnedPositionEmbedding(16, 4, seed=0)
-    tokens = rng.standard_normal((1, 5, 4)).astype(np.float32)
-    unpadded = pe.add_to(tokens)
-    padded = np.concatenate([np.zeros((1, 3, 4), np.float32), tokens], axis=1)
-    mask = np.array([[0, 0, 0, 1, 1, 1, 1, 1]])
-    out = pe.add_to(padded, positions_from_mask(mask))
-    assert same_bits(out[:, 3:], unpadded)
-
-
-def test_positions_from_mask_one_row_and_empty():
-    assert positions_from_mask([1, 0, 1]).tolist() == [0, 0, 1]
-    assert positions_from_mask(np.zeros((3, 0))).shape == (3, 0)
-    assert positions_from_mask(np.zeros((0, 4))).shape == (0, 4)
-    assert positions_from_mask(np.array([[1.0, 0.0]])).tolist() == [[0, 0]]
-
-
-@pytest.mark.parametrize("mask", [[[0, 2]], [[1, -1]], [[0.5, 1]], [[np.nan, 1]]])
-def test_positions_from_mask_rejects_values_other_than_0_and_1(mask):
-    with pytest.raises(ValueError, match="0"):
-        positions_from_mask(np.array(mask))
-
-
-def test_positions_from_mask_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="0-d"):
-        positions_from_mask(1)
-    with pytest.raises(TypeError, match="attention_mask"):
-        positions_from_mask(np.array([["a", "b"]]))
-    with pytest.raises(ValueError, match="non-negative"):
-        positions_from_mask([[1, 1]], offset=-1)
-    with pytest.raises(ValueError, match="one value per row"):
-        positions_from_mask([[1, 1], [1, 0]], offset=[1, 2, 3])
-    with pytest.raises(ValueError, match="non-negative"):
-        positions_from_mask([[1, 1], [1, 0]], offset=[1, -2])
-    with pytest.raises(TypeError, match="offset"):
-        positions_from_mask([[1, 1]], offset=1.5)
-    with pytest.raises(TypeError, match="pad_position"):
-        positions_from_mask([[1, 1]], pad_position=0.5)
-
-
-def test_positions_from_mask_is_exported():
-    assert "positions_from_mask" in cposembed.__all__
-    assert cposembed.positions_from_mask is positions_from_mask
-
-
 # -- train -------------------------------------------------------------------------
 def test_train_function_builds_structure():
     from cposembed.train import train
@@ -590,94 +495,6 @@ def test_train_with_sgd_and_adam_both_learn():
         train(optimizer="lbfgs", **common)
 
 
-def test_train_command_takes_an_optimizer(tmp_path):
-    args = ["train", "--steps", "20", "--max-seq-len", "16", "--embed-dim", "8", "--no-progress"]
-    sgd = run_cli([*args, "--optimizer", "sgd", "--out", str(tmp_path)], cwd=tmp_path)
-    assert sgd.returncode == 0, sgd.stderr
-    assert "SGD lr 5, seed 0" in sgd.stdout
-    adam = run_cli([*args, "--out", str(tmp_path)], cwd=tmp_path)
-    assert adam.returncode == 0, adam.stderr
-    assert "Adam lr 0.01, seed 0" in adam.stdout
-    adjacent_line(adam.stdout)
-    bad = run_cli([*args, "--optimizer", "adam", "--lr", "-1"], cwd=tmp_path)
-    assert bad.returncode == 2 and "--lr" in bad.stderr
-
-
-def run_cli(args, cwd, block_matplotlib=False):
-    code = "import sys\n"
-    if block_matplotlib:
-        code += "sys.modules['matplotlib'] = None\n"
-    code += "from cposembed.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        check=False,
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def adjacent_line(stdout):
-    line = next(s for s in stdout.splitlines() if "adjacent positions" in s)
-    before = float(line.split("before ")[1].split(",")[0])
-    after = float(line.split("after ")[1])
-    return before, after
-
-
-def test_train_command(tmp_path):
-    pytest.importorskip("matplotlib")
-    out = tmp_path / "pics"
-    proc = run_cli(
-        [
-            "train",
-            "--steps",
-            "60",
-            "--max-seq-len",
-            "32",
-            "--embed-dim",
-            "16",
-            "--seed",
-            "3",
-            "--out",
-            str(out),
-            "--save",
-            str(tmp_path / "trained"),
-        ],
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    before, after = adjacent_line(proc.stdout)
-    assert after > before + 0.3
-    assert "training [" in proc.stderr or "training:" in proc.stderr  # the progress bar
-    names = sorted(os.listdir(out))
-    assert names == sorted(cposembed.train.PICTURES)
-    for name in names:
-        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    pe = LearnedPositionEmbedding.load(tmp_path / "trained")
-    assert pe.embeddings.shape == (32, 16)
-
-
-def test_train_command_without_matplotlib(tmp_path):
-    proc = run_cli(
-        ["train", "--steps", "20", "--max-seq-len", "16", "--embed-dim", "8", "--no-progress"],
-        cwd=tmp_path,
-        block_matplotlib=True,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "skipped the pictures" in proc.stdout
-    assert 'pip install ".[plot]"' in proc.stdout
-    assert os.listdir(tmp_path) == []
-    adjacent_line(proc.stdout)
-
-
-def test_train_command_rejects_bad_options(tmp_path):
-    proc = run_cli(["train", "--steps", "0"], cwd=tmp_path)
-    assert proc.returncode == 2 and "--steps" in proc.stderr
-
-
 def test_padding_idx_can_be_set_later_like_torch():
     pe = LearnedPositionEmbedding(6, 2, seed=0)
     row = pe.embeddings[4].copy()
@@ -699,13 +516,3 @@ def test_sgd_step_rejects_an_overflowing_rate():
     pe.backward(np.ones((3, 2)))
     with pytest.raises(ValueError, match="lr"):
         pe.sgd_step(10**400)
-
-
-def test_unpickles_an_instance_pickled_before_padding_idx_existed():
-    pe = LearnedPositionEmbedding(4, 2, seed=0)
-    old_state = {"_embeddings": pe.embeddings.copy(), "grad": np.ones((4, 2), np.float32)}
-    back = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)
-    back.__setstate__(old_state)
-    assert back.padding_idx is None and same_bits(back.embeddings, pe.embeddings)
-    back.sgd_step(1.0)  # no bookkeeping: every row is updated
-    assert same_bits(back.embeddings, pe.embeddings - np.float32(1.0))

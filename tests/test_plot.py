@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from helpers import run_python
 
 import cposembed
 from cposembed import LearnedPositionEmbedding, plot
@@ -182,15 +182,7 @@ def test_import_error_in_a_fresh_interpreter():
         "except ImportError as e:\n"
         "    print('ImportError:', e)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    proc = run_python(["-c", code])
     assert proc.returncode == 0, proc.stderr
     assert "ImportError:" in proc.stdout and 'pip install ".[plot]" from a checkout' in proc.stdout
 
@@ -214,16 +206,7 @@ def run_demo(cwd, block_matplotlib):
     if block_matplotlib:
         code += "sys.modules['matplotlib'] = None\n"
     code += "from cposembed.__main__ import main\nsys.exit(main(['demo']))\n"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_python(["-c", code], cwd=cwd)
 
 
 def test_demo_writes_the_heatmap(mpl, tmp_path):

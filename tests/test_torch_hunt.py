@@ -1,9 +1,9 @@
 """cposembed.torch under hostile input and real clients, against torch.nn.Embedding.
 
-The first part holds a regression test for each defect found by the hunt
-(each fails on the code before its fix); the rest are cases that held up,
-kept as cheap regression tests. Every value and gradient is compared bitwise
-with ``torch.nn.Embedding`` / ``F.embedding`` on the same weights.
+Sparse gradients, scripting, tracing and export, max_norm, resizing, index forms
+and their errors, autograd's features, memory reuse, optimizers, threads and DDP.
+Every value and gradient is compared bitwise with ``torch.nn.Embedding`` /
+``F.embedding`` on the same weights.
 """
 
 from __future__ import annotations

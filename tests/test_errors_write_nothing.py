@@ -1,12 +1,5 @@
 """Nothing lost: every error path leaves ``out``, ``grad`` and the table bitwise
-untouched (and the input tokens too, which may be ``out``).
-
-Each case makes one call that must fail. The buffers are big enough that a
-kernel would run on several threads, are filled with a recognisable bit
-pattern (NaNs with payloads included), and the bad value sits at the very end
-of otherwise valid input, so any write that happened before the check would
-show.
-"""
+untouched."""
 
 from __future__ import annotations
 
@@ -20,7 +13,11 @@ import cposembed
 from cposembed import LearnedPositionEmbedding, _threads
 
 L, D = 64, 512
+
+
 B, T = 4, 64
+
+
 assert B * T * D >= 2 * _threads.SERIAL_THRESHOLD
 
 
@@ -277,8 +274,6 @@ def test_error_path_writes_nothing(name, buf):
 
 
 # -- the class: table, grad and out ------------------------------------------------
-
-
 @pytest.fixture(params=[np.float32, np.float64])
 def pe(request):
     pe = LearnedPositionEmbedding.from_pretrained(

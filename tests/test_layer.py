@@ -1,18 +1,23 @@
-"""The whole input layer: embed / embed_backward against NumPy and np.add.at, and
-TokenPositionEmbedding (forward, backward, learning, saving, pickle)."""
+"""The input layer's functions, embed / embed_backward, against NumPy and np.add.at."""
 
 from __future__ import annotations
 
-import pickle
-
 import numpy as np
 import pytest
-from helpers import INDEX_DTYPES, bits
+from helpers import (
+    INDEX_DTYPES,
+    _deep,
+    add_at,
+    assert_same,
+    bits,
+    needs_numpy2,
+    run_json,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
 import cposembed
-from cposembed import LearnedPositionEmbedding, TokenPositionEmbedding, _core
+from cposembed import TokenPositionEmbedding, _core
 
 FLOATS = [np.float32, np.float64]
 
@@ -299,125 +304,6 @@ def test_backward_errors_leave_both_tables_untouched():
         assert not g.any() and not p.any()
 
 
-# --- the class -------------------------------------------------------------
-
-
-def test_initial_draw_is_documented_and_reproducible():
-    m = TokenPositionEmbedding(50, 16, 8, seed=3, dtype=np.float64)
-    rng = np.random.RandomState(3)
-    wpe = rng.randn(16, 8) * (1.0 / np.sqrt(8))
-    wte = rng.randn(50, 8) * (1.0 / np.sqrt(8))
-    assert np.array_equal(m.position_embeddings, wpe)
-    assert np.array_equal(m.token_embeddings, wte)
-    pe = LearnedPositionEmbedding(16, 8, seed=3, dtype=np.float64)
-    assert np.array_equal(m.position_embeddings, pe.embeddings)
-    m32 = TokenPositionEmbedding(50, 16, 8, seed=3)
-    assert np.array_equal(m32.token_embeddings, wte.astype(np.float32))
-    state = np.random.get_state()
-    TokenPositionEmbedding(5, 4, 2, seed=1)
-    assert np.array_equal(np.random.get_state()[1], state[1])  # the global RNG is untouched
-
-
-def test_training_matches_a_numpy_implementation():
-    rng = np.random.default_rng(7)
-    m = TokenPositionEmbedding(30, 10, 6, seed=0, dtype=np.float64, padding_idx=0)
-    wte, wpe = m.token_embeddings.copy(), m.position_embeddings.copy()
-    assert not wte[0].any()
-    for _step in range(3):
-        ids = rng.integers(0, 30, (4, 10))
-        ids[:, :2] = 0  # padding
-        x = m(ids)
-        assert np.array_equal(x, wte[ids] + wpe[:10])
-        g = rng.standard_normal(x.shape)
-        m.zero_grad()
-        gt, gp = m.backward(g, ids)
-        et, ep = np.zeros_like(wte), np.zeros_like(wpe)
-        np.add.at(et, ids, g)
-        np.add.at(ep, np.broadcast_to(np.arange(10), ids.shape), g)
-        et[0] = 0
-        assert np.array_equal(gt, et) and np.array_equal(gp, ep)
-        assert gt is m.token_grad and gp is m.position_grad
-        m.sgd_step(0.1)
-        wte -= 0.1 * et
-        wpe -= 0.1 * ep
-        assert np.array_equal(m.token_embeddings, wte)
-        assert np.array_equal(m.position_embeddings, wpe)
-    assert not m.token_embeddings[0].any()
-
-
-def test_from_pretrained_save_load_and_pickle(tmp_path):
-    rng = np.random.default_rng(8)
-    wte = rng.standard_normal((20, 4))
-    wpe = rng.standard_normal((7, 4)).astype(">f4")
-    m = TokenPositionEmbedding.from_pretrained(wte, wpe, padding_idx=-1)
-    assert m.padding_idx == 19 and m.dtype == np.float32
-    assert np.array_equal(m.token_embeddings, wte.astype(np.float32))
-    m.backward(np.ones((1, 2, 4)), [[3, 19]])
-    path = tmp_path / "layer.bin"
-    m.save(path)
-    back = TokenPositionEmbedding.load(path)
-    assert np.array_equal(back.token_embeddings, m.token_embeddings)
-    assert np.array_equal(back.position_embeddings, m.position_embeddings)
-    assert back.padding_idx == 19 and back.token_grad is None
-    again = pickle.loads(pickle.dumps(m))
-    assert np.array_equal(again.token_grad, m.token_grad)
-    assert np.array_equal(again.position_grad, m.position_grad)
-    again.sgd_step(1.0)
-    m.sgd_step(1.0)
-    assert np.array_equal(again.token_embeddings, m.token_embeddings)
-    with pytest.raises(ValueError, match="embed_dim"):
-        TokenPositionEmbedding.from_pretrained(wte, wpe[:, :3])
-
-
-def test_load_refuses_other_files(tmp_path):
-    pe = LearnedPositionEmbedding(4, 2, seed=0)
-    pe.save(tmp_path / "pe.npz")
-    with pytest.raises(ValueError, match="pe.npz"):
-        TokenPositionEmbedding.load(tmp_path / "pe.npz")
-    m = TokenPositionEmbedding(5, 4, 2, seed=0)
-    m.save(tmp_path / "m.npz")
-    data = (tmp_path / "m.npz").read_bytes()
-    for cut in range(0, len(data), max(1, len(data) // 40)):
-        (tmp_path / "cut.npz").write_bytes(data[:cut])
-        with pytest.raises(ValueError, match="cut.npz"):
-            TokenPositionEmbedding.load(tmp_path / "cut.npz")
-
-
-@pytest.mark.parametrize(
-    "mutate",
-    [
-        lambda s: s.update(version=2),
-        lambda s: s.update(extra=1),
-        lambda s: s["tokens"].update(embeddings=np.zeros((3, 3))),
-        lambda s: s["positions"].update(padding_idx=1),
-        lambda s: s["tokens"].update(touched=np.ones(99, bool)),
-        lambda s: s["positions"].update(embeddings=np.zeros((4, 2), np.float64)),
-    ],
-)
-def test_setstate_validates_everything(mutate):
-    m = TokenPositionEmbedding(5, 4, 2, seed=0)
-    m.backward(np.ones((1, 2, 2), np.float32), [[1, 2]])
-    state = m.__getstate__()
-    state = {**state, "tokens": dict(state["tokens"]), "positions": dict(state["positions"])}
-    mutate(state)
-    fresh = TokenPositionEmbedding.__new__(TokenPositionEmbedding)
-    with pytest.raises(ValueError):
-        fresh.__setstate__(state)
-
-
-def test_user_assigned_grads_are_checked_before_anything_moves():
-    m = TokenPositionEmbedding(5, 4, 2, seed=0)
-    wte = m.token_embeddings.copy()
-    m.position_grad = np.zeros((9, 2), np.float32)
-    with pytest.raises(ValueError, match="shape"):
-        m.backward(np.ones((1, 2, 2), np.float32), [[1, 2]])
-    assert m.token_grad is None
-    m.token_grad = np.ones((5, 2), np.float32)
-    with pytest.raises(ValueError, match="shape"):
-        m.sgd_step(0.1)
-    assert np.array_equal(m.token_embeddings, wte)
-
-
 def test_positions_with_more_axes_than_the_ids_are_refused():
     """NumPy's result would have the extra axes; the contract says positions
     broadcast to token_ids.shape, so this is a ValueError, whatever the dtypes."""
@@ -434,3 +320,218 @@ def test_positions_with_more_axes_than_the_ids_are_refused():
     assert _core.embed_backward(gt, gp, g, ids, pos, 0, None) is None
     with pytest.raises(ValueError, match="broadcast"):
         cposembed.embed_backward(gt, gp, g, ids, pos)
+
+
+DTYPES = (np.float32, np.float64)
+
+
+# Large enough that the kernels release the GIL and may run on several threads.
+BIG = (64, 512)
+
+
+@needs_numpy2
+@pytest.mark.parametrize("nd", [32, 33])
+@pytest.mark.parametrize("tables", ["both", "tokens", "positions", "class"])
+def test_embed_backward_with_ids_of_32_or_more_axes(nd, tables):
+    rng = np.random.RandomState(2)
+    V, L, d = 7, 5, 3
+    ids = np.array([6, 0, -7]).reshape(_deep(nd, 3))
+    g = rng.randn(*ids.shape, d).astype(np.float32)
+    pos = np.broadcast_to(np.arange(3), ids.shape)
+    exp_t = np.zeros((V, d), np.float32)
+    exp_p = np.zeros((L, d), np.float32)
+    add_at(exp_t, ids, g)
+    add_at(exp_p, pos, g)
+    if tables == "class":
+        m = TokenPositionEmbedding(V, L, d, seed=0)
+        got_t, got_p = m.backward(g, ids)
+        assert_same(got_t, exp_t)
+        assert_same(got_p, exp_p)
+        return
+    got_t = None if tables == "positions" else np.zeros((V, d), np.float32)
+    got_p = None if tables == "tokens" else np.zeros((L, d), np.float32)
+    cposembed.embed_backward(got_t, got_p, g, ids)
+    if got_t is not None:
+        assert_same(got_t, exp_t)
+    if got_p is not None:
+        assert_same(got_p, exp_p)
+
+
+def test_embed_backward_without_a_token_table_takes_an_empty_list_of_ids():
+    gp = np.zeros((5, 3), np.float32)
+    # The same call with a token table is fine:
+    cposembed.embed_backward(np.zeros((4, 3), np.float32), gp, np.zeros((0, 3)), [])
+    cposembed.embed_backward(None, gp, np.zeros((0, 3)), [])
+    assert not gp.any()
+
+
+@pytest.mark.parametrize("via", ["embed", "embed_backward"])
+def test_embed_broadcast_error_names_the_shape_it_means(via):
+    table = np.zeros((5, 3), np.float32)
+    grad = np.zeros((5, 3), np.float32)
+    with pytest.raises(ValueError) as info:
+        if via == "embed":
+            cposembed.embed([[1, 2, 3]], table, table, [0, 1])
+        else:
+            cposembed.embed_backward(grad, grad, np.ones((1, 3, 3)), [[1, 2, 3]], [0, 1])
+    assert not grad.any()
+    assert "shape[:-1]" not in str(info.value), str(info.value)
+    assert "(1, 3)" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 3), BIG])
+def test_tied_and_overlapping_gradient_tables_are_sequential_add_at(dtype, shape):
+    """Tied gradient tables in embed_backward: tokens first, then positions, as
+    two np.add.at calls on the same memory (bitwise)."""
+    rng = np.random.RandomState(4)
+    B, T = shape
+    V = L = T + 2
+    d = 4
+    ids = rng.randint(-V, V, shape)
+    g = rng.randn(B, T, d).astype(dtype)
+    pos = np.broadcast_to(np.arange(T), shape)
+    same = rng.randn(V, d).astype(dtype)
+    expect = same.copy()
+    np.add.at(expect, ids, g)
+    np.add.at(expect, pos, g)
+    cposembed.embed_backward(same, same, g, ids)
+    assert_same(same, expect)
+    buf = rng.randn(V + 3, d).astype(dtype)
+    expect = buf.copy()
+    np.add.at(expect[:V], ids, g)
+    np.add.at(expect[3 : 3 + L], pos, g)
+    cposembed.embed_backward(buf[:V], buf[3 : 3 + L], g, ids)
+    assert_same(buf, expect)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("target", ["token_table", "position_table", "ids", "positions"])
+def test_embed_out_over_what_it_reads(dtype, target):
+    """An ``out`` that overlaps either table, the ids or the positions (large
+    enough to release the GIL): NumPy's result, as if computed aside."""
+    rng = np.random.RandomState(5)
+    B, T = BIG
+    d = 4
+    V, L = 11, T + 3
+    n = B * T
+    ids = rng.randint(-V, V, (B, T))
+    pos = rng.randint(-L, L, (B, T))
+    item = np.dtype(dtype).itemsize
+    if target in ("token_table", "position_table"):
+        rows = V if target == "token_table" else L
+        buf = rng.randn(rows + n, d).astype(dtype)
+        table, out = buf[:rows], buf[3 : 3 + n].reshape(B, T, d)
+        wte, wpe = (table, rng.randn(L, d).astype(dtype))
+        if target == "position_table":
+            wte, wpe = rng.randn(V, d).astype(dtype), table
+        expect = wte[ids] + wpe[pos]
+        cposembed.embed(ids, wte, wpe, pos, out=out)
+        assert_same(out, expect)
+        return
+    wte = rng.randn(V, d).astype(dtype)
+    wpe = rng.randn(L, d).astype(dtype)
+    raw = np.zeros(n * d * item, np.uint8)
+    out = raw.view(dtype).reshape(B, T, d)
+    inside = raw[: n * 8].view(np.int64).reshape(B, T)
+    if target == "ids":
+        inside[:] = ids
+        expect = wte[ids] + wpe[pos]
+        cposembed.embed(inside, wte, wpe, pos, out=out)
+    else:
+        inside[:] = pos
+        expect = wte[ids] + wpe[pos]
+        cposembed.embed(ids, wte, wpe, inside, out=out)
+    assert_same(out, expect)
+
+
+@pytest.mark.parametrize("order", "<>")
+@pytest.mark.parametrize(
+    "idtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+)
+def test_token_ids_at_the_edges_in_every_integer_dtype(idtype, order):
+    """-V, V-1 work; V, -V-1, int64 min/max, uint64 max raise IndexError naming
+    the id, with ``out`` untouched."""
+    V, L, d = 7, 5, 3
+    rng = np.random.RandomState(6)
+    wte = rng.randn(V, d).astype(np.float32)
+    wpe = rng.randn(L, d).astype(np.float32)
+    info = np.iinfo(idtype)
+    dt = np.dtype(idtype).newbyteorder(order)
+    for value in (-V, V - 1, V, -V - 1, info.min, info.max):
+        if not info.min <= value <= info.max:
+            continue
+        ids = np.array([[value, 1]], dtype=dt)
+        out = np.full((1, 2, d), 7, np.float32)
+        if -V <= value < V:
+            cposembed.embed(ids, wte, wpe, out=out)
+            assert_same(out, wte[ids.astype(np.int64)] + wpe[:2])
+        else:
+            with pytest.raises(IndexError, match=str(int(value))):
+                cposembed.embed(ids, wte, wpe, out=out)
+            assert (out == 7).all()
+
+
+@pytest.mark.parametrize(
+    "scalar", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.intp]
+)
+def test_lists_of_numpy_integer_scalars(scalar):
+    V, d = 7, 3
+    wte = np.arange(V * d, dtype=np.float32).reshape(V, d)
+    ids = [[scalar(6), scalar(0)], [scalar(1), scalar(2)]]
+    assert_same(cposembed.embed(ids, wte, wte), wte[np.array(ids)] + wte[:2])
+    assert_same(cposembed.lookup(wte, ids), wte[np.array(ids)])
+    with pytest.raises(IndexError, match="7"):
+        cposembed.embed([[scalar(7)]], wte, wte)
+
+
+@pytest.mark.parametrize("L,d", [(0, 3), (5, 0), (0, 0)])
+def test_empty_tables_and_empty_positions_match_numpy(L, d):
+    t = np.ones((L, d), np.float32)
+    for pos in ([], np.zeros((0, 2), np.int64), np.zeros((2, 0), np.int64)):
+        shape = np.shape(pos)
+        tok = np.ones(shape + (d,), np.float32)
+        assert_same(cposembed.lookup(t, pos), t[pos])
+        assert_same(cposembed.add_positions(tok, t, pos), tok + t[pos])
+        assert_same(cposembed.embed(pos, t, t, pos), t[pos] + t[pos])
+        g_t, g_p = np.zeros_like(t), np.zeros_like(t)
+        cposembed.embed_backward(g_t, g_p, tok, pos, pos)
+        assert not g_t.any() and not g_p.any()
+    if L == 0:
+        with pytest.raises(IndexError):
+            cposembed.lookup(t, 0)
+
+
+def test_huge_broadcast_ids_never_crash():
+    """Stride-0 token ids of 2**40 and 2**58 elements: MemoryError/ValueError, no crash."""
+    result = run_json(
+        """
+        import json
+        import numpy as np
+        import cposembed
+        from numpy.lib.stride_tricks import as_strided
+        t = np.zeros((8, 4), np.float32)
+        out = {}
+        for n in (2**40, 2**58):
+            ids = as_strided(np.zeros(1, np.int64), (n,), (0,))
+            ids2 = as_strided(np.zeros(1, np.int64), (n, 1), (0, 0))
+            g = as_strided(np.zeros(4, np.float32), (n, 1, 4), (0, 0, 4))
+            calls = {
+                "embed": lambda: cposembed.embed(ids, t, t, 0),
+                "embed_none": lambda: cposembed.embed(ids2, t, t),
+                "embed_backward": lambda: cposembed.embed_backward(
+                    np.zeros_like(t), np.zeros_like(t), g, ids2),
+                "class_backward": lambda: cposembed.TokenPositionEmbedding(8, 8, 4).backward(
+                    g, ids2),
+            }
+            for name, fn in calls.items():
+                try:
+                    fn()
+                    out[f"{name}/{n}"] = "ok"
+                except Exception as exc:
+                    out[f"{name}/{n}"] = type(exc).__name__
+        print(json.dumps(out))
+        """
+    )
+    for name, outcome in result.items():
+        assert outcome in ("MemoryError", "ValueError"), (name, outcome)

@@ -1,65 +1,30 @@
-"""The command line without a subcommand, and the bench's verdicts and summary line."""
+"""The bench command: its comparisons, targets, verdicts, options and summary line."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
-from helpers import PACKAGE_ROOT, assert_clean_exit, run_python
+from helpers import (
+    assert_clean_exit,
+    run_module,
+    run_python,
+)
 
 import cposembed
-from cposembed import __main__ as cli
 from cposembed import _threads, bench
 
-SUBCOMMANDS = ("demo", "info", "bench", "train")
 QUICK_SUMMARY = "summary: quick run, targets not judged; 0 check mismatches"
+
+
 SUMMARY = re.compile(
     r"^summary: (\d+) rows with targets, (\d+) ok, (\d+) miss; (\d+) check mismatches$"
 )
-
-
-def run_module(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
-    return run_python(["-m", "cposembed", *args], timeout=300, cwd=cwd)
-
-
-# -- no subcommand ------------------------------------------------------------------
-def test_no_subcommand_prints_the_usage_to_stderr_and_exits_2(tmp_path):
-    """argparse's convention for a missing argument: usage and error on stderr, 2."""
-    proc = run_module(cwd=str(tmp_path))
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    assert proc.stdout == ""
-    assert proc.stderr.startswith("usage: python -m cposembed"), proc.stderr
-    for name in SUBCOMMANDS:
-        assert name in proc.stderr, f"{name!r} missing from the usage:\n{proc.stderr}"
-    assert "error: a subcommand is required" in proc.stderr
-    assert os.listdir(tmp_path) == []  # nothing ran
-
-
-def test_dash_dash_help_still_prints_the_help_and_exits_0():
-    proc = run_module("--help")
-    assert proc.returncode == 0 and proc.stderr == ""
-    assert proc.stdout.startswith("usage: python -m cposembed")
-    assert all(name in proc.stdout for name in SUBCOMMANDS)
-
-
-def test_main_without_arguments_exits_2(capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main([])
-    assert exc.value.code == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.startswith("usage:")
-
-
-def test_an_unknown_subcommand_is_still_an_error():
-    proc = run_module("nonsense")
-    assert proc.returncode == 2
-    assert "invalid choice" in proc.stderr and "nonsense" in proc.stderr
-    assert proc.stdout == ""
 
 
 # -- bench: verdicts and the summary line ------------------------------------------
@@ -118,7 +83,7 @@ def test_summary_counts_mismatches():
 
 
 # -- bench: the class comparisons (add_to with explicit positions, backward, tiny calls) --
-NEW_OPS = {
+CLASS_OPS = {
     "add_to_explicit": [f"add_to explicit ({b}, {t}, d)" for b, t in [(4, 1), (32, 1), (4, 100)]],
     "backward_vs_scatter": [
         f"backward vs scatter_add {s}"
@@ -134,8 +99,8 @@ NEW_OPS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(NEW_OPS))
-def test_new_comparisons_run_check_equal_outputs_and_have_targets(tmp_path, name):
+@pytest.mark.parametrize("name", sorted(CLASS_OPS))
+def test_class_comparisons_run_check_equal_outputs_and_have_targets(tmp_path, name):
     path = tmp_path / "b.json"
     code = bench.main(
         ["--quick", "--no-torch", "--repeats", "1", "--only", name, "--json", str(path)]
@@ -145,7 +110,7 @@ def test_new_comparisons_run_check_equal_outputs_and_have_targets(tmp_path, name
     by_op: dict[str, list[dict]] = {}
     for r in rows:
         by_op.setdefault(r["op"], []).append(r)
-    for op in NEW_OPS[name]:
+    for op in CLASS_OPS[name]:
         assert op in by_op, f"{op!r} not in the results: {sorted(by_op)}"
         peers = [r for r in by_op[op] if r["contender"] != bench.OURS]
         assert peers and all(r["check"] == "equal" for r in peers), peers
@@ -206,59 +171,6 @@ def test_bench_threads_beyond_the_cap_is_capped_as_num_threads_is(tmp_path):
     assert f"capped at {cap}" in proc.stderr
 
 
-# -- output into a closed pipe (`python -m cposembed info | head -1`) ---------------
-def run_into_a_closed_pipe(args, cwd):
-    """``python -m cposembed *args`` with stdout a pipe whose reader is gone."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        return subprocess.run(
-            [sys.executable, "-m", "cposembed", *args],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ, PYTHONPATH=PACKAGE_ROOT),
-            cwd=cwd,
-            timeout=300,
-        )
-    finally:
-        os.close(write_end)
-
-
-@pytest.mark.parametrize(
-    "args",
-    [
-        [],
-        ["info"],
-        ["demo"],
-        ["train", "--steps", "2", "--max-seq-len", "8", "--embed-dim", "4", "--no-progress"],
-        ["bench", "--quick", "--no-torch", "--repeats", "1", "--only", "tiny"],
-    ],
-    ids=["no subcommand", "info", "demo", "train", "bench"],
-)
-def test_output_into_a_closed_pipe_ends_quietly(tmp_path, args):
-    proc = run_into_a_closed_pipe(args, cwd=str(tmp_path))
-    # 1 as in the Python docs' recipe; no subcommand is a usage error (2, on stderr)
-    assert proc.returncode == (2 if args == [] else 1), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
-    if args == []:
-        assert proc.stderr.startswith("usage:")
-    elif args[:1] != ["bench"]:  # the bench's progress goes to stderr
-        assert proc.stderr == ""
-
-
-# -- bench: one direction, the rule beside each target, no empty comparison ---------
-def test_every_bench_option_has_help():
-    actions = [a for a in bench.make_parser()._actions if a.option_strings]
-    assert {"--dtype", "--json", "--markdown", "--no-torch"} <= {
-        s for a in actions for s in a.option_strings
-    }
-    for action in actions:
-        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
-    dtype = next(a for a in actions if "--dtype" in a.option_strings)
-    assert "float32" in dtype.help
-
-
 def test_without_torch_no_comparison_is_empty(capsys, tmp_path):
     path = tmp_path / "b.json"
     code = bench.main(
@@ -287,6 +199,8 @@ def test_the_threads_exception_is_printed_with_its_rule(capsys):
     op = "threads: lookup(out=)"
     within = _group(op, ("cposembed", 1.116), ("1 thread", 1.0), ("limit: streaming fill", 1.05))
     beyond = _group(op, ("cposembed", 1.116), ("1 thread", 1.0), ("limit: streaming fill", 0.5))
+    for g in (within, beyond):
+        g.contenders[1].target = 0.8  # the target sits on its contender
     assert bench._judge(within, 1.116, 0.8) == (True, "ok (ours/limit 1.06)")
     assert bench._judge(beyond, 1.116, 0.8) == (False, "MISS (ours/limit 2.23)")
     rows = bench.report([within, beyond])
@@ -304,3 +218,110 @@ def test_a_plain_target_is_judged_on_ours_over_this_alone():
     assert bench._rule(g, 0.65) == "ours/this <= 0.65"
     assert bench._judge(g, 0.7, 0.65) == (False, "MISS")
     assert bench._judge(g, 0.6, 0.65) == (True, "ok")
+
+
+def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
+    from cposembed import bench
+
+    path = tmp_path / "b.json"
+    code = bench.main(
+        [
+            "--quick",
+            "--no-torch",
+            "--repeats",
+            "1",
+            "--json",
+            str(path),
+            "--only",
+            "lookup",
+            "scatter_random",
+            "tiny",
+        ]
+    )
+    assert code == 0
+    data = json.loads(path.read_text())
+    ops = {r["op"] for r in data["results"]}
+    assert {"lookup(out=)", "scatter_add random", "tiny: pe(5)"} <= ops
+    assert all(not r["check"].startswith("MISMATCH") for r in data["results"])
+    assert "cposembed" in capsys.readouterr().out
+
+
+# -- bench: one direction, the rule beside each target, no empty comparison ---------
+def test_every_bench_option_has_help():
+    actions = [a for a in bench.make_parser()._actions if a.option_strings]
+    assert {"--dtype", "--json", "--markdown", "--no-torch"} <= {
+        s for a in actions for s in a.option_strings
+    }
+    for action in actions:
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+    dtype = next(a for a in actions if "--dtype" in a.option_strings)
+    assert "float32" in dtype.help
+
+
+# -- bench: contention (default threads against one, idle and beside a busy process) --
+CONTENTION_OPS = {
+    f"contention {load}: {op} ({b}, {t}, d)"
+    for load in ("idle", "busy")
+    for op in ("add_positions", "scatter_add")
+    for b, t in [(8, 16), (8, 128), (32, 1024)]
+} | {"contention idle: train", "contention busy: train"}
+
+
+def _busy_processes() -> list[int]:
+    """The pids of running (not zombie) busy processes of a bench on this machine."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # not a process, or gone meanwhile
+        if bench.BUSY_CODE in cmdline and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process list in /proc")
+def test_contention_runs_idle_and_busy_and_leaves_no_busy_process(tmp_path):
+    path = tmp_path / "b.json"
+    proc = run_module(
+        "bench", "--only", "contention", "--quick", "--no-torch", "--repeats", "1",
+        "--json", str(path),
+    )  # fmt: skip
+    assert_clean_exit(proc)
+    assert proc.stdout.rstrip("\n").splitlines()[-1] == QUICK_SUMMARY
+    rows = json.loads(path.read_text())["results"]
+    assert {r["op"] for r in rows} == CONTENTION_OPS
+    assert {r["contender"] for r in rows} == {bench.OURS, "1 thread"}
+    assert {r["op"] for r in rows if r["target"] is not None} == CONTENTION_OPS - {
+        "contention idle: train"
+    }
+    assert _busy_processes() == []
+
+
+def test_the_busy_process_is_killed_when_the_block_fails():
+    with pytest.raises(KeyboardInterrupt), bench.busy_process() as busy:
+        assert busy.poll() is None  # running
+        raise KeyboardInterrupt
+    assert busy.returncode is not None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process list in /proc")
+def test_the_busy_process_ends_by_itself_when_the_bench_dies():
+    # os._exit skips the block's cleanup, as a bench killed by a signal would.
+    code = (
+        "import os\n"
+        "from cposembed.bench import busy_process\n"
+        "with busy_process() as busy:\n"
+        "    print(busy.pid, flush=True)\n"
+        "    os._exit(0)\n"
+    )
+    proc = run_python(["-c", code], timeout=60)
+    assert_clean_exit(proc)
+    pid = int(proc.stdout)
+    deadline = time.monotonic() + 10
+    while pid in _busy_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pid not in _busy_processes()

@@ -1,15 +1,4 @@
-"""Thread control: who decides how many OpenMP threads a kernel call uses.
-
-Order of precedence (API.md section 4): ``num_threads=`` on the call, then
-``set_num_threads``, then ``CPOSEMBED_NUM_THREADS``, then OpenMP's own default
-``omp_get_max_threads()`` (which follows ``OMP_NUM_THREADS`` and
-``threadpoolctl.threadpool_limits``), capped by the CPUs this process may use.
-
-What a kernel really receives is observed with a spy on the compiled kernel
-functions (``functional`` calls the entries of ``_core``).
-Environment variables are read by the OpenMP runtime at start-up, so those
-cases run in a fresh interpreter.
-"""
+"""Thread control: who decides how many OpenMP threads a kernel call uses."""
 
 from __future__ import annotations
 
@@ -18,22 +7,181 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
+from helpers import (
+    run_child,
+    run_python,
+    tuned,
+)
+from plain import (
+    CPUS,
+    Snapshot,
+    _declined,
+)
 
 import cposembed
 from cposembed import _core, _threads
 
+
+def test_set_and_get_num_threads():
+    default = cposembed.get_num_threads()
+    assert default >= 1
+    try:
+        cposembed.set_num_threads(1)
+        assert cposembed.get_num_threads() == 1
+        if cposembed.openmp_enabled():
+            cposembed.set_num_threads(2)
+            assert cposembed.get_num_threads() == min(2, len(os.sched_getaffinity(0)))
+    finally:
+        cposembed.set_num_threads(None)
+    assert cposembed.get_num_threads() == default
+
+
+@pytest.mark.skipif(not cposembed.openmp_enabled(), reason="serial build")
+def test_env_var_sets_default_threads():
+    code = "import cposembed; print(cposembed.get_num_threads())"
+    for env, expected in (
+        ({"CPOSEMBED_NUM_THREADS": "1"}, 1),
+        ({"OMP_NUM_THREADS": "1"}, 1),
+        ({"CPOSEMBED_NUM_THREADS": "1", "OMP_NUM_THREADS": "2"}, 1),
+    ):
+        res = run_python(["-c", code], env=env, check=True)
+        assert int(res.stdout) == expected
+
+
+def test_openmp_enabled_is_bool():
+    assert isinstance(cposembed.openmp_enabled(), bool)
+
+
+# -- absurd explicit thread counts ------------------------------------------------
+ABSURD_THREADS = [100_000, 50_000, 2**31, 2**63, 2**100]
+
+
+@pytest.mark.parametrize("op", ["lookup", "add_positions", "scatter_add"])
+def test_absurd_num_threads(op):
+    """num_threads of 100_000 .. 2**100 on a large call: the right result or ValueError."""
+    body = f"""
+    op = {op!r}
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((512, 256)).astype(np.float32)
+    pos = rng.integers(0, 512, size=1024)
+    tok = rng.standard_normal((1024, 256)).astype(np.float32)
+    g = rng.standard_normal((1024, 256)).astype(np.float32)
+    results = []
+    for n in {ABSURD_THREADS!r}:
+        if op == "lookup":
+            expect = table[pos]
+            fn = lambda: cposembed.lookup(table, pos, num_threads=n)
+        elif op == "add_positions":
+            expect = tok + table[pos]
+            fn = lambda: cposembed.add_positions(tok, table, pos, num_threads=n)
+        else:
+            grad = np.zeros_like(table)
+            expect = grad.copy()
+            np.add.at(expect, pos, g)
+            fn = lambda: cposembed.scatter_add(grad, g, pos, num_threads=n)
+        try:
+            got = fn()
+            results.append([n, "ok" if np.array_equal(got, expect) else "WRONG RESULT"])
+        except ValueError as exc:
+            results.append([n, "ValueError"])
+        except Exception as exc:
+            results.append([n, f"{{type(exc).__name__}}: {{exc}}"])
+    print(json.dumps({{"results": results}}))
+    """
+    result = run_child(body, timeout=300)
+    for n, what in result["results"]:
+        assert what in ("ok", "ValueError"), f"num_threads={n}: {what}"
+
+
+def test_bad_num_threads_is_declined_then_worded():
+    table = np.ones((8, 4), np.float32)
+    out = np.zeros((2, 4), np.float32)
+    tok = np.ones((1, 2, 4), np.float32)
+    for bad in (0, -2, True, 2.0, "2", -(2**70), np.bool_(True)):
+        snap = Snapshot(table, out, tok)
+        _declined(_core.lookup(table, np.array([0, 1]), out, bad), snap)
+        _declined(_core.add(tok, table, None, 0, None, bad), snap)
+        _declined(_core.scatter_add(out, tok, None, 0, bad), snap)
+        _declined(_core.sgd_step(table, out.repeat(4, 0), None, 1.0, -1, bad), snap)
+        with pytest.raises((TypeError, ValueError), match="num_threads"):
+            cposembed.lookup(table, np.array([0, 1]), out=out, num_threads=bad)
+        with pytest.raises((TypeError, ValueError), match="num_threads"):
+            cposembed.add_positions(tok, table, num_threads=bad)
+        with pytest.raises((TypeError, ValueError), match="num_threads"):
+            cposembed.scatter_add(out, tok, num_threads=bad)
+        snap.unchanged()
+
+
+def test_explicit_num_threads_is_capped_at_four_times_the_cpus():
+    cap = 4 * CPUS if _core.openmp_enabled() else 1
+    work = 1 << 30
+    for asked, team in ((1, 1), (cap, cap), (cap + 1, cap), (2**31, cap), (2**70, cap)):
+        assert _core.team(asked, work, work) == team
+        assert _core.team(np.uint64(asked) if asked < 2**64 else asked, work, work) == team
+    assert _core.team(None, 10, 10) == 1  # small work: one thread
+    assert _core.team(2, work, 1) == 1  # one chunk: one thread
+    for bad in (0, -1, True, 2.0, "3", -(2**70)):
+        assert _core.team(bad, work, work) == 0
+    table = np.ones((64, 1024), np.float32)
+    with tuned(serial_below=0):
+        _core.lookup(table, np.arange(64), None, 2**40)
+        assert _core.last_team() == min(cap, 64)
+
+
+def test_last_team_after_the_single_row_path():
+    table = np.ones((100, 8), np.float32)
+    with tuned(serial_below=0):
+        _core.lookup(table, np.arange(50), None, 2)
+    assert _core.last_team() == min(2, 4 * CPUS) or not _core.openmp_enabled()
+    _core.lookup(table, 3, None, None)
+    assert _core.last_team() == 1
+
+
+# ============================================================ what broke
+@pytest.mark.parametrize("n", [2**31, 2**63, 10**30, np.uint64(2**64 - 1)])
+def test_set_num_threads_beyond_a_c_int_is_capped(n):
+    try:
+        cposembed.set_num_threads(n)
+        assert 1 <= cposembed.get_num_threads() <= (os.cpu_count() or 1)
+    finally:
+        cposembed.set_num_threads(None)
+
+
+@pytest.mark.parametrize("raw", ["\x1c1", "\xa01", "1\x1f"])
+def test_env_num_threads_with_unicode_white_space_is_used_or_warned(monkeypatch, raw):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs to tell 1 thread from the default")
+    monkeypatch.setenv("CPOSEMBED_NUM_THREADS", raw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n = cposembed.get_num_threads()
+    warned = any(issubclass(w.category, RuntimeWarning) for w in caught)
+    assert n == 1 or warned, f"{raw!r}: ignored (default {n} threads) without a warning"
+
+
 threadpoolctl = pytest.importorskip("threadpoolctl")
 
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CPUS = _threads._cpu_limit()
+
+
+CPU_LIMIT = _threads._cpu_limit()
+
+
 needs_openmp = pytest.mark.skipif(not cposembed.openmp_enabled(), reason="serial build")
-needs_2_cpus = pytest.mark.skipif(CPUS < 2, reason="needs 2 CPUs")
+
+
+needs_2_cpus = pytest.mark.skipif(CPU_LIMIT < 2, reason="needs 2 CPUs")
+
 
 # Large enough to be above SERIAL_THRESHOLD with many chunks.
 L, D, N = 256, 128, 4096
+
+
 assert N * D >= 4 * _threads.SERIAL_THRESHOLD
 
 
@@ -85,19 +233,8 @@ def _threads_used(spy, num_threads=None) -> set[int]:
 
 
 def _in_subprocess(env_updates: dict, code: str) -> dict:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "CPOSEMBED_NUM_THREADS")
-    }
-    env.update(env_updates)
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    env = {"OMP_NUM_THREADS": None, "CPOSEMBED_NUM_THREADS": None, **env_updates}
+    proc = run_python(["-c", textwrap.dedent(code)], env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -115,8 +252,6 @@ PROBE = """
 
 
 # --- OMP_NUM_THREADS and CPOSEMBED_NUM_THREADS (fresh interpreters) -------------
-
-
 @needs_openmp
 @needs_2_cpus
 def test_omp_num_threads_limits_default():
@@ -128,8 +263,8 @@ def test_omp_num_threads_limits_default():
 
 @needs_openmp
 def test_default_capped_by_cpus():
-    r = _in_subprocess({"OMP_NUM_THREADS": str(CPUS * 8)}, PROBE)
-    assert r["default"] == CPUS
+    r = _in_subprocess({"OMP_NUM_THREADS": str(CPU_LIMIT * 8)}, PROBE)
+    assert r["default"] == CPU_LIMIT
 
 
 @needs_openmp
@@ -188,12 +323,6 @@ def test_cposembed_num_threads_env_read_at_call_time(monkeypatch, spy):
 
 
 # --- threadpoolctl ---------------------------------------------------------------
-
-
-def _openmp_libs():
-    return [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "openmp"]
-
-
 @needs_openmp
 def test_threadpoolctl_lists_the_extensions_openmp_runtime():
     """The OpenMP library threadpoolctl sees is the one the extension brought in,
@@ -241,7 +370,7 @@ def test_threadpoolctl_lists_the_extensions_openmp_runtime():
 @needs_openmp
 @needs_2_cpus
 def test_threadpool_limits_limits_the_default(spy):
-    assert cposembed.get_num_threads() == min(CPUS, _core.omp_max_threads())
+    assert cposembed.get_num_threads() == min(CPU_LIMIT, _core.omp_max_threads())
     before = _threads_used(spy)
     with threadpoolctl.threadpool_limits(1, user_api="openmp"):
         assert _core.omp_max_threads() == 1
@@ -251,7 +380,7 @@ def test_threadpool_limits_limits_the_default(spy):
     with threadpoolctl.threadpool_limits(1):  # all APIs
         assert _threads_used(spy) == {1}
     with threadpoolctl.threadpool_limits(2, user_api="openmp"):
-        assert _threads_used(spy) == {min(2, CPUS)}
+        assert _threads_used(spy) == {min(2, CPU_LIMIT)}
 
 
 @needs_openmp
@@ -274,16 +403,22 @@ def test_set_num_threads_wins_over_threadpool_limits(spy):
 
 
 # --- the rest of the rules -------------------------------------------------------
-
-
 @needs_openmp
 def test_explicit_num_threads_may_exceed_cpus_up_to_a_cap(spy):
     """Oversubscription is the caller's choice, up to four times the CPUs; beyond
     that a request is capped, never handed to OpenMP as it is."""
-    n = CPUS + 2
+    n = CPU_LIMIT + 2
     assert _threads_used(spy, num_threads=n) == {n}
-    for huge in (4 * CPUS + 1, 50_000, 100_000, 2**31, 2**63, 2**100, np.int64(2**62)):
-        assert _threads_used(spy, num_threads=huge) == {4 * CPUS}
+    for huge in (
+        4 * CPU_LIMIT + 1,
+        50_000,
+        100_000,
+        2**31,
+        2**63,
+        2**100,
+        np.int64(2**62),
+    ):
+        assert _threads_used(spy, num_threads=huge) == {4 * CPU_LIMIT}
 
 
 @needs_openmp

@@ -1,0 +1,77 @@
+"""Threads on a busy machine: default threads (``num_threads=None``) against one thread,
+idle and with a CPU-bound process of the bench's own beside them, for ``add_positions``
+and ``scatter_add`` of random positions at sizes from tiny to large, then a short
+``cposembed.train.train`` run as a whole. Public API only."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import _threads
+from ..functional import add_positions, scatter_add
+from ._common import OURS, Contender, Fixture, Group
+
+# The sizes (B, T) of the token arrays, and the training run's steps.
+CONTENTION_SIZES = ((8, 16), (8, 128), (32, 1024))
+CONTENTION_TRAIN_STEPS = 30
+# The largest acceptable time(default threads) / time(1 thread), per load.
+LOAD_TARGETS = {"idle": 1.05, "busy": 1.2}
+TRAIN_TARGETS: dict[str, float | None] = {"idle": None, "busy": 1.2}
+
+
+def _versus_one(run: Callable[..., Any], nbytes: int, target: float | None) -> list[Contender]:
+    return [
+        Contender(OURS, lambda: run(num_threads=None), nbytes),
+        Contender("1 thread", lambda: run(num_threads=1), nbytes, target=target),
+    ]
+
+
+def _run_train(num_threads: int | None) -> None:
+    from ..train import train
+
+    _threads.set_num_threads(num_threads)
+    try:
+        train(steps=CONTENTION_TRAIN_STEPS, progress=False)
+    finally:
+        _threads.set_num_threads(None)
+
+
+def contention(f: Fixture) -> list[Group]:
+    d, dt = f.d, f.dt
+    # The table holds the largest T (a --quick run's table may not).
+    Lc = max(f.L, max(t for _, t in CONTENTION_SIZES))
+    table = f.rng.standard_normal((Lc, d)).astype(dt)
+    groups = []
+    note = f"table {Lc} x {d}, default threads vs num_threads=1"
+    for load, target in LOAD_TARGETS.items():
+        for b, t in CONTENTION_SIZES:
+            x = f.rng.standard_normal((b, t, d)).astype(dt)
+            pos = f.rng.integers(0, Lc, size=(b, t), dtype=np.int64)
+            runs = {
+                "add_positions": functools.partial(add_positions, x, table, out=np.empty_like(x)),
+                "scatter_add": functools.partial(scatter_add, np.zeros_like(table), x, pos),
+            }
+            for op, run in runs.items():
+                groups.append(
+                    Group(
+                        f"contention {load}: {op} ({b}, {t}, d)",
+                        _versus_one(run, x.nbytes, target),
+                        note,
+                        busy=load == "busy",
+                    )
+                )
+    train_note = f"cposembed.train.train(steps={CONTENTION_TRAIN_STEPS}), default settings"
+    for load, train_target in TRAIN_TARGETS.items():
+        groups.append(
+            Group(
+                f"contention {load}: train",
+                _versus_one(_run_train, 0, train_target),
+                train_note,
+                busy=load == "busy",
+            )
+        )
+    return groups
