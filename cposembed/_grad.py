@@ -88,15 +88,19 @@ class GradientState:
     ) -> np.ndarray:
         """``grad[positions[i]] += grad_output[i]``, marking the rows; the gradient."""
         grad, touched = self.to_accumulate(table)
-        _routes.scatter_add(
-            grad,
-            grad_output,
-            positions,
-            offset=offset,
-            num_threads=None,
-            touched=touched,
-            skip_row=self.skip_row,
-        )
+        skip = self.skip_row
+        # The entry directly first: the route's keyword call costs ~90 ns, 15 % of
+        # a tiny backward. (What it declines, the route tries once more.)
+        if _core.scatter_add(grad, grad_output, positions, offset, None, touched, skip) is None:
+            _routes.scatter_add(
+                grad,
+                grad_output,
+                positions,
+                offset=offset,
+                num_threads=None,
+                touched=touched,
+                skip_row=skip,
+            )
         if touched is not self.touched:
             self.keep(grad, touched)
         return grad
