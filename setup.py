@@ -183,9 +183,6 @@ class BuildExtOpenMP(build_ext):
         for ext in self.extensions:
             ext.extra_compile_args = list(ext.extra_compile_args) + compile_args
             ext.extra_link_args = list(ext.extra_link_args) + link_args
-            ext.define_macros = list(ext.define_macros) + [
-                ("CPOSEMBED_USE_OPENMP", "1" if use_openmp else "0")
-            ]
         self._write_build_info(build_info)
         super().build_extensions()
 
@@ -254,6 +251,8 @@ EXTENSIONS = [
             "src_c/_pool.pxi",
             "src_c/_index.pxi",
             "src_c/_team.pxi",
+            "src_c/_zeros.pxi",
+            "src_c/_contract.pxi",
         ],
         define_macros=[
             ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),

@@ -94,6 +94,14 @@ def embed_backward(
     token_skip_row: int = -1,  # Py_ssize_t
 ) -> bool | None: ...
 
+# What the entries take as it is (src_c/_contract.pxi).
+def is_plain(
+    obj: object,
+    dtype: npt.DTypeLike,  # compared by type number; native byte order required
+    writable: bool = False,  # bint
+) -> bool: ...
+def apart(a: object, b: object) -> bool: ...  # exact C-contiguous arrays whose bytes do not meet
+
 # Threads (src_c/_team.pxi).
 def default_threads() -> int: ...
 def team(num_threads: Any, work: int, chunks: int) -> int: ...  # 0: invalid num_threads

@@ -30,6 +30,7 @@ from typing import IO, Any, NamedTuple, Union
 
 import numpy as np
 
+from . import _core
 from ._validation import FLOAT_DTYPES, describe, native_dtype
 
 # The keys __getstate__ writes, and those of an instance pickled before
@@ -67,18 +68,6 @@ class State(NamedTuple):
     padding_idx: int | None  # normalised to [0, L)
 
 
-def _kept_as_is(arr: np.ndarray, dtype: np.dtype) -> bool:
-    # `dtype` is native, so a byte-swapped array compares unequal here.
-    flags = arr.flags
-    return (
-        type(arr) is np.ndarray
-        and arr.dtype == dtype
-        and flags.c_contiguous
-        and flags.aligned
-        and flags.writeable
-    )
-
-
 def _table(value: Any, what: str) -> np.ndarray:
     """A float32/float64 ``(L, d)`` table, native and C-contiguous (a copy if needed)."""
     if (
@@ -92,7 +81,7 @@ def _table(value: Any, what: str) -> np.ndarray:
             f"got {describe(value)}"
         )
     dtype = native_dtype(value.dtype)
-    if _kept_as_is(value, dtype):
+    if _core.is_plain(value, dtype, writable=True):
         return value
     return np.array(value, dtype=dtype, order="C", copy=True, subok=False)
 
@@ -162,7 +151,7 @@ def from_pickle(state: Any, current_version: int) -> State:
                 f"pickled state: grad must have the table's shape {table.shape}; "
                 f"got shape {grad.shape}"
             )
-        if not _kept_as_is(grad, table.dtype):
+        if not _core.is_plain(grad, table.dtype, writable=True):
             grad = np.array(grad, dtype=table.dtype, order="C", copy=True, subok=False)
 
     touched = state.get("touched")

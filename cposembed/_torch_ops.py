@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cposembed import _core
+from cposembed import _core, _routes
 from cposembed import functional as _f
 from cposembed import layer as _layer
 
@@ -45,7 +45,7 @@ __all__ = ["KERNEL_DTYPES", "add_positions", "embed", "fresh_zeros", "lookup"]
 
 # Table dtypes the kernels take; other dtypes go to torch's own F.embedding.
 KERNEL_DTYPES = (torch.float32, torch.float64)
-_ROW_DTYPES = (torch.float16, torch.float32, torch.float64)
+ROW_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 # ---- tensors <-> arrays ----------------------------------------------------------
 
@@ -85,7 +85,7 @@ def _check_index(t: torch.Tensor | None, name: str) -> None:
 
 
 def _check_rows(t: torch.Tensor, d: int, name: str) -> None:
-    if t.dtype not in _ROW_DTYPES:
+    if t.dtype not in ROW_DTYPES:
         raise TypeError(f"{name} must have dtype float16, float32 or float64; got {t.dtype}")
     if t.dim() == 0 or t.shape[-1] != d:
         raise ValueError(f"{name} must have shape (..., {d}); got {tuple(t.shape)}")
@@ -276,8 +276,14 @@ def _marked_table_grad(
     skip = _skip_row(padding_idx, num_rows)
     grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
     touched = np.zeros(num_rows, dtype=bool)
-    _f.scatter_add_marking(
-        array, _array(grad_output), _maybe_array(positions), offset, None, touched, skip
+    _routes.scatter_add(
+        array,
+        _array(grad_output),
+        _maybe_array(positions),
+        offset=offset,
+        num_threads=None,
+        touched=touched,
+        skip_row=skip,
     )
     if skip >= 0:
         touched[skip] = False
@@ -328,17 +334,17 @@ def _embed_backward(
     d = grad_output.shape[-1]
     g_tok, a_tok = fresh_zeros(vocab_size, d, token_dtype)
     g_pos, a_pos = fresh_zeros(max_seq_len, d, position_dtype)
-    _layer.embed_backward_marking(
+    _routes.embed_backward(
         a_tok,
         a_pos,
         _array(grad_output),
         _array(token_ids),
         _maybe_array(positions),
-        offset,
-        None,
-        None,
-        None,
-        skip,
+        offset=offset,
+        num_threads=None,
+        token_touched=None,
+        position_touched=None,
+        token_skip_row=skip,
     )
     return g_tok, g_pos
 
@@ -393,7 +399,7 @@ for _name in ("lookup", "add_positions", "embed", "table_grad", "embed_backward"
 # ---- autograd formulas ------------------------------------------------------------
 
 
-def _default_positions(offset: int, token_shape: tuple[int, ...]) -> torch.Tensor:
+def default_positions(offset: int, token_shape: tuple[int, ...]) -> torch.Tensor:
     """``offset + arange(T)`` broadcast to ``token_shape`` ``(..., T)``."""
     T = token_shape[-1] if token_shape else 1
     return torch.arange(offset, offset + T).expand(token_shape)
@@ -502,7 +508,7 @@ def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         g_tok = table_grad(grad, token_ids, 0, ctx.vocab_size, ctx.token_dtype, ctx.padding_idx)
     elif need_pos:
         if positions is None:
-            positions = _default_positions(ctx.offset, tuple(token_ids.shape))
+            positions = default_positions(ctx.offset, tuple(token_ids.shape))
         g_pos = table_grad(grad, positions, 0, ctx.max_seq_len, ctx.position_dtype, None)
     return None, g_tok, g_pos, None, None, None
 
@@ -522,7 +528,7 @@ def _table_grad_backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None, None
     if positions is None:
-        positions = _default_positions(ctx.offset, ctx.shape[:-1])
+        positions = default_positions(ctx.offset, ctx.shape[:-1])
     g = _looked_up_grad(gg, positions, ctx.padding_idx, ctx.shape, ctx.grad_dtype)
     return g, None, None, None, None, None
 
@@ -543,7 +549,7 @@ def _embed_backward_backward(ctx: Any, gg_tok: Any, gg_pos: Any) -> tuple[Any, .
     if not ctx.needs_input_grad[0]:
         return (None, *none)
     if positions is None:
-        positions = _default_positions(ctx.offset, ctx.shape[:-1])
+        positions = default_positions(ctx.offset, ctx.shape[:-1])
     terms = tuple(
         _looked_up_grad(gg, idx, pad, ctx.shape, ctx.grad_dtype)
         for gg, idx, pad in ((gg_tok, token_ids, ctx.padding_idx), (gg_pos, positions, None))
@@ -649,7 +655,7 @@ class AddPositionsFn(torch.autograd.Function):
         _add_setup(ctx, inputs, output)
         tok, positions, offset = inputs[0], inputs[2], inputs[3]
         if positions is None:
-            positions = _default_positions(offset, tuple(tok.shape[:-1]))
+            positions = default_positions(offset, tuple(tok.shape[:-1]))
         ctx.save_for_forward(positions)
         ctx.out_dtype = output.dtype
 
@@ -682,7 +688,7 @@ class EmbedFn(torch.autograd.Function):
         _embed_setup(ctx, inputs, output)
         token_ids, positions, offset = inputs[0], inputs[3], inputs[4]
         if positions is None:
-            positions = _default_positions(offset, tuple(token_ids.shape))
+            positions = default_positions(offset, tuple(token_ids.shape))
         ctx.save_for_forward(token_ids, positions)
         ctx.out_dtype = output.dtype
 

@@ -12,6 +12,7 @@ with the minimum and maximum of the whole index array, so ``L`` and
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -22,17 +23,21 @@ import numpy as np
 # for it forever in its first call.
 from numpy import ma as _ma
 
+from . import _core
+
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _INT64 = np.dtype(np.int64)
 # Element kinds NumPy can add to a float table: bool, signed, unsigned, float.
 _REAL_KINDS = "biuf"
 
 
-class NotAnIntegerError(TypeError, ValueError):
+class NotAnIntegerError(TypeError):
     """An integer argument that is not an integer (``1.5``, ``"3"``, ``True``).
 
-    A ``TypeError``, and a ``ValueError`` too: the constructor's contract
-    promises ``ValueError`` for sizes that are not positive integers.
+    A ``TypeError`` only, so that ``except ValueError`` does not catch a wrong
+    type. The sizes whose contract promises ``ValueError`` for anything but a
+    positive integer (``max_seq_len``, ``embed_dim``, ...) ask
+    :func:`check_int` for that instead.
     """
 
 
@@ -58,12 +63,18 @@ def _python_values(value: Any, depth: int = 0) -> Any:
 
 
 def check_int(
-    value: Any, name: str, *, min_value: int | None = None, max_value: int | None = None
+    value: Any,
+    name: str,
+    *,
+    min_value: int | None = None,
+    max_value: int | None = None,
+    not_integer: type[Exception] = NotAnIntegerError,
 ) -> int:
     """``value`` as a Python int, in the manner of ``sklearn.utils.check_scalar``.
 
     Anything with ``__index__`` counts (Python and NumPy integers, 0-d integer
-    arrays), except bools. Not an integer: :class:`NotAnIntegerError`; outside
+    arrays), except bools. Not an integer: ``not_integer`` (a ``TypeError``
+    unless the argument's contract says otherwise); outside
     ``[min_value, max_value]``: ``ValueError``. The message names the argument.
     """
     expected = _int_range_text(min_value, max_value)
@@ -72,14 +83,43 @@ def check_int(
         or (isinstance(value, np.ndarray) and value.ndim != 0)
         or not hasattr(value, "__index__")
     ):
-        raise NotAnIntegerError(f"{name} must be {expected}; got {describe(value)}")
+        raise not_integer(f"{name} must be {expected}; got {describe(value)}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise NotAnIntegerError(f"{name} must be {expected}; got {describe(value)}") from None
+        raise not_integer(f"{name} must be {expected}; got {describe(value)}") from None
     if (min_value is not None and n < min_value) or (max_value is not None and n > max_value):
         raise ValueError(f"{name} must be {expected}; got {n}")
     return n
+
+
+def learning_rate(lr: Any) -> float:
+    """A step's ``lr``: any finite real number, as a Python float."""
+    if isinstance(lr, (bool, np.bool_)) or not isinstance(
+        lr, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"lr must be a real number; got {describe(lr)}")
+    try:
+        value = float(lr)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"lr must be finite; got {value}")
+    return value
+
+
+def table_dtype(dtype: Any) -> np.dtype:
+    """A class's ``dtype=``: float32 (also for None, as in NumPy) or float64."""
+    if dtype is None:
+        return np.dtype(np.float32)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    # (`dt is None` first: NumPy compares None equal to float64.)
+    if dt is None or dt not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
+    return dt
 
 
 def _int_range_text(lo: int | None, hi: int | None) -> str:
@@ -301,21 +341,15 @@ def check_default_positions(offset: int, n_tokens: int, n_rows: int) -> None:
 
 
 def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether writing ``a`` could change ``b`` (a cheap, conservative test)."""
-    return bool(np.may_share_memory(a, b))
+    """Whether writing ``a`` could change ``b`` (a cheap, conservative test): not
+    when the entries' own rule (``_core.apart``) says so, else NumPy's bounds."""
+    return not _core.apart(a, b) and bool(np.may_share_memory(a, b))
 
 
 def plain_copy(arr: Any, dtype: Any) -> np.ndarray:
-    """``arr`` as an exact ndarray of ``dtype``, C-contiguous and aligned: itself if it
-    is one already, else a copy (``np.ascontiguousarray`` keeps a misaligned array)."""
+    """``arr`` as the entries take it for ``dtype`` (native): itself if it is plain
+    (``_core.is_plain``, the entries' own rule), else a copy: an exact ndarray,
+    C-contiguous and aligned (``np.ascontiguousarray`` keeps a misaligned array)."""
+    if _core.is_plain(arr, dtype):
+        return arr
     return np.require(arr, dtype=dtype, requirements=["C", "A", "E"])
-
-
-def plain(arr: np.ndarray) -> bool:
-    """An exact ndarray, C-contiguous, aligned, native byte order (what the C entries take)."""
-    return (
-        type(arr) is np.ndarray
-        and arr.flags.c_contiguous
-        and arr.flags.aligned
-        and arr.dtype.isnative
-    )

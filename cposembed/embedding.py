@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import copyreg
-import math
 import os
 from typing import IO, TYPE_CHECKING, Any, Union, overload
 
 import numpy as np
 
-from . import _core, _state, optim
+from . import _core, _grad, _routes, _state, optim
 from . import _validation as v
-from .functional import add_positions, lookup_normalised, scatter_add_marking
+from .functional import add_positions
 
 # Version of the .npz layout written by save(); load() refuses newer ones.
 SAVE_FORMAT_VERSION = 1
@@ -27,44 +26,12 @@ PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 __all__ = ["LearnedPositionEmbedding"]
 
 
-def _table_dtype(dtype: Any) -> np.dtype:
-    if dtype is None:
-        return np.dtype(np.float32)  # None means the default, as in NumPy
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        dt = None
-    # (`dt is None` first: NumPy compares None equal to float64.)
-    if dt is None or dt not in v.FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
-    return dt
-
-
 def _padding_index(value: Any, n_rows: int) -> int | None:
     """``padding_idx`` normalised to ``[0, L)`` (negatives count from the end)."""
     if value is None:
         return None
     p = v.check_int(value, "padding_idx", min_value=-n_rows, max_value=n_rows - 1)
     return p + n_rows if p < 0 else p
-
-
-def _skip_row(padding_idx: int | None) -> int:
-    """The row that gets no gradient, as the C entries take it (-1: none)."""
-    return -1 if padding_idx is None else padding_idx
-
-
-def _learning_rate(lr: Any) -> float:
-    if isinstance(lr, (bool, np.bool_)) or not isinstance(
-        lr, (int, float, np.integer, np.floating)
-    ):
-        raise TypeError(f"lr must be a real number; got {v.describe(lr)}")
-    try:
-        value = float(lr)
-    except OverflowError:
-        value = math.inf
-    if not math.isfinite(value):
-        raise ValueError(f"lr must be finite; got {value}")
-    return value
 
 
 def _values_of(table: Any) -> np.ndarray:
@@ -127,15 +94,9 @@ class LearnedPositionEmbedding(_core.TableCall):
     # Slots: reads of them are as fast as a plain class's attributes (those of
     # an instance __dict__ are slower once the base is a C type, as here).
     # "__dict__" keeps instances open to other attributes.
-    __slots__ = (
-        "_embeddings",
-        "grad",
-        "_skip_row",
-        "_touched",
-        "_touched_grad",
-        "__dict__",
-        "__weakref__",
-    )
+    # The gradient, its touched rows and the padding row are one
+    # _grad.GradientState, shared with TokenPositionEmbedding and the optimizers.
+    __slots__ = ("_embeddings", "_grad", "__dict__", "__weakref__")
 
     def __init__(
         self,
@@ -146,9 +107,9 @@ class LearnedPositionEmbedding(_core.TableCall):
         dtype: Any = np.float32,
         padding_idx: int | None = None,
     ) -> None:
-        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1)
-        d = v.check_int(embed_dim, "embed_dim", min_value=1)
-        dt = _table_dtype(dtype)
+        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1, not_integer=ValueError)
+        d = v.check_int(embed_dim, "embed_dim", min_value=1, not_integer=ValueError)
+        dt = v.table_dtype(dtype)
         pad = _padding_index(padding_idx, n_rows)
         self._embeddings = np.ascontiguousarray(draw_table(n_rows, d, seed), dtype=dt)
         if pad is not None:
@@ -156,13 +117,7 @@ class LearnedPositionEmbedding(_core.TableCall):
         self._init_state(pad)
 
     def _init_state(self, padding_idx: int | None) -> None:
-        self._skip_row = _skip_row(padding_idx)
-        self.grad: np.ndarray | None = None
-        # Rows some backward() touched since the last zero_grad(), and the grad
-        # array that mask describes (if the user assigns another array to
-        # `grad`, sgd_step cannot trust the mask and updates every row).
-        self._touched: np.ndarray | None = None
-        self._touched_grad: np.ndarray | None = None
+        self._grad = _grad.GradientState(-1 if padding_idx is None else padding_idx)
 
     @classmethod
     def from_pretrained(
@@ -188,7 +143,7 @@ class LearnedPositionEmbedding(_core.TableCall):
         -------
         LearnedPositionEmbedding
         """
-        dt = _table_dtype(dtype)
+        dt = v.table_dtype(dtype)
         v.refuse_masked(table, "table")
         arr = _values_of(table)
         if arr.dtype.kind not in "biuf":
@@ -227,22 +182,28 @@ class LearnedPositionEmbedding(_core.TableCall):
         self._embeddings = np.array(arr, dtype=self.dtype, order="C", copy=True)
 
     @property
+    def grad(self) -> np.ndarray | None:
+        """Accumulated gradient, ``None`` until the first :meth:`backward`.
+
+        Assignable (an array of the table's shape, or None); an assigned
+        array counts as touching every row.
+        """
+        return self._grad.grad
+
+    @grad.setter
+    def grad(self, value: np.ndarray | None) -> None:
+        self._grad.grad = value
+
+    @property
     def padding_idx(self) -> int | None:
         """The row that gets no gradient (normalised to ``[0, L)``), or None."""
-        return None if self._skip_row < 0 else self._skip_row
+        return self._grad.padding_idx
 
     @padding_idx.setter
     def padding_idx(self, value: int | None) -> None:
         # As in torch, setting it later does not zero the row; it only stops
         # the row from receiving gradient from now on.
-        pad = _padding_index(value, self.max_seq_len)
-        grad = self.grad
-        if pad is not None and grad is not None:
-            self._check_grad(grad)  # before anything changes
-            grad[pad] = 0
-        self._skip_row = _skip_row(pad)
-        if pad is not None and self._touched is not None:
-            self._touched[pad] = False
+        self._grad.set_padding(_padding_index(value, self.max_seq_len), self._embeddings)
 
     @property
     def max_seq_len(self) -> int:
@@ -263,7 +224,7 @@ class LearnedPositionEmbedding(_core.TableCall):
     # pe(positions) is TableCall.__call__ (src_c/_core.pyx): the lookup entry
     # itself, then this for what it declined.
     def _lookup_declined(self, positions: Any, out: np.ndarray | None) -> np.ndarray:
-        return lookup_normalised(self._embeddings, positions, out, None)
+        return _routes.lookup(self._embeddings, positions, out=out, num_threads=None)
 
     def add_to(
         self,
@@ -357,52 +318,11 @@ class LearnedPositionEmbedding(_core.TableCall):
         if optimizer is not None:
             optim.fused_position_backward(optimizer, self, grad_output, positions, offset)
             return None
-        grad, touched = self._grad_to_accumulate()
-        scatter_add_marking(grad, grad_output, positions, offset, None, touched, self._skip_row)
-        if touched is not self._touched:
-            self._keep_grad(grad, touched)
-        return grad
-
-    def _grad_to_accumulate(self) -> tuple[np.ndarray, np.ndarray]:
-        """The gradient a backward adds into, and the touched-rows mask to mark.
-
-        A fresh gradient is kept (:meth:`_keep_grad`) only once the call has
-        succeeded, so an invalid first call leaves ``grad`` as None. A
-        ``grad`` the user assigned is checked, and all its rows count as
-        touched (it may hold anything).
-        """
-        grad = self.grad
-        fresh = grad is None
-        if grad is None:
-            grad = np.zeros_like(self._embeddings)
-        if grad is not self._touched_grad or self._touched is None:
-            self._check_grad(grad)
-            return grad, np.full(self.max_seq_len, not fresh, dtype=bool)
-        return grad, self._touched
-
-    def _keep_grad(self, grad: np.ndarray, touched: np.ndarray) -> None:
-        self.grad = grad
-        self._touched = touched
-        self._touched_grad = grad
-
-    def _check_grad(self, grad: Any) -> None:
-        table = self._embeddings
-        if not isinstance(grad, np.ndarray) or v.native_dtype(grad.dtype) not in v.FLOAT_DTYPES:
-            raise TypeError(
-                f"grad must be a float32 or float64 numpy.ndarray of the table's shape "
-                f"{table.shape}; got {v.describe(grad)}"
-            )
-        if grad.shape != table.shape:
-            raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
-        if not grad.flags.writeable:
-            raise ValueError("grad is read-only; assign a writable array (or None)")
+        return self._grad.accumulate(self._embeddings, grad_output, positions, offset)
 
     def zero_grad(self) -> None:
         """Reset the accumulated gradient to zeros (keeping its buffer)."""
-        if self.grad is not None:
-            self.grad.fill(0)
-        if self._touched is not None:
-            self._touched.fill(False)
+        self._grad.zero()
 
     # -- learning ------------------------------------------------------------
     def sgd_step(self, lr: float) -> None:
@@ -432,33 +352,10 @@ class LearnedPositionEmbedding(_core.TableCall):
         ValueError
             ``lr`` is NaN or infinite, or :attr:`grad` has the wrong shape.
         """
-        step = _learning_rate(lr)
-        grad = self._sgd_grad()
-        if grad is None:
-            return
-        table = self._embeddings
-        touched = self._touched if grad is self._touched_grad else None
-        pad = self._skip_row
-        if _core.sgd_step(table, grad, touched, step, pad) is None:
-            # Not the layout the kernel takes: NumPy's own arithmetic, same rule.
-            if touched is not None:
-                rows = np.flatnonzero(touched)
-            else:
-                rows = np.arange(self.max_seq_len)
-            rows = rows[rows != pad]
-            table[rows] -= step * grad[rows]
-
-    def _sgd_grad(self) -> np.ndarray | None:
-        """:attr:`grad`, checked for :meth:`sgd_step` (None: nothing to do)."""
-        grad = self.grad
-        if grad is None:
-            return None
-        table = self._embeddings
-        if not isinstance(grad, np.ndarray) or grad.dtype.kind not in "biuf":
-            raise TypeError(f"grad must be a real-valued numpy.ndarray; got {v.describe(grad)}")
-        if grad.shape != table.shape:
-            raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
-        return grad
+        step = v.learning_rate(lr)
+        grad = self._grad.for_step(self._embeddings)
+        if grad is not None:
+            _grad.sgd_step(self._embeddings, self._grad, grad, step)
 
     def resized(self, new_max_len: int, method: str = "linear") -> LearnedPositionEmbedding:
         """A new instance whose table has ``new_max_len`` rows (for longer or shorter contexts).
@@ -486,7 +383,7 @@ class LearnedPositionEmbedding(_core.TableCall):
             ``new_max_len`` not a positive integer, an unknown ``method``, or a
             ``padding_idx`` that does not fit in the new length.
         """
-        new_len = v.check_int(new_max_len, "new_max_len", min_value=1)
+        new_len = v.check_int(new_max_len, "new_max_len", min_value=1, not_integer=ValueError)
         if method not in ("linear", "repeat"):
             raise ValueError(f'method must be "linear" or "repeat"; got {v.describe(method)}')
         pad = self.padding_idx
@@ -564,12 +461,12 @@ class LearnedPositionEmbedding(_core.TableCall):
 
     # -- pickle --------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        touched = self._touched if self._touched_grad is self.grad else None
+        state = self._grad
         return {
             "version": _PICKLE_VERSION,
             "embeddings": self._embeddings,
-            "grad": self.grad,
-            "touched": touched,
+            "grad": state.grad,
+            "touched": state.kept_touched(),
             "padding_idx": self.padding_idx,
         }
 
@@ -586,10 +483,7 @@ class LearnedPositionEmbedding(_core.TableCall):
         checked = _state.from_pickle(state, _PICKLE_VERSION)
         self._embeddings = checked.embeddings
         self._init_state(checked.padding_idx)
-        self.grad = checked.grad
-        if checked.touched is not None:
-            self._touched = checked.touched
-            self._touched_grad = checked.grad
+        self._grad.restore(checked.grad, checked.touched)
 
     def __repr__(self) -> str:
         pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"

@@ -1,9 +1,10 @@
 """The whole input layer: embed and embed_backward (token + position tables).
 
-The same route as :mod:`cposembed.functional`: each function calls its C
-entry (``_core.embed``, ``_core.embed_backward``) with the arguments as
-given and, for what it declines, normalises them (or raises the worded
-error) and calls the same entry again.
+The same route as :mod:`cposembed.functional`: ``embed`` calls its C entry
+(``_core.embed``) with the arguments as given and what it declines goes to
+the normalising route (:mod:`cposembed._routes`); ``embed_backward``'s route
+tries its entry (``_core.embed_backward``) itself, as a skipped (None) table
+is declined before the entry is reached.
 """
 
 from __future__ import annotations
@@ -12,15 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core, _threads
-from . import _validation as v
-from .functional import (
-    _MAX_POSITION_DIMS,
-    _accepted,
-    _base,
-    _row_positions,
-    scatter_add_marking,
-)
+from . import _core, _routes
 
 __all__ = ["embed", "embed_backward"]
 
@@ -87,73 +80,16 @@ def embed(
         token_ids, token_table, position_table, positions, offset, out, num_threads
     )
     if result is None:
-        result = _embed_normalised(
-            token_ids, token_table, position_table, positions, offset, out, num_threads
+        result = _routes.embed(
+            token_ids,
+            token_table,
+            position_table,
+            positions,
+            offset=offset,
+            out=out,
+            num_threads=num_threads,
         )
     return result
-
-
-def _tables_pair(token_table: Any, position_table: Any) -> tuple[np.ndarray, np.ndarray]:
-    tt = v.as_table(token_table, "token_table")
-    pt = v.as_table(position_table, "position_table")
-    if tt.shape[1] != pt.shape[1]:
-        raise ValueError(
-            f"token_table and position_table must share embed_dim; got {tt.shape[1]} "
-            f"and {pt.shape[1]}"
-        )
-    return tt, pt
-
-
-def _ids(token_ids: Any, vocab_size: int) -> np.ndarray:
-    ids = v.as_positions(token_ids, vocab_size, "token id")
-    if ids is None:
-        raise IndexError(
-            "token_ids must be integers or integer arrays (or boolean masks or slices "
-            f"of the vocabulary); got {v.describe(token_ids)}"
-        )
-    return ids
-
-
-def _id_positions(
-    ids: np.ndarray, positions: Any, offset: Any, n_rows: int
-) -> tuple[np.ndarray | None, int]:
-    if positions is None and ids.ndim == 0:
-        v.as_offset(offset)
-        raise ValueError(
-            "token_ids must have shape (..., T) when positions is None; got a single id "
-            "(pass positions=, e.g. the token's position)"
-        )
-    return _row_positions(positions, offset, ids.shape, n_rows, "token_ids", "token_ids.shape")
-
-
-def _embed_normalised(
-    token_ids: Any,
-    token_table: Any,
-    position_table: Any,
-    positions: Any,
-    offset: Any,
-    out: Any,
-    num_threads: Any,
-) -> Any:
-    tt, pt = _tables_pair(token_table, position_table)
-    nt = _threads.check_num_threads(num_threads)
-    ids = _ids(token_ids, tt.shape[0])
-    pos, off = _id_positions(ids, positions, offset, pt.shape[0])
-    dtype = np.result_type(tt.dtype, pt.dtype)
-    shape = ids.shape + (tt.shape[1],)
-    if out is not None:
-        v.check_out(out, shape, dtype)
-    if tt.dtype != pt.dtype or ids.ndim > _MAX_POSITION_DIMS:
-        # Mixed dtypes: NumPy's own promotion decides.
-        rows = pt[v.default_positions(off, ids.shape[-1])] if pos is None else pt[pos]
-        return np.add(tt[ids], rows, out=out)
-    if out is None:
-        return _accepted(_core.embed(ids, tt, pt, pos, off, None, nt))
-    # The entry writes `out` itself if it can (it declines another layout or
-    # an `out` over either table); else the result is computed aside.
-    if _core.embed(ids, tt, pt, pos, off, _base(out), nt) is None:
-        np.copyto(out, _accepted(_core.embed(ids, tt, pt, pos, off, None, nt)))
-    return out
 
 
 def embed_backward(
@@ -211,157 +147,16 @@ def embed_backward(
     >>> g_wte[:, 0], g_wpe[:, 0]
     (array([1., 0., 2.]), array([1., 1., 1., 0.]))
     """
-    embed_backward_marking(
+    # The entry first, inside the route: a None table (skipped) is declined.
+    _routes.embed_backward(
         grad_token_table,
         grad_position_table,
         grad_output,
         token_ids,
         positions,
-        offset,
-        num_threads,
-        None,
-        None,
-        -1,
+        offset=offset,
+        num_threads=num_threads,
+        token_touched=None,
+        position_touched=None,
+        token_skip_row=-1,
     )
-
-
-def embed_backward_marking(
-    grad_token_table: Any,
-    grad_position_table: Any,
-    grad_output: Any,
-    token_ids: Any,
-    positions: Any,
-    offset: Any,
-    num_threads: Any,
-    token_touched: np.ndarray | None,
-    position_touched: np.ndarray | None,
-    token_skip_row: int,
-) -> None:
-    """:func:`embed_backward` that also marks the rows it touched (bool arrays of
-    length V and L, or None) and gives token row ``token_skip_row`` (padding) no
-    gradient (-1: none)."""
-    if grad_token_table is not None and grad_position_table is not None:
-        done = _core.embed_backward(
-            grad_token_table,
-            grad_position_table,
-            grad_output,
-            token_ids,
-            positions,
-            offset,
-            num_threads,
-            token_touched,
-            position_touched,
-            token_skip_row,
-        )
-        if done is not None:
-            return
-    _embed_backward_normalised(
-        grad_token_table,
-        grad_position_table,
-        grad_output,
-        token_ids,
-        positions,
-        offset,
-        num_threads,
-        token_touched,
-        position_touched,
-        token_skip_row,
-    )
-
-
-def _embed_backward_normalised(
-    grad_token_table: Any,
-    grad_position_table: Any,
-    grad_output: Any,
-    token_ids: Any,
-    positions: Any,
-    offset: Any,
-    num_threads: Any,
-    token_touched: np.ndarray | None,
-    position_touched: np.ndarray | None,
-    token_skip_row: int,
-) -> None:
-    gt = None if grad_token_table is None else v.as_grad_table(grad_token_table, "grad_token_table")
-    gp = (
-        None
-        if grad_position_table is None
-        else v.as_grad_table(grad_position_table, "grad_position_table")
-    )
-    tables = [x for x in (gt, gp) if x is not None]
-    if len(tables) == 2 and gt.shape[1] != gp.shape[1]:  # type: ignore[union-attr]
-        raise ValueError(
-            f"grad_token_table and grad_position_table must share embed_dim; got "
-            f"{gt.shape[1]} and {gp.shape[1]}"  # type: ignore[union-attr]
-        )
-    nt = _threads.check_num_threads(num_threads)
-    if gt is not None:
-        ids = _ids(token_ids, gt.shape[0])
-    else:  # no token table: the ids give the shape only
-        ids = np.asarray(token_ids)
-        if ids.size == 0 and ids.dtype.kind == "f":
-            ids = ids.astype(np.int64)  # NumPy reads [] as an empty index
-        if ids.dtype.kind not in "iu":
-            raise IndexError(f"token_ids must be integers; got {v.describe(token_ids)}")
-    if not tables:
-        v.as_offset(offset)
-        return
-    d = tables[0].shape[1]
-    g = v.as_rows(grad_output, d, "grad_output")
-    if g.shape[:-1] != ids.shape:
-        raise ValueError(
-            f"grad_output must have shape token_ids.shape + (d,) = {ids.shape + (d,)}; "
-            f"got {g.shape}"
-        )
-    if gp is not None:
-        pos, off = _id_positions(ids, positions, offset, gp.shape[0])
-    else:
-        pos, off = None, v.as_offset(offset)  # checked; no position table to index
-    # Both gradients come from grad_output as given, as np.add.at on copies
-    # gives them: one that shares memory with a table is copied before the
-    # first write. (The ids and positions are arrays this call owns.)
-    if any(v.overlaps(g, table) for table in tables):
-        g = g.copy()
-    same = (
-        gt is not None
-        and gp is not None
-        and gt.dtype == gp.dtype
-        and not v.overlaps(gt, gp)
-        and ids.ndim <= _MAX_POSITION_DIMS
-    )
-    if not same:
-        # One table, or two that differ in dtype or share memory: one
-        # scatter-add each, tokens first (np.add.at's order on tied tables).
-        if gt is not None:
-            scatter_add_marking(gt, g, ids, 0, nt, token_touched, token_skip_row)
-        if gp is not None:
-            rows = (
-                np.broadcast_to(v.default_positions(off, ids.shape[-1]), ids.shape)
-                if (pos is None)
-                else pos
-            )
-            scatter_add_marking(gp, g, rows, 0, nt, position_touched, -1)
-        return
-    assert gt is not None and gp is not None
-    native = v.native_dtype(gt.dtype)
-    g_c = v.plain_copy(g, native)
-    works = []
-    for table in (gt, gp):
-        base = _base(table)
-        works.append(base if v.plain(base) else v.plain_copy(base, native))
-    _accepted(
-        _core.embed_backward(
-            works[0],
-            works[1],
-            g_c,
-            ids,
-            pos,
-            off,
-            nt,
-            token_touched,
-            position_touched,
-            token_skip_row,
-        )
-    )
-    for table, work in zip((gt, gp), works):
-        if work is not _base(table):
-            np.copyto(table, work)

@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from . import _routes
 from . import _validation as v
-from .functional import _row_positions, scatter_add_marking
-from .layer import _id_positions, _ids, embed_backward_marking
 
 if TYPE_CHECKING:
     from .embedding import LearnedPositionEmbedding
@@ -222,14 +221,12 @@ class Optimizer:
         """
         work = []
         for name, table in self._tables.items():
-            grad = table._sgd_grad()  # checked for both tables before either moves
+            state = table._grad
+            # Checked for both tables before either moves.
+            grad = state.for_step(table.embeddings)
             if grad is None:
                 continue
-            touched = table._touched if grad is table._touched_grad else None
-            rows = np.arange(table.max_seq_len) if touched is None else np.flatnonzero(touched)
-            if table._skip_row >= 0:
-                rows = rows[rows != table._skip_row]
-            work.append((name, rows, grad))
+            work.append((name, state.step_rows(grad, table.max_seq_len), grad))
         self._step += 1
         for name, rows, grad in work:
             dt = self._states[name].dtype
@@ -741,16 +738,19 @@ def fused_position_backward(
         raise TypeError(f"optimizer must be a cposembed optimizer; got {v.describe(opt)}")
     opt._check_layer(layer)
     table = layer.embeddings
+    skip_row = layer._grad.skip_row
     n_rows, d = table.shape
     g = v.as_rows(grad_output, d, "grad_output")
     lead = g.shape[:-1]
-    pos, off = _row_positions(positions, offset, lead, n_rows, "grad_output")
+    pos, off = _routes.row_positions(positions, offset, lead, n_rows, "grad_output")
     rows, inverse = _distinct(_flat_rows(pos, off, lead, n_rows), lead)
     scratch = np.zeros((rows.size, d), dtype=table.dtype)
     if rows.size:
-        skip = _scratch_skip(rows, layer._skip_row)
-        scatter_add_marking(scratch, g, inverse, 0, None, None, skip)
-    keep = rows != layer._skip_row
+        skip = _scratch_skip(rows, skip_row)
+        _routes.scatter_add(
+            scratch, g, inverse, offset=0, num_threads=None, touched=None, skip_row=skip
+        )
+    keep = rows != skip_row
     opt._fused([("embeddings", rows[keep], scratch[keep])])
 
 
@@ -763,15 +763,16 @@ def fused_layer_backward(
         raise TypeError(f"optimizer must be a cposembed optimizer; got {v.describe(opt)}")
     opt._check_layer(layer)
     tokens, places = layer._tokens, layer._positions
+    skip_row = tokens._grad.skip_row
     d = tokens.embed_dim
-    ids = _ids(token_ids, tokens.max_seq_len)
+    ids = _routes.checked_ids(token_ids, tokens.max_seq_len)
     g = v.as_rows(grad_output, d, "grad_output")
     if g.shape[:-1] != ids.shape:
         raise ValueError(
             f"grad_output must have shape token_ids.shape + (d,) = {ids.shape + (d,)}; "
             f"got {g.shape}"
         )
-    pos, off = _id_positions(ids, positions, offset, places.max_seq_len)
+    pos, off = _routes.id_positions(ids, positions, offset, places.max_seq_len)
     lead = ids.shape
     flat_ids = ids.reshape(-1).astype(np.int64)
     flat_ids = np.where(flat_ids < 0, flat_ids + tokens.max_seq_len, flat_ids)
@@ -786,19 +787,19 @@ def fused_layer_backward(
     token_scratch = np.zeros((token_rows.size, d), dtype=tokens.dtype)
     position_scratch = np.zeros((position_rows.size, d), dtype=places.dtype)
     if ids.size:
-        embed_backward_marking(
+        _routes.embed_backward(
             token_scratch,
             position_scratch,
             g,
             token_inverse,
             position_inverse,
-            0,
-            None,
-            None,
-            None,
-            _scratch_skip(token_rows, tokens._skip_row),
+            offset=0,
+            num_threads=None,
+            token_touched=None,
+            position_touched=None,
+            token_skip_row=_scratch_skip(token_rows, skip_row),
         )
-    keep = token_rows != tokens._skip_row
+    keep = token_rows != skip_row
     opt._fused(
         [
             ("token_embeddings", token_rows[keep], token_scratch[keep]),

@@ -1,8 +1,7 @@
 """The handbook's NumPy class, written out as the reference.
 
 This is ``LearnedPositionEmbedding`` from the handbook section "Learned
-Position Embeddings > The Position Embedding Table" (see
-``shared/seed-learned-position-embeddings.txt``), unchanged but for the
+Position Embeddings > The Position Embedding Table", unchanged but for the
 unused matplotlib import. The tests and the benchmark compare every result of
 the package against it. Note that it seeds NumPy's *global* legacy RNG.
 """

@@ -7,10 +7,10 @@ from typing import IO, TYPE_CHECKING, Any, Union, overload
 
 import numpy as np
 
-from . import _state, optim
+from . import _grad, _routes, _state, optim
 from . import _validation as v
-from .embedding import LearnedPositionEmbedding, _learning_rate, _table_dtype
-from .layer import embed, embed_backward_marking
+from .embedding import LearnedPositionEmbedding
+from .layer import embed
 
 if TYPE_CHECKING:
     from .optim import Optimizer
@@ -90,10 +90,10 @@ class TokenPositionEmbedding:
         dtype: Any = np.float32,
         padding_idx: int | None = None,
     ) -> None:
-        n_tokens = v.check_int(vocab_size, "vocab_size", min_value=1)
-        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1)
-        d = v.check_int(embed_dim, "embed_dim", min_value=1)
-        dt = _table_dtype(dtype)
+        n_tokens = v.check_int(vocab_size, "vocab_size", min_value=1, not_integer=ValueError)
+        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1, not_integer=ValueError)
+        d = v.check_int(embed_dim, "embed_dim", min_value=1, not_integer=ValueError)
+        dt = v.table_dtype(dtype)
         rng = np.random if seed is None else np.random.RandomState(seed)
         scale = 1.0 / np.sqrt(d)
         positions = rng.randn(n_rows, d) * scale
@@ -309,22 +309,24 @@ class TokenPositionEmbedding:
         if optimizer is not None:
             optim.fused_layer_backward(optimizer, self, grad_output, token_ids, positions, offset)
             return None
-        token_grad, token_touched = self._tokens._grad_to_accumulate()
-        position_grad, position_touched = self._positions._grad_to_accumulate()
-        embed_backward_marking(
+        tokens, places = self._tokens, self._positions
+        token_state, position_state = tokens._grad, places._grad
+        token_grad, token_touched = token_state.to_accumulate(tokens.embeddings)
+        position_grad, position_touched = position_state.to_accumulate(places.embeddings)
+        _routes.embed_backward(
             token_grad,
             position_grad,
             grad_output,
             token_ids,
             positions,
-            offset,
-            None,
-            token_touched,
-            position_touched,
-            self._tokens._skip_row,
+            offset=offset,
+            num_threads=None,
+            token_touched=token_touched,
+            position_touched=position_touched,
+            token_skip_row=token_state.skip_row,
         )
-        self._tokens._keep_grad(token_grad, token_touched)
-        self._positions._keep_grad(position_grad, position_touched)
+        token_state.keep(token_grad, token_touched)
+        position_state.keep(position_grad, position_touched)
         return token_grad, position_grad
 
     def zero_grad(self) -> None:
@@ -346,11 +348,14 @@ class TokenPositionEmbedding:
             Learning rate: any finite real number.
         """
         # Everything is checked before either table moves.
-        _learning_rate(lr)
-        self._tokens._sgd_grad()
-        self._positions._sgd_grad()
-        self._tokens.sgd_step(lr)
-        self._positions.sgd_step(lr)
+        step = v.learning_rate(lr)
+        work = []
+        for table in (self._tokens, self._positions):
+            state = table._grad
+            work.append((table.embeddings, state, state.for_step(table.embeddings)))
+        for embeddings, state, grad in work:
+            if grad is not None:
+                _grad.sgd_step(embeddings, state, grad, step)
 
     # -- saving and pickle -----------------------------------------------------
     def save(self, path: PathOrFile) -> None:

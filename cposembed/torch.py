@@ -105,11 +105,6 @@ def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_t
         torch.embedding_renorm_(weight.detach(), indices.contiguous(), max_norm, norm_type)
 
 
-def _positions_of(offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """``offset + arange(T)`` broadcast to ``shape`` ``(..., T)``."""
-    return _ops._default_positions(offset, shape)
-
-
 def embedding(
     input: Any,
     weight: torch.Tensor,
@@ -419,15 +414,15 @@ class LearnedPositionEmbedding(Embedding):
         fused = (
             _on_kernels(self.weight, pos)
             and tok.device.type == "cpu"
-            and tok.dtype in _ops._ROW_DTYPES
+            and tok.dtype in _ops.ROW_DTYPES
             and not self.scale_grad_by_freq
             and not self.sparse
         )
         if not fused:
-            full = _positions_of(offset, tuple(tok.shape[:-1])) if pos is None else pos
+            full = _ops.default_positions(offset, tuple(tok.shape[:-1])) if pos is None else pos
             return tok + self(full.to(tok.device) if full.device != tok.device else full)
         if self.max_norm is not None:
-            full = _positions_of(offset, tuple(tok.shape[:-1])) if pos is None else pos
+            full = _ops.default_positions(offset, tuple(tok.shape[:-1])) if pos is None else pos
             _renorm(self.weight, full, self.max_norm, self.norm_type)
         return _ops.add_positions(tok, self.weight, pos, offset, self.padding_idx)
 
@@ -585,7 +580,7 @@ class TokenPositionEmbedding(nn.Module):
         pos = None if positions is None else _index(positions)
         if not self._fused(ids, pos):
             if pos is None:
-                pos = _positions_of(offset, tuple(ids.shape)).to(ids.device)
+                pos = _ops.default_positions(offset, tuple(ids.shape)).to(ids.device)
             return self.tokens(ids) + self.positions(pos.expand(ids.shape))
         return _ops.embed(
             ids, self.tokens.weight, self.positions.weight, pos, offset, self.padding_idx

@@ -743,3 +743,6 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
 for _plan in ScatterPlan:
     globals()[_plan.name] = _plan
 del _plan
+
+
+include "_contract.pxi"

@@ -17,7 +17,10 @@ from plain import (
     FLOATS,
     INT_DTYPES,
     Snapshot,
+    _apart,
+    _array_form,
     _declined,
+    _plain,
     _rng,
     _same_bits,
     _scatter_expect,
@@ -25,7 +28,7 @@ from plain import (
 )
 
 import cposembed
-from cposembed import _core, embedding
+from cposembed import _core, _routes
 
 
 @pytest.mark.parametrize(
@@ -68,6 +71,36 @@ def test_entries_take_only_plain_tables(table):
         expect = np.asarray(table)[[1, -2]]
         got = cposembed.lookup(table, [1, -2])
         assert np.array_equal(got, expect) and got.dtype == expect.dtype.newbyteorder("=")
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "plain",
+        "dtype",
+        "float16",
+        "int",
+        "swapped",
+        "strided",
+        "subclass",
+        "unaligned",
+        "readonly",
+        "list",
+    ],
+)
+def test_contract_checkers_agree_with_the_oracle(dtype, kind):
+    # _core.is_plain / _core.apart are what the Python layer asks; plain.py's
+    # own _plain / _apart stay the independent statement of the rule.
+    a = _array_form(np.arange(24, dtype=dtype).reshape(4, 6), kind)
+    writable = isinstance(a, np.ndarray) and a.flags.writeable
+    assert _core.is_plain(a, dtype) == _plain(a, dtype)
+    assert _core.is_plain(a, dtype, writable=True) == (_plain(a, dtype) and writable)
+    flat = np.zeros(10, dtype)
+    for x, y in [(flat[:5], flat[5:]), (flat[:6], flat[5:]), (flat[:0], flat), (flat, flat)]:
+        assert _core.apart(x, y) == _apart(x, y)
+    # Not C-contiguous, or not an exact ndarray: "may meet".
+    assert not _core.apart(flat[::2], flat[1::2]) and not _core.apart(flat.view(_Sub), flat[:0])
 
 
 def test_entries_at_the_table_edge_sizes():
@@ -426,7 +459,7 @@ def test_class_calls_go_straight_to_the_lookup_entry(monkeypatch):
     def broken(*args, **kwargs):
         raise AssertionError("normalised")
 
-    monkeypatch.setattr(embedding, "lookup_normalised", broken)
+    monkeypatch.setattr(_routes, "lookup", broken)
     pe = cposembed.LearnedPositionEmbedding(128, 64, seed=0)
     table = pe.embeddings
     a4 = _rng(1).integers(0, 128, size=(4, 128))

@@ -1,0 +1,161 @@
+"""The gradient of one table: the array, the rows it touched, the row it skips.
+
+:class:`~cposembed.LearnedPositionEmbedding` keeps one :class:`GradientState`,
+:class:`~cposembed.TokenPositionEmbedding` one per table (those of its two
+tables), and the optimizers (:mod:`cposembed.optim`) read theirs: every rule
+about the gradient a backward accumulates into, which rows a step visits and
+which row never moves is here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _core, _routes
+from . import _validation as v
+
+
+class GradientState:
+    """``grad`` (None until the first backward), the rows touched since the last
+    zero, and the row that gets no gradient (``padding_idx``; -1: none).
+
+    ``touched`` describes ``touched_grad``, the array it was built for: if the
+    user assigns another array to ``grad``, the mask is not trusted and every
+    row counts as touched.
+    """
+
+    __slots__ = ("grad", "touched", "touched_grad", "skip_row")
+
+    def __init__(self, skip_row: int = -1) -> None:
+        self.grad: np.ndarray | None = None
+        self.touched: np.ndarray | None = None
+        self.touched_grad: np.ndarray | None = None
+        self.skip_row = skip_row
+
+    @property
+    def padding_idx(self) -> int | None:
+        return None if self.skip_row < 0 else self.skip_row
+
+    def set_padding(self, padding_idx: int | None, table: np.ndarray) -> None:
+        """A new skip row (normalised to ``[0, L)``, or None): its gradient row is
+        zeroed and unmarked now, as no backward has given it any."""
+        grad = self.grad
+        if padding_idx is not None and grad is not None:
+            check_grad(grad, table)  # before anything changes
+            grad[padding_idx] = 0
+        self.skip_row = -1 if padding_idx is None else padding_idx
+        if padding_idx is not None and self.touched is not None:
+            self.touched[padding_idx] = False
+
+    def restore(self, grad: np.ndarray | None, touched: np.ndarray | None) -> None:
+        """The gradient and mask of a checked pickled state."""
+        self.grad = grad
+        if touched is not None:
+            self.touched = touched
+            self.touched_grad = grad
+
+    def kept_touched(self) -> np.ndarray | None:
+        """The mask, if it describes ``grad`` (what a pickle keeps)."""
+        return self.touched if self.touched_grad is self.grad else None
+
+    # -- backward ------------------------------------------------------------
+    def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The gradient a backward adds into, and the touched-rows mask to mark.
+
+        A fresh gradient is kept (:meth:`keep`) only once the call has
+        succeeded, so an invalid first call leaves ``grad`` as None. A
+        ``grad`` the user assigned is checked, and all its rows count as
+        touched (it may hold anything).
+        """
+        grad = self.grad
+        if grad is not None and grad is self.touched_grad and self.touched is not None:
+            return grad, self.touched
+        fresh = grad is None
+        if grad is None:
+            grad = np.zeros_like(table)
+        check_grad(grad, table)
+        return grad, np.full(table.shape[0], not fresh, dtype=bool)
+
+    def keep(self, grad: np.ndarray, touched: np.ndarray) -> None:
+        self.grad = grad
+        self.touched = touched
+        self.touched_grad = grad
+
+    def accumulate(
+        self, table: np.ndarray, grad_output: Any, positions: Any, offset: Any
+    ) -> np.ndarray:
+        """``grad[positions[i]] += grad_output[i]``, marking the rows; the gradient."""
+        grad, touched = self.to_accumulate(table)
+        skip = self.skip_row
+        # The entry directly first: the route's keyword call costs ~90 ns, 15 % of
+        # a tiny backward. (What it declines, the route tries once more.)
+        if _core.scatter_add(grad, grad_output, positions, offset, None, touched, skip) is None:
+            _routes.scatter_add(
+                grad,
+                grad_output,
+                positions,
+                offset=offset,
+                num_threads=None,
+                touched=touched,
+                skip_row=skip,
+            )
+        if touched is not self.touched:
+            self.keep(grad, touched)
+        return grad
+
+    def zero(self) -> None:
+        """Zeros in the gradient (its buffer kept), no row touched."""
+        if self.grad is not None:
+            self.grad.fill(0)
+        if self.touched is not None:
+            self.touched.fill(False)
+
+    # -- steps ---------------------------------------------------------------
+    def for_step(self, table: np.ndarray) -> np.ndarray | None:
+        """``grad``, checked for a step on ``table`` (None: nothing to do)."""
+        grad = self.grad
+        if grad is None:
+            return None
+        if not isinstance(grad, np.ndarray) or grad.dtype.kind not in "biuf":
+            raise TypeError(f"grad must be a real-valued numpy.ndarray; got {v.describe(grad)}")
+        if grad.shape != table.shape:
+            raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
+        return grad
+
+    def step_mask(self, grad: np.ndarray) -> np.ndarray | None:
+        """The rows a step on ``grad`` visits, as a mask (None: every row)."""
+        return self.touched if grad is self.touched_grad else None
+
+    def step_rows(self, grad: np.ndarray, n_rows: int) -> np.ndarray:
+        """The rows a step on ``grad`` visits: the touched ones (every row of an
+        assigned gradient), the skip row left out."""
+        touched = self.step_mask(grad)
+        rows = np.arange(n_rows) if touched is None else np.flatnonzero(touched)
+        if self.skip_row >= 0:
+            rows = rows[rows != self.skip_row]
+        return rows
+
+
+def check_grad(grad: Any, table: np.ndarray) -> None:
+    """A gradient a backward may accumulate into: a writable float ndarray of the
+    table's shape."""
+    if not isinstance(grad, np.ndarray) or v.native_dtype(grad.dtype) not in v.FLOAT_DTYPES:
+        raise TypeError(
+            f"grad must be a float32 or float64 numpy.ndarray of the table's shape "
+            f"{table.shape}; got {v.describe(grad)}"
+        )
+    if grad.shape != table.shape:
+        raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
+    if not grad.flags.writeable:
+        raise ValueError("grad is read-only; assign a writable array (or None)")
+
+
+def sgd_step(table: np.ndarray, state: GradientState, grad: np.ndarray, lr: float) -> None:
+    """``table -= lr * grad`` on the rows a step visits (``grad`` from
+    :meth:`GradientState.for_step`): the kernel, else NumPy's own arithmetic
+    under the same rule, for a gradient the kernel does not take."""
+    if _core.sgd_step(table, grad, state.step_mask(grad), lr, state.skip_row) is None:
+        rows = state.step_rows(grad, table.shape[0])
+        table[rows] -= lr * grad[rows]

@@ -1,0 +1,416 @@
+"""The normalising routes: what a C entry declined, made into what it takes.
+
+Each public operation (:mod:`cposembed.functional`, :mod:`cposembed.layer`,
+the classes) first calls its C entry (``cposembed._core``) with the
+arguments as given. The entry checks them and runs the kernel, or declines
+(returns None, nothing written). What it declines comes here: the arguments
+are normalised (any layout, dtype or byte order, lists, NumPy's other index
+forms, positions that broadcast) or the worded error is raised
+(:mod:`cposembed._validation`), and the same entry is called again, which
+now accepts. Outputs the kernel cannot write directly (an ``out`` in another
+layout, or one sharing memory with an input) are computed into a scratch
+array and copied in at the end, as NumPy does.
+
+One route per operation, its internal arguments keyword-only: ``lookup``,
+``add``, ``scatter_add``, ``embed``, ``embed_backward``; the two backward
+routes (which return nothing) call their entry first themselves; and the shared
+steps of the routes (``row_positions``, ``checked_ids``, ``id_positions``),
+which the fused optimizer backward (:mod:`cposembed.optim`) uses too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _core, _threads
+from . import _validation as v
+
+# The C entries take positions of up to this many axes (the most NumPy 1.x
+# allows with one more for the rows). Deeper ones (NumPy 2 allows 64) are
+# served by NumPy's indexing in lookups, flattened for the other operations.
+MAX_POSITION_DIMS = 31
+
+
+def _accepted(result: Any) -> Any:
+    # Normalised arguments are exactly what the entries take (the plain rule
+    # is the entries' own, _core.is_plain); None here is a bug, not bad input.
+    if result is None:
+        raise RuntimeError("cposembed internal error: a C entry declined checked arguments")
+    return result
+
+
+def _base(arr: np.ndarray) -> np.ndarray:
+    """``arr`` as an exact ndarray over the same memory (subclasses viewed as ndarray)."""
+    return arr if type(arr) is np.ndarray else arr.view(np.ndarray)
+
+
+def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.shape == b.shape
+        and a.strides == b.strides
+    )
+
+
+# -- one table: lookup, add, scatter_add --------------------------------------
+
+
+def lookup(table: Any, positions: Any, *, out: Any, num_threads: Any) -> Any:
+    """:func:`cposembed.lookup` for what its C entry declined."""
+    t = v.as_table(table)
+    n_rows, d = t.shape
+    nt = _threads.check_num_threads(num_threads)
+    pos = v.as_positions(positions, n_rows)
+    if pos is None or pos.ndim > MAX_POSITION_DIMS:
+        return _lookup_numpy(t, positions, out)
+    if out is None:
+        return _accepted(_core.lookup(t, pos, None, nt))
+    v.check_out(out, pos.shape + (d,), t.dtype)
+    # The entry writes `out` itself if it can (it declines another layout or
+    # an `out` over the table); else the result is computed aside, as NumPy does.
+    if _core.lookup(t, pos, _base(out), nt) is None:
+        np.copyto(out, _accepted(_core.lookup(t, pos, None, nt)))
+    return out
+
+
+def _lookup_numpy(table: np.ndarray, positions: Any, out: Any) -> Any:
+    # Indices that also reach into the embedding axis (e.g. ``(slice(None), 0)``)
+    # are served by NumPy itself, as the reference does.
+    result = table[positions]
+    if isinstance(result, np.ndarray) and np.shares_memory(result, table):
+        result = result.copy()
+    if out is None:
+        return result
+    v.check_out(out, np.shape(result), table.dtype)
+    np.copyto(out, result)
+    return out
+
+
+def row_positions(
+    positions: Any,
+    offset: Any,
+    lead: tuple[int, ...],
+    n_rows: int,
+    what: str,
+    lead_name: str | None = None,
+) -> tuple[np.ndarray | None, int]:
+    """``(positions, offset)`` for rows laid out as ``lead`` (``what.shape[:-1]``, or
+    ``lead_name``), as the C entries take them."""
+    off = v.as_offset(offset)
+    if positions is None:
+        if not lead:
+            raise ValueError(
+                f"{what} must have shape (..., T, d) when positions is None; got a 1-D array"
+            )
+        v.check_default_positions(off, lead[-1], n_rows)
+        return None, off if lead[-1] else 0
+    if off:
+        raise ValueError(
+            f"offset={off} only applies with positions=None; "
+            "add it to the explicit positions instead"
+        )
+    pos = v.as_positions(positions, n_rows)
+    if pos is None:
+        raise IndexError(
+            "positions must select rows of the table (integers, integer arrays, "
+            "boolean masks or slices); an index into the embedding axis only works "
+            "with lookup"
+        )
+    return v.broadcast_positions(pos, lead, lead_name or f"{what}.shape[:-1]"), 0
+
+
+def add(tokens: Any, table: Any, positions: Any, *, offset: Any, out: Any, num_threads: Any) -> Any:
+    """:func:`cposembed.add_positions` for what its C entry declined."""
+    t = v.as_table(table)
+    n_rows, d = t.shape
+    tok = v.as_rows(tokens, d, "token_embeddings")
+    nt = _threads.check_num_threads(num_threads)
+    pos, off = row_positions(positions, offset, tok.shape[:-1], n_rows, "token_embeddings")
+    dtype = np.result_type(tok.dtype, t.dtype)
+    if out is not None:
+        v.check_out(out, tok.shape, dtype)
+    if dtype != t.dtype:
+        # e.g. float64 tokens + float32 table: NumPy's own promotion decides.
+        rows = t[v.default_positions(off, tok.shape[-2])] if pos is None else t[pos]
+        return np.add(tok, rows, out=out)
+    tok_c = v.plain_copy(tok, dtype)
+    rows, pos, off = _shallow(tok_c, pos, off)
+    if out is None:
+        return _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape)
+    o = _base(out)
+    if _same_buffer(o, tok_c):
+        # In place (the tokens may be a read-only view of out's memory):
+        # out's own writable view serves as both.
+        o_rows = o.reshape(rows.shape)
+        done = _core.add(o_rows, t, pos, off, o_rows, nt)
+    else:
+        # The entry writes `out` itself if it can (it declines another layout,
+        # or an `out` over the table or the tokens).
+        target = o if o.shape == rows.shape else _rows_view(o, rows.shape)
+        done = None if target is None else _core.add(rows, t, pos, off, target, nt)
+    if done is None:
+        np.copyto(out, _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape))
+    return out
+
+
+def _rows_view(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``arr`` reshaped to ``shape`` as a view of its memory, or None (a reshape
+    that would copy)."""
+    if not arr.flags.c_contiguous:
+        return None
+    return arr.reshape(shape)
+
+
+def _shallow(
+    rows: np.ndarray, pos: np.ndarray | None, offset: int
+) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """Rows ``(..., d)`` and their positions as the C entries take them: at most
+    31 position axes. Deeper ones (NumPy 2 allows 64 axes) are broadcast and
+    flattened, with the rows seen as ``(N, d)``; the caller reshapes a result."""
+    lead = rows.shape[:-1]
+    if len(lead) <= MAX_POSITION_DIMS and (pos is None or pos.ndim <= MAX_POSITION_DIMS):
+        return rows, pos, offset
+    full = v.default_positions(offset, lead[-1]) if pos is None else pos
+    flat = np.ascontiguousarray(np.broadcast_to(full, lead)).reshape(-1)
+    return rows.reshape(-1, rows.shape[-1]), flat, 0
+
+
+def scatter_add(
+    grad_table: Any,
+    grad_output: Any,
+    positions: Any,
+    *,
+    offset: Any,
+    num_threads: Any,
+    touched: np.ndarray | None,
+    skip_row: int,
+) -> None:
+    """:func:`cposembed.scatter_add` that also marks the rows it touched and skips one:
+    the C entry, then the route for what it declined.
+
+    ``touched``: a C-contiguous bool array of length L (or None) whose rows
+    that received a contribution are set True; ``skip_row``: a row that gets
+    no gradient (zeroed after the sum; ``padding_idx``), or -1.
+    """
+    if (
+        _core.scatter_add(
+            grad_table, grad_output, positions, offset, num_threads, touched, skip_row
+        )
+        is not None
+    ):
+        return
+    v.as_grad_table(grad_table, "grad_table")
+    native = v.native_dtype(grad_table.dtype)
+    n_rows, d = grad_table.shape
+    g = v.as_rows(grad_output, d, "grad_output")
+    nt = _threads.check_num_threads(num_threads)
+    pos, off = row_positions(positions, offset, g.shape[:-1], n_rows, "grad_output")
+    g_c = v.plain_copy(g, native)
+    if v.overlaps(g_c, grad_table):
+        g_c = g_c.copy()
+    g_c, pos, off = _shallow(g_c, pos, off)
+    base = _base(grad_table)
+    work = v.plain_copy(base, native)
+    _accepted(_core.scatter_add(work, g_c, pos, off, nt, touched, skip_row))
+    if work is not base:
+        np.copyto(grad_table, work)
+
+
+# -- the input layer: embed, embed_backward -----------------------------------
+
+
+def _tables_pair(token_table: Any, position_table: Any) -> tuple[np.ndarray, np.ndarray]:
+    tt = v.as_table(token_table, "token_table")
+    pt = v.as_table(position_table, "position_table")
+    if tt.shape[1] != pt.shape[1]:
+        raise ValueError(
+            f"token_table and position_table must share embed_dim; got {tt.shape[1]} "
+            f"and {pt.shape[1]}"
+        )
+    return tt, pt
+
+
+def checked_ids(token_ids: Any, vocab_size: int) -> np.ndarray:
+    """Token ids as an owned int64 array, each in ``[-V, V)``."""
+    ids = v.as_positions(token_ids, vocab_size, "token id")
+    if ids is None:
+        raise IndexError(
+            "token_ids must be integers or integer arrays (or boolean masks or slices "
+            f"of the vocabulary); got {v.describe(token_ids)}"
+        )
+    return ids
+
+
+def id_positions(
+    ids: np.ndarray, positions: Any, offset: Any, n_rows: int
+) -> tuple[np.ndarray | None, int]:
+    """:func:`row_positions` for the tokens ``ids`` (positions broadcast to ``ids.shape``)."""
+    if positions is None and ids.ndim == 0:
+        v.as_offset(offset)
+        raise ValueError(
+            "token_ids must have shape (..., T) when positions is None; got a single id "
+            "(pass positions=, e.g. the token's position)"
+        )
+    return row_positions(positions, offset, ids.shape, n_rows, "token_ids", "token_ids.shape")
+
+
+def embed(
+    token_ids: Any,
+    token_table: Any,
+    position_table: Any,
+    positions: Any,
+    *,
+    offset: Any,
+    out: Any,
+    num_threads: Any,
+) -> Any:
+    """:func:`cposembed.embed` for what its C entry declined."""
+    tt, pt = _tables_pair(token_table, position_table)
+    nt = _threads.check_num_threads(num_threads)
+    ids = checked_ids(token_ids, tt.shape[0])
+    pos, off = id_positions(ids, positions, offset, pt.shape[0])
+    dtype = np.result_type(tt.dtype, pt.dtype)
+    shape = ids.shape + (tt.shape[1],)
+    if out is not None:
+        v.check_out(out, shape, dtype)
+    if tt.dtype != pt.dtype or ids.ndim > MAX_POSITION_DIMS:
+        # Mixed dtypes: NumPy's own promotion decides.
+        rows = pt[v.default_positions(off, ids.shape[-1])] if pos is None else pt[pos]
+        return np.add(tt[ids], rows, out=out)
+    if out is None:
+        return _accepted(_core.embed(ids, tt, pt, pos, off, None, nt))
+    # The entry writes `out` itself if it can (it declines another layout or
+    # an `out` over either table); else the result is computed aside.
+    if _core.embed(ids, tt, pt, pos, off, _base(out), nt) is None:
+        np.copyto(out, _accepted(_core.embed(ids, tt, pt, pos, off, None, nt)))
+    return out
+
+
+def embed_backward(
+    grad_token_table: Any,
+    grad_position_table: Any,
+    grad_output: Any,
+    token_ids: Any,
+    positions: Any,
+    *,
+    offset: Any,
+    num_threads: Any,
+    token_touched: np.ndarray | None,
+    position_touched: np.ndarray | None,
+    token_skip_row: int,
+) -> None:
+    """:func:`cposembed.embed_backward` that also marks the rows it touched (bool
+    arrays of length V and L, or None) and gives token row ``token_skip_row``
+    (padding) no gradient (-1: none).
+
+    The one route with the entry inside: the entry takes two tables, and a
+    ``None`` table (skipped) comes here as declined.
+    """
+    if grad_token_table is not None and grad_position_table is not None:
+        done = _core.embed_backward(
+            grad_token_table,
+            grad_position_table,
+            grad_output,
+            token_ids,
+            positions,
+            offset,
+            num_threads,
+            token_touched,
+            position_touched,
+            token_skip_row,
+        )
+        if done is not None:
+            return
+    gt = None if grad_token_table is None else v.as_grad_table(grad_token_table, "grad_token_table")
+    gp = (
+        None
+        if grad_position_table is None
+        else v.as_grad_table(grad_position_table, "grad_position_table")
+    )
+    tables = [x for x in (gt, gp) if x is not None]
+    if len(tables) == 2 and gt.shape[1] != gp.shape[1]:  # type: ignore[union-attr]
+        raise ValueError(
+            f"grad_token_table and grad_position_table must share embed_dim; got "
+            f"{gt.shape[1]} and {gp.shape[1]}"  # type: ignore[union-attr]
+        )
+    nt = _threads.check_num_threads(num_threads)
+    if gt is not None:
+        ids = checked_ids(token_ids, gt.shape[0])
+    else:  # no token table: the ids give the shape only
+        ids = np.asarray(token_ids)
+        if ids.size == 0 and ids.dtype.kind == "f":
+            ids = ids.astype(np.int64)  # NumPy reads [] as an empty index
+        if ids.dtype.kind not in "iu":
+            raise IndexError(f"token_ids must be integers; got {v.describe(token_ids)}")
+    if not tables:
+        v.as_offset(offset)
+        return
+    d = tables[0].shape[1]
+    g = v.as_rows(grad_output, d, "grad_output")
+    if g.shape[:-1] != ids.shape:
+        raise ValueError(
+            f"grad_output must have shape token_ids.shape + (d,) = {ids.shape + (d,)}; "
+            f"got {g.shape}"
+        )
+    if gp is not None:
+        pos, off = id_positions(ids, positions, offset, gp.shape[0])
+    else:
+        pos, off = None, v.as_offset(offset)  # checked; no position table to index
+    # Both gradients come from grad_output as given, as np.add.at on copies
+    # gives them: one that shares memory with a table is copied before the
+    # first write. (The ids and positions are arrays this call owns.)
+    if any(v.overlaps(g, table) for table in tables):
+        g = g.copy()
+    same = (
+        gt is not None
+        and gp is not None
+        and gt.dtype == gp.dtype
+        and not v.overlaps(gt, gp)
+        and ids.ndim <= MAX_POSITION_DIMS
+    )
+    if not same:
+        # One table, or two that differ in dtype or share memory: one
+        # scatter-add each, tokens first (np.add.at's order on tied tables).
+        if gt is not None:
+            scatter_add(
+                gt,
+                g,
+                ids,
+                offset=0,
+                num_threads=nt,
+                touched=token_touched,
+                skip_row=token_skip_row,
+            )
+        if gp is not None:
+            rows = (
+                np.broadcast_to(v.default_positions(off, ids.shape[-1]), ids.shape)
+                if (pos is None)
+                else pos
+            )
+            scatter_add(
+                gp, g, rows, offset=0, num_threads=nt, touched=position_touched, skip_row=-1
+            )
+        return
+    assert gt is not None and gp is not None
+    native = v.native_dtype(gt.dtype)
+    g_c = v.plain_copy(g, native)
+    works = [v.plain_copy(_base(table), native) for table in (gt, gp)]
+    _accepted(
+        _core.embed_backward(
+            works[0],
+            works[1],
+            g_c,
+            ids,
+            pos,
+            off,
+            nt,
+            token_touched,
+            position_touched,
+            token_skip_row,
+        )
+    )
+    for table, work in zip((gt, gp), works):
+        if work is not _base(table):
+            np.copyto(table, work)
