@@ -299,3 +299,28 @@ def make_out(kind, shape=None, dtype=None, *, like=None, fill=0):
     if kind == "read_only":
         out.flags.writeable = False
     return out
+
+
+# The end of a script for run_on_two_ranks: spawns run(rank, world, port, out)
+# on two processes, with a free loopback port, and prints the file `out`.
+_TWO_RANKS_MAIN = """
+if __name__ == "__main__":
+    import socket, torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = sys.argv[1]
+    mp.spawn(run, args=(2, port, out), nprocs=2, join=True)
+    print(open(out).read())
+"""
+
+
+def run_on_two_ranks(script, tmp_path):
+    """`script` (which defines ``run(rank, world, port, out)``, rank 0 writing
+    its JSON result to `out`) on two spawned processes in a child Python: the
+    JSON that rank 0 wrote."""
+    path = tmp_path / "two_ranks.py"
+    path.write_text(script + _TWO_RANKS_MAIN)
+    proc = run_python([str(path), str(tmp_path / "out.json")], timeout=300)
+    assert_clean_exit(proc)
+    return last_json(proc)

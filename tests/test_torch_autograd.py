@@ -14,7 +14,7 @@ import pathlib
 import textwrap
 
 import pytest
-from helpers import assert_clean_exit, last_json, run_python
+from helpers import assert_clean_exit, last_json, run_on_two_ranks, run_python
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -454,23 +454,11 @@ def run(rank, world, port, out):
     sys.stdout.flush()
     os._exit(0)
 
-if __name__ == "__main__":
-    import socket, torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = sys.argv[1]
-    mp.spawn(run, args=(2, port, out), nprocs=2, join=True)
-    print(open(out).read())
 """
 
 
 def test_hand_written_all_reduce_of_grad_equals_nn_embedding(tmp_path) -> None:
-    script = tmp_path / "all_reduce.py"
-    script.write_text(_ALL_REDUCE)
-    proc = run_python([str(script), str(tmp_path / "out.json")], timeout=300)
-    assert_clean_exit(proc)
-    assert last_json(proc) == {"worst": 0.0}
+    assert run_on_two_ranks(_ALL_REDUCE, tmp_path) == {"worst": 0.0}
 
 
 def test_a_kept_block_is_zeroed_whole_before_it_is_handed_out_again() -> None:

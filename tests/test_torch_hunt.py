@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import copy
 import io
-import json
 import pickle
 import threading
 
 import numpy as np
 import pytest
-from helpers import assert_clean_exit, run_python
+from helpers import run_on_two_ranks
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -565,21 +564,9 @@ def run(rank, world, port, out):
     sys.stdout.flush()
     os._exit(0)
 
-if __name__ == "__main__":
-    import socket, torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = sys.argv[1]
-    mp.spawn(run, args=(2, port, out), nprocs=2, join=True)
-    print(open(out).read())
 """
 
 
 def test_distributed_data_parallel_trains_as_nn_embedding(tmp_path) -> None:
-    script = tmp_path / "ddp.py"
-    script.write_text(_DDP)
-    proc = run_python([str(script), str(tmp_path / "out.json")], timeout=300)
-    assert_clean_exit(proc)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_on_two_ranks(_DDP, tmp_path)
     assert result == dict.fromkeys(result, True) and len(result) == 2, result
