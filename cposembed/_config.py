@@ -91,7 +91,7 @@ def config() -> dict[str, Any]:
         "num_threads": int(_core.default_threads()),
         "num_threads_from": _num_threads_source(),
         "omp_get_max_threads": _core.omp_max_threads(),
-        "cpus_available": _threads._cpu_limit(),
+        "cpus_available": _threads.cpu_limit(),
         "team": _team_summary(),
         "serial_threshold_elements": _core.SERIAL_THRESHOLD,
         "stream_threshold_bytes": _core.STREAM_THRESHOLD_BYTES,

@@ -90,9 +90,9 @@ class GradientState:
         grad, touched = self.to_accumulate(table)
         skip = self.skip_row
         # The entry directly first: the route's keyword call costs ~90 ns, 15 % of
-        # a tiny backward. (What it declines, the route tries once more.)
+        # a tiny backward. What it declines goes to the route's second half.
         if _core.scatter_add(grad, grad_output, positions, offset, None, touched, skip) is None:
-            _routes.scatter_add(
+            _routes.scatter_add_declined(
                 grad,
                 grad_output,
                 positions,

@@ -201,6 +201,29 @@ def scatter_add(
         is not None
     ):
         return
+    scatter_add_declined(
+        grad_table,
+        grad_output,
+        positions,
+        offset=offset,
+        num_threads=num_threads,
+        touched=touched,
+        skip_row=skip_row,
+    )
+
+
+def scatter_add_declined(
+    grad_table: Any,
+    grad_output: Any,
+    positions: Any,
+    *,
+    offset: Any,
+    num_threads: Any,
+    touched: np.ndarray | None,
+    skip_row: int,
+) -> None:
+    """The half of :func:`scatter_add` after its entry declined: the worded
+    error, or the normalised arguments and the entry once more."""
     v.as_grad_table(grad_table, "grad_table")
     native = v.native_dtype(grad_table.dtype)
     n_rows, d = grad_table.shape
@@ -305,8 +328,8 @@ def embed_backward(
     arrays of length V and L, or None) and gives token row ``token_skip_row``
     (padding) no gradient (-1: none).
 
-    The one route with the entry inside: the entry takes two tables, and a
-    ``None`` table (skipped) comes here as declined.
+    It calls the entry first itself, as :func:`scatter_add` does: the entry
+    takes two tables, and a ``None`` table (skipped) comes here as declined.
     """
     if grad_token_table is not None and grad_position_table is not None:
         done = _core.embed_backward(

@@ -21,7 +21,7 @@ SERIAL_THRESHOLD: int = _core.SERIAL_THRESHOLD
 _OPENMP = _core.openmp_enabled()
 
 
-def _cpu_limit() -> int:
+def cpu_limit() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
@@ -31,14 +31,14 @@ def _cpu_limit() -> int:
 # The CPUs this process may run on, read once (and again in a forked child):
 # a system call on every kernel call is not worth it for a limit that
 # practically never changes while a process runs.
-_core.set_cpu_limit(_cpu_limit())
+_core.set_cpu_limit(cpu_limit())
 
 
 # The CPUs may differ in a forked child (os.sched_setaffinity before the
 # fork, or a child moved to another cpuset): read them again there. The
 # team itself starts a child with no helper threads (src_c/_team.pxi).
 def _after_fork_in_child() -> None:
-    _core.set_cpu_limit(_cpu_limit())
+    _core.set_cpu_limit(cpu_limit())
 
 
 if hasattr(os, "register_at_fork"):

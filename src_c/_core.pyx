@@ -122,8 +122,10 @@ cdef void _run_kernel(const KernelCall* c, int typenum) noexcept:
     cdef PyThreadState* gil = _release_gil(c.n * c.d)
     if typenum == cnp.NPY_FLOAT:
         _kernel_as(c, <float*>NULL)
-    else:
+    elif typenum == cnp.NPY_DOUBLE:
         _kernel_as(c, <double*>NULL)
+    else:
+        abort()  # a dtype _has_kernels accepts and this dispatch does not know
     _take_gil(gil)
 
 
@@ -699,6 +701,10 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
         or not _mask_ok(position_touched, L)
         or (token_touched is not None and not _apart(<cnp.ndarray>token_touched, gt))
         or (position_touched is not None and not _apart(<cnp.ndarray>position_touched, gp))
+        or (token_touched is not None and not _apart(<cnp.ndarray>token_touched, gp))
+        or (position_touched is not None and not _apart(<cnp.ndarray>position_touched, gt))
+        or (token_touched is not None and position_touched is not None
+            and not _apart(<cnp.ndarray>token_touched, <cnp.ndarray>position_touched))
         or not -1 <= token_skip_row < V
     ):
         return None

@@ -22,7 +22,7 @@
 # block function for the job's dtype.
 
 from libc.stdint cimport int64_t, uint8_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport abort, calloc, free, malloc
 from libc.string cimport memcpy
 
 from _openmp cimport CPOSEMBED_OPENMP_ENABLED, omp_get_max_threads
@@ -101,6 +101,7 @@ cdef enum:
 # holds the others up by little, for a claim that costs tens of nanoseconds.
 cdef enum:
     _CHUNK_ELEMS = 65536
+cdef Py_ssize_t _chunk_elems = _CHUNK_ELEMS  # set_tuning(chunk_elems=) for tests
 # The scatter-adds' chunks are larger (each reads its table rows into cache
 # first): the distinct-rows plan's chunk reads about this many elements of
 # the gradient; the scan and the sort cut the table into this many ranges
@@ -250,7 +251,7 @@ cdef void _lookup(const real_t* table, const int64_t* rows, real_t* out, Py_ssiz
     cdef RowJob job
     cdef cpe_crew crew
     cdef int prefetch = L * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
-    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(n, per)
+    cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(n, per)
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
@@ -305,7 +306,7 @@ cdef void _add(const real_t* tokens, const real_t* table, const int64_t* rows, r
     # out[i, :] = tokens[i, :] + table[rows[i % m], :] for i < N, on n_threads.
     cdef RowJob job
     cdef cpe_crew crew
-    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(N, per)
+    cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(N, per)
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
@@ -784,7 +785,7 @@ cdef void _sgd_rows(real_t* table, const real_t* grad, const int64_t* rows, Py_s
     # The update of the n distinct rows `rows`; each chunk owns its rows.
     cdef SgdJob job
     cdef cpe_crew crew
-    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(n, per)
+    cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(n, per)
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
@@ -858,7 +859,7 @@ cdef void _embed(const real_t* tokens, const int64_t* ids, Py_ssize_t V,
     cdef RowJob job
     cdef cpe_crew crew
     cdef int prefetch = V * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
-    cdef Py_ssize_t per = _per_chunk(d, _CHUNK_ELEMS), n_chunks = _chunks_of(N, per)
+    cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(N, per)
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:

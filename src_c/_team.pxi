@@ -153,6 +153,8 @@ cdef extern from *:
     static long long cpe_backoff_ns = CPE_BACKOFF_MIN;
     static long long cpe_last_loss = 0;
     static long cpe_losses = 0;
+    static long cpe_helped = 0;             /* calls where a helper ran a chunk */
+    static int cpe_judging = 1;             /* 0: never back off (tests) */
     static pthread_mutex_t cpe_pool_mu = PTHREAD_MUTEX_INITIALIZER;
 
     static inline int cpe_ld(int *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -211,7 +213,7 @@ cdef extern from *:
         return s;
     }
     static int cpe_spin_while(cpe_helper *h, int v) {
-        return cpe_spin_while_ns(h, v, cpe_spin_ns);
+        return cpe_spin_while_ns(h, v, __atomic_load_n(&cpe_spin_ns, __ATOMIC_RELAXED));
     }
 
     /* Sleeps while the state is `asleep`, if it can move it from `awake`. */
@@ -278,10 +280,11 @@ cdef extern from *:
         while (n < want && cpe_n_idle > 0) got[n++] = cpe_idle[--cpe_n_idle];
         while (n < want && !cpe_refused && cpe_n_started < cpe_max_helpers) {
             if (!cpe_start_helper(cpe_n_started)) {
-                cpe_refused = 1;
+                __atomic_store_n(&cpe_refused, 1, __ATOMIC_RELAXED);
                 break;
             }
-            got[n++] = cpe_n_started++;
+            got[n++] = cpe_n_started;
+            __atomic_store_n(&cpe_n_started, cpe_n_started + 1, __ATOMIC_RELAXED);
         }
         pthread_mutex_unlock(&cpe_pool_mu);
         return n;
@@ -315,7 +318,7 @@ cdef extern from *:
             cpe_backoff_ns = CPE_BACKOFF_MIN;
         }
         cpe_last_loss = now;
-        cpe_losses++;
+        __atomic_add_fetch(&cpe_losses, 1, __ATOMIC_RELAXED);
         __atomic_store_n(&cpe_serial_until, now + cpe_backoff_ns, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&cpe_pool_mu);
     }
@@ -330,11 +333,13 @@ cdef extern from *:
     /* The end of a helper's part in a call: called off if it never started,
      * else waited for (it is in its last chunk): spinning for up to
      * `spin_ns`, then asleep; then FREE again. */
-    static void cpe_finish(cpe_helper *h, long spin_ns) {
-        if (cpe_cas(&h->state, H_ASSIGNED, H_FREE)) return;
+    static int cpe_finish(cpe_helper *h, long spin_ns) {
+        /* 1 if the helper took part (ran its share or stole), 0 if called off. */
+        if (cpe_cas(&h->state, H_ASSIGNED, H_FREE)) return 0;
         if (cpe_spin_while_ns(h, H_RUNNING, spin_ns) == H_RUNNING)
             cpe_sleep(h, H_RUNNING, H_RUNNING_WAITED);
         cpe_set(h, H_FREE, H_DONE_SLEEP);
+        return 1;
     }
 
     /* A fork copies no helper thread: the child starts with none. The lock
@@ -342,13 +347,18 @@ cdef extern from *:
     static void cpe_fork_prepare(void) { pthread_mutex_lock(&cpe_pool_mu); }
     static void cpe_fork_parent(void) { pthread_mutex_unlock(&cpe_pool_mu); }
     static void cpe_fork_child(void) {
-        pthread_mutex_init(&cpe_pool_mu, NULL);
+        /* The forking thread took the lock in cpe_fork_prepare and is the
+         * child's only thread: it releases it (re-initialising a locked
+         * mutex is undefined). */
+        pthread_mutex_unlock(&cpe_pool_mu);
         cpe_n_idle = 0;
         cpe_n_started = 0;
         cpe_refused = 0;
         cpe_serial_until = 0;
         cpe_backoff_ns = CPE_BACKOFF_MIN;
         cpe_last_loss = 0;
+        cpe_losses = 0;
+        cpe_helped = 0;
     }
     static void cpe_team_init(void) {
         pthread_atfork(cpe_fork_prepare, cpe_fork_parent, cpe_fork_child);
@@ -358,11 +368,26 @@ cdef extern from *:
         cpe_max_helpers = n < 0 ? 0 : (n > CPE_MAX_HELPERS ? CPE_MAX_HELPERS : n);
         pthread_mutex_unlock(&cpe_pool_mu);
     }
-    static int cpe_team_started(void) { return cpe_n_started; }
-    static int cpe_team_refused(void) { return cpe_refused; }
-    static long cpe_team_losses(void) { return cpe_losses; }
-    static void cpe_team_set_spin(long ns) { cpe_spin_ns = ns < 0 ? 0 : ns; }
-    static long cpe_team_spin(void) { return cpe_spin_ns; }
+    static int cpe_team_started(void) { return __atomic_load_n(&cpe_n_started, __ATOMIC_RELAXED); }
+    static int cpe_team_refused(void) { return __atomic_load_n(&cpe_refused, __ATOMIC_RELAXED); }
+    static long cpe_team_losses(void) { return __atomic_load_n(&cpe_losses, __ATOMIC_RELAXED); }
+    static long cpe_team_helped(void) { return __atomic_load_n(&cpe_helped, __ATOMIC_RELAXED); }
+    static int cpe_team_max(void) { return __atomic_load_n(&cpe_max_helpers, __ATOMIC_RELAXED); }
+    static int cpe_team_available(void) { return 1; }
+    static void cpe_team_set_spin(long ns) {
+        __atomic_store_n(&cpe_spin_ns, ns < 0 ? 0 : ns, __ATOMIC_RELAXED);
+    }
+    static long cpe_team_spin(void) { return __atomic_load_n(&cpe_spin_ns, __ATOMIC_RELAXED); }
+    /* For tests: judging on or off; either way the back-off ends now. */
+    static void cpe_team_set_judging(int on) {
+        pthread_mutex_lock(&cpe_pool_mu);
+        cpe_judging = on;
+        __atomic_store_n(&cpe_serial_until, 0, __ATOMIC_RELAXED);
+        cpe_backoff_ns = CPE_BACKOFF_MIN;
+        cpe_last_loss = 0;
+        pthread_mutex_unlock(&cpe_pool_mu);
+    }
+    static int cpe_team_judging(void) { return __atomic_load_n(&cpe_judging, __ATOMIC_RELAXED); }
     /* For tests: as if the OS had refused (or again allowed) new threads. */
     static void cpe_team_set_refused(int refused) {
         pthread_mutex_lock(&cpe_pool_mu);
@@ -407,6 +432,7 @@ cdef extern from *:
             int i;
             long long t_start = cpe_now_ns(), t_end;
             long spin;
+            int helped;
             cpe_pace pace;
             cpe_job_init(&job, fn, arg, n_chunks, 1 + crew->n);
             for (i = 0; i < crew->n; i++) {
@@ -419,15 +445,17 @@ cdef extern from *:
              * time unless its CPU was taken away: the caller spins that long
              * (at least cpe_spin_ns, at most CPE_FINISH_SPIN_MAX) before it
              * sleeps, so an idle machine does not pay a wake-up per call. */
-            spin = cpe_spin_ns;
+            spin = cpe_team_spin();
             if (spin > 0 && pace.n > 0 && pace.sum / pace.n > spin)
                 spin = pace.sum / pace.n < CPE_FINISH_SPIN_MAX ? (long)(pace.sum / pace.n)
                                                                : CPE_FINISH_SPIN_MAX;
-            for (i = 0; i < crew->n; i++) cpe_finish(&cpe_helpers[crew->got[i]], spin);
+            helped = 0;
+            for (i = 0; i < crew->n; i++) helped |= cpe_finish(&cpe_helpers[crew->got[i]], spin);
+            if (helped) __atomic_add_fetch(&cpe_helped, 1, __ATOMIC_RELAXED);
             cpe_give_back(crew->got, crew->n);
             crew->n = 0;
             t_end = cpe_now_ns();
-            cpe_judge(t_end - t_start, &pace, n_chunks, t_end);
+            if (cpe_team_judging()) cpe_judge(t_end - t_start, &pace, n_chunks, t_end);
             return;
         }
     #endif
@@ -442,6 +470,11 @@ cdef extern from *:
     static void cpe_team_set_spin(long ns) { (void)ns; }
     static long cpe_team_spin(void) { return 0; }
     static void cpe_team_set_refused(int refused) { (void)refused; }
+    static long cpe_team_helped(void) { return 0; }
+    static int cpe_team_max(void) { return 0; }
+    static int cpe_team_available(void) { return 0; }
+    static void cpe_team_set_judging(int on) { (void)on; }
+    static int cpe_team_judging(void) { return 1; }
     #endif
     """
     ctypedef void (*cpe_chunk_fn)(void* arg, Py_ssize_t chunk) noexcept nogil
@@ -458,6 +491,11 @@ cdef extern from *:
     void cpe_team_set_spin(long ns) noexcept nogil
     long cpe_team_spin() noexcept nogil
     void cpe_team_set_refused(int refused) noexcept nogil
+    long cpe_team_helped() noexcept nogil
+    int cpe_team_max() noexcept nogil
+    int cpe_team_available() noexcept nogil
+    void cpe_team_set_judging(int on) noexcept nogil
+    int cpe_team_judging() noexcept nogil
 
 cpe_team_init()
 
@@ -499,7 +537,7 @@ cdef int _env_threads() noexcept nogil:
     while raw[0] == 32 or (9 <= raw[0] <= 13):
         raw += 1
     while 48 <= raw[0] <= 57:
-        if digits < 9:
+        if n < 100000000:
             n = n * 10 + (raw[0] - 48)
         else:
             n = 1000000000  # more threads than any cap: capped below
@@ -517,7 +555,7 @@ cdef int _default_threads() noexcept nogil:
     # here (the Python layer reports it: get_num_threads warns, show_config
     # says so).
     cdef int n
-    if not CPOSEMBED_OPENMP_ENABLED:
+    if not CPOSEMBED_OPENMP_ENABLED or not cpe_team_available():
         return 1
     n = _user_threads
     if n == 0:
@@ -540,7 +578,7 @@ cdef int _explicit_threads(object num_threads) noexcept:
         return 0
     if overflow < 0 or (overflow == 0 and n < 1):
         return 0
-    if not CPOSEMBED_OPENMP_ENABLED:
+    if not CPOSEMBED_OPENMP_ENABLED or not cpe_team_available():
         return 1
     if overflow > 0 or n > _OVERSUBSCRIBE * _cpus:
         return _OVERSUBSCRIBE * _cpus
@@ -614,12 +652,21 @@ def cpu_limit():
     return _cpus
 
 
-def set_tuning(serial_below=None, stream_bytes=None, scan_block_bytes=None):
+def set_tuning(serial_below=None, stream_bytes=None, scan_block_bytes=None,
+               chunk_elems=None, judge=None):
     """Change the size rules (for tests that force every kernel path on small
-    data); returns the previous values as a dict. None keeps a value."""
-    global _SERIAL_BELOW, _STREAM_BYTES, _scan_block_bytes
+    data): the serial threshold, the streaming-store threshold, the scan's
+    cache budget, the row kernels' chunk size, and whether the team backs off
+    after calls its helpers did not speed up (setting it ends a back-off);
+    returns the previous values as a dict. None keeps a value."""
+    global _SERIAL_BELOW, _STREAM_BYTES, _scan_block_bytes, _chunk_elems
     old = {"serial_below": _SERIAL_BELOW, "stream_bytes": _STREAM_BYTES,
-           "scan_block_bytes": _scan_block_bytes}
+           "scan_block_bytes": _scan_block_bytes, "chunk_elems": _chunk_elems,
+           "judge": bool(cpe_team_judging())}
+    if chunk_elems is not None:
+        _chunk_elems = max(1, <Py_ssize_t>chunk_elems)
+    if judge is not None:
+        cpe_team_set_judging(1 if judge else 0)
     if serial_below is not None:
         _SERIAL_BELOW = max(0, <Py_ssize_t>serial_below)
     if stream_bytes is not None:
@@ -641,12 +688,15 @@ def went_parallel():
 
 def team_info():
     """The team's state: a dict of the helper threads started in this
-    process, the most it may start, whether the OS refused one, and how
-    many calls took longer with helpers than they would have alone (each
-    sends the following calls to their callers alone for a while)."""
-    return {"started": cpe_team_started(), "max": _OVERSUBSCRIBE * _cpus - 1
-            if CPOSEMBED_OPENMP_ENABLED else 0, "refused": bool(cpe_team_refused()),
-            "losses": cpe_team_losses()}
+    process, the most it may start (0 where there is no team: a serial
+    build, Windows), whether the OS refused one, how many calls took longer
+    with helpers than they would have alone (each sends the following calls
+    to their callers alone for a while), and in how many calls a helper ran
+    a chunk."""
+    return {"started": cpe_team_started(),
+            "max": cpe_team_max() if CPOSEMBED_OPENMP_ENABLED else 0,
+            "refused": bool(cpe_team_refused()), "losses": cpe_team_losses(),
+            "helped": cpe_team_helped()}
 
 
 def set_team_spin(long ns):

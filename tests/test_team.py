@@ -72,7 +72,14 @@ def test_every_operation_bitwise_the_same_on_1_to_4_threads(L, V, d, B, T, dtype
     # Few distinct rows (many repeats per row) or many: both orders show.
     pos = rng.integers(0, rng.integers(1, L + 1), size=(B, T))
     ids = rng.integers(0, V, size=(B, T))
-    with tuned(serial_below=0, scan_block_bytes=int(rng.integers(1, 4096))):
+    # A chunk of a few rows, and no back-off after calls the helpers did not
+    # speed up (tiny calls never are): the helpers take part.
+    with tuned(
+        serial_below=0,
+        scan_block_bytes=int(rng.integers(1, 4096)),
+        chunk_elems=int(rng.integers(1, 4 * d + 1)),
+        judge=False,
+    ):
         want = _results(1, table, tokens, pos, ids, vocab, plan)
         for n in THREADS[1:]:
             got = _results(n, table, tokens, pos, ids, vocab, plan)
@@ -80,6 +87,25 @@ def test_every_operation_bitwise_the_same_on_1_to_4_threads(L, V, d, B, T, dtype
                 assert np.array_equal(bits(a), bits(b)), (n, k)
     ref = reference_scatter(np.zeros_like(table), tokens, pos)
     assert np.array_equal(bits(want[3]), bits(ref))
+
+
+@needs_openmp
+def test_helpers_take_part_in_calls_planned_on_several_threads():
+    # The thread count a call is planned on is only an upper bound: the
+    # caller steals the chunks of a helper that has not started. Over many
+    # calls of many chunks, helpers must run some of them.
+    if _core.team_info()["max"] == 0:
+        pytest.skip("no team on this platform")
+    table = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    pos = np.arange(64 * 256) % 64
+    before = _core.team_info()["helped"]
+    with tuned(serial_below=0, chunk_elems=32, judge=False):
+        for _ in range(2000):
+            got = cposembed.lookup(table, pos, num_threads=2)
+            if _core.team_info()["helped"] > before:
+                break
+    assert np.array_equal(got, table[pos])
+    assert _core.team_info()["helped"] > before, "no helper ran a chunk in 2000 calls"
 
 
 @needs_openmp

@@ -163,13 +163,29 @@ def test_env_num_threads_with_unicode_white_space_is_used_or_warned(monkeypatch,
     assert n == 1 or warned, f"{raw!r}: ignored (default {n} threads) without a warning"
 
 
+@pytest.mark.parametrize(
+    "raw, read",
+    [("0001", 1), ("  02 ", 2), ("000", -1), ("0", -1), ("00000000000000000003", 3)],
+)
+def test_env_num_threads_reads_the_value_whatever_its_leading_zeros(monkeypatch, raw, read):
+    # The variable is read as a number: leading zeros neither count as
+    # digits of a huge value nor make a zero valid.
+    monkeypatch.setenv("CPOSEMBED_NUM_THREADS", raw)
+    assert _core.env_threads() == read
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cposembed.get_num_threads()
+    warned = any(issubclass(w.category, RuntimeWarning) for w in caught)
+    assert warned == (read < 0), (raw, caught)
+
+
 threadpoolctl = pytest.importorskip("threadpoolctl")
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-CPU_LIMIT = _threads._cpu_limit()
+CPU_LIMIT = _threads.cpu_limit()
 
 
 needs_openmp = pytest.mark.skipif(not cposembed.openmp_enabled(), reason="serial build")

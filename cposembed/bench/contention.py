@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _threads
+from .. import _core, _threads
 from ..functional import add_positions, scatter_add
 from ._common import OURS, Contender, Fixture, Group
 
@@ -33,11 +33,12 @@ def _versus_one(run: Callable[..., Any], nbytes: int, target: float | None) -> l
 def _run_train(num_threads: int | None) -> None:
     from ..train import train
 
+    before = _core.user_threads() or None  # set_num_threads(n), or None: not set
     _threads.set_num_threads(num_threads)
     try:
         train(steps=CONTENTION_TRAIN_STEPS, progress=False)
     finally:
-        _threads.set_num_threads(None)
+        _threads.set_num_threads(before)
 
 
 def contention(f: Fixture) -> list[Group]:
