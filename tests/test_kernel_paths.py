@@ -90,12 +90,21 @@ def test_set_tuning_returns_and_restores_the_rules():
     old = _core.set_tuning()
     assert old == _core.set_tuning()  # no arguments: nothing changes
     try:
-        prev = _core.set_tuning(serial_below=0, stream_bytes=0, scan_block_bytes=64)
+        prev = _core.set_tuning(
+            serial_below=0, stream_bytes=0, scan_block_bytes=64, chunk_elems=3, judge=False
+        )
         assert prev == old
-        assert _core.set_tuning() == {"serial_below": 0, "stream_bytes": 0, "scan_block_bytes": 64}
+        assert _core.set_tuning() == {
+            "serial_below": 0,
+            "stream_bytes": 0,
+            "scan_block_bytes": 64,
+            "chunk_elems": 3,
+            "judge": False,
+        }
     finally:
         _core.set_tuning(**old)
     assert old["serial_below"] == SERIAL and old["stream_bytes"] == STREAM
+    assert old["chunk_elems"] == 65536 and old["judge"] is True
 
 
 # ------------------------------------------------------ streaming vs plain

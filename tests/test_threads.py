@@ -176,7 +176,8 @@ def test_env_num_threads_reads_the_value_whatever_its_leading_zeros(monkeypatch,
         warnings.simplefilter("always")
         cposembed.get_num_threads()
     warned = any(issubclass(w.category, RuntimeWarning) for w in caught)
-    assert warned == (read < 0), (raw, caught)
+    if cposembed.openmp_enabled():  # a serial build reads no thread setting
+        assert warned == (read < 0), (raw, caught)
 
 
 threadpoolctl = pytest.importorskip("threadpoolctl")
