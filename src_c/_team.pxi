@@ -153,7 +153,7 @@ cdef extern from *:
     static long long cpe_backoff_ns = CPE_BACKOFF_MIN;
     static long long cpe_last_loss = 0;
     static long cpe_losses = 0;
-    static long cpe_helped = 0;             /* calls where a helper ran a chunk */
+    static long cpe_helped = 0;             /* calls a helper took part in */
     static int cpe_judging = 1;             /* 0: never back off (tests) */
     static pthread_mutex_t cpe_pool_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -334,7 +334,8 @@ cdef extern from *:
      * else waited for (it is in its last chunk): spinning for up to
      * `spin_ns`, then asleep; then FREE again. */
     static int cpe_finish(cpe_helper *h, long spin_ns) {
-        /* 1 if the helper took part (ran its share or stole), 0 if called off. */
+        /* 1 if the helper took part (it started on the call's chunks before the
+         * caller finished them), 0 if it was called off. */
         if (cpe_cas(&h->state, H_ASSIGNED, H_FREE)) return 0;
         if (cpe_spin_while_ns(h, H_RUNNING, spin_ns) == H_RUNNING)
             cpe_sleep(h, H_RUNNING, H_RUNNING_WAITED);
@@ -691,8 +692,8 @@ def team_info():
     process, the most it may start (0 where there is no team: a serial
     build, Windows), whether the OS refused one, how many calls took longer
     with helpers than they would have alone (each sends the following calls
-    to their callers alone for a while), and in how many calls a helper ran
-    a chunk."""
+    to their callers alone for a while), and how many calls a helper took
+    part in (started on the chunks before its caller had finished them)."""
     return {"started": cpe_team_started(),
             "max": cpe_team_max() if CPOSEMBED_OPENMP_ENABLED else 0,
             "refused": bool(cpe_team_refused()), "losses": cpe_team_losses(),

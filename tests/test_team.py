@@ -105,7 +105,7 @@ def test_helpers_take_part_in_calls_planned_on_several_threads():
             if _core.team_info()["helped"] > before:
                 break
     assert np.array_equal(got, table[pos])
-    assert _core.team_info()["helped"] > before, "no helper ran a chunk in 2000 calls"
+    assert _core.team_info()["helped"] > before, "no helper took part in 2000 calls"
 
 
 @needs_openmp
