@@ -99,7 +99,7 @@ def test_set_tuning_returns_and_restores_the_rules():
             "stream_bytes": 0,
             "scan_block_bytes": 64,
             "chunk_elems": 3,
-            "judge": False,
+            "judge": not _core.team_info()["max"],  # no team (serial build): it always is
         }
     finally:
         _core.set_tuning(**old)
