@@ -556,7 +556,7 @@ cdef int _default_threads() noexcept nogil:
     # here (the Python layer reports it: get_num_threads warns, show_config
     # says so).
     cdef int n
-    if not CPOSEMBED_OPENMP_ENABLED or not cpe_team_available():
+    if not cpe_team_available():  # 0 in a serial build and where there is no team
         return 1
     n = _user_threads
     if n == 0:
@@ -579,7 +579,7 @@ cdef int _explicit_threads(object num_threads) noexcept:
         return 0
     if overflow < 0 or (overflow == 0 and n < 1):
         return 0
-    if not CPOSEMBED_OPENMP_ENABLED or not cpe_team_available():
+    if not cpe_team_available():
         return 1
     if overflow > 0 or n > _OVERSUBSCRIBE * _cpus:
         return _OVERSUBSCRIBE * _cpus
@@ -695,7 +695,7 @@ def team_info():
     to their callers alone for a while), and how many calls a helper took
     part in (started on the chunks before its caller had finished them)."""
     return {"started": cpe_team_started(),
-            "max": cpe_team_max() if CPOSEMBED_OPENMP_ENABLED else 0,
+            "max": cpe_team_max(),
             "refused": bool(cpe_team_refused()), "losses": cpe_team_losses(),
             "helped": cpe_team_helped()}
 
