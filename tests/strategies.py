@@ -3,6 +3,7 @@ the comparisons against NumPy that the property tests of every operation share."
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 from helpers import make_out
 from hypothesis import note
@@ -178,3 +179,66 @@ def numpy_or_error(fn):
             return fn(), None
     except Exception as exc:  # noqa: BLE001 - any NumPy error is a valid reference outcome
         return None, exc
+
+
+# --- the four float dtypes of the tables (float16, bfloat16, float32, float64) --
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+TABLE_DTYPES = [np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64)]
+
+
+# Values that bite in one of the four: signed zeros, infinities, NaNs, the
+# smallest subnormals and largest finites of each, the values whose sums or
+# conversions are rounding ties (2048 + 1 in float16, 256 + 1 in bfloat16,
+# 2**24 + 1 in float32; 1 + 2**-8 + 2**-30 rounds to bfloat16 differently in
+# one rounding and through float32), and values that overflow a half dtype.
+EDGE_FLOATS = [
+    np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 0.5, 1 / 3, 0.1,
+    2048.0, 2049.0, 4097.0, 256.0, 257.0, 2.0**24, 2.0**24 + 1,
+    1 + 2.0**-8, 1 + 2.0**-8 + 2.0**-30, 1 + 2.0**-11, 1 + 2.0**-11 + 2.0**-40, 1 + 2.0**-24,
+    65504.0, -65504.0, 65519.0, 65520.0, 2.0**-24, 2.0**-25, 2.0**-14, 6.0e-5,
+    2.0**-133, 2.0**-126, 1e-45, 3.3895313892515355e38, 3.4028234663852886e38, 1e308, 5e-324,
+]  # fmt: skip
+
+
+# How an edge_values array mixes its kinds of element: (edge values, small
+# integers, half-integers, normal floats, any bit pattern) weights.
+EDGE_MIXES = {
+    "mixed": (3, 3, 2, 2, 2),
+    "ties": (1, 6, 3, 0, 0),
+    "edges": (1, 0, 0, 0, 0),
+    "bits": (0, 0, 0, 0, 1),
+    "normal": (0, 0, 0, 1, 0),
+}
+
+
+@st.composite
+def edge_values(draw, shape, dtype) -> np.ndarray:
+    """A C-contiguous array of ``dtype`` (one of TABLE_DTYPES): each element an
+    edge value, a small integer or half-integer (whose sums tie), a normal float,
+    or any bit pattern of the dtype (NaN payloads, signalling NaNs, subnormals),
+    in one of EDGE_MIXES, from a drawn seed (fast for any size)."""
+    dt = np.dtype(dtype)
+    size = int(np.prod(shape))
+    mix = draw(st.sampled_from(sorted(EDGE_MIXES)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    note(f"edge_values {dt.name} {shape}: {mix}")
+    weights = np.array(EDGE_MIXES[mix], dtype=np.float64)
+    kind = rng.choice(len(weights), size=size, p=weights / weights.sum())
+    floats = np.select(
+        [kind == 0, kind == 1, kind == 2],
+        [
+            np.array(EDGE_FLOATS)[rng.integers(0, len(EDGE_FLOATS), size)],
+            rng.integers(-4100, 4101, size).astype(np.float64),
+            rng.integers(-600, 601, size) / 2,
+        ],
+        rng.standard_normal(size) * 10.0 ** rng.integers(-3, 6, size),
+    )
+    with np.errstate(all="ignore"):
+        arr = floats.astype(dt)
+    n_bits = 8 * dt.itemsize
+    patterns = rng.integers(0, 2**n_bits, size, dtype=np.uint64 if n_bits == 64 else np.int64)
+    bits = arr.view(f"u{dt.itemsize}")
+    bits[kind == 4] = patterns[kind == 4].astype(bits.dtype)
+    return arr.reshape(shape)
