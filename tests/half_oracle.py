@@ -26,7 +26,8 @@ def uint_bits(a: np.ndarray) -> np.ndarray:
 
 
 def is_nan(a) -> np.ndarray:
-    return np.isnan(np.asarray(a).astype(np.float64))
+    with np.errstate(invalid="ignore"):
+        return np.isnan(np.asarray(a).astype(np.float64))
 
 
 def _non_finite(a) -> np.ndarray:

@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 from strategies import BFLOAT16, TABLE_DTYPES, edge_values
 
 import cposembed
-from cposembed import _threads
 
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 HALVES = [F16, BFLOAT16]
@@ -240,3 +239,390 @@ def test_embed_backward_is_np_add_at_on_each_table(table_dtype, g_dtype, data, t
     if gp_arg is not None:
         assert_bitwise(gp, want_p, nan_p)
     g_kept()
+
+
+# -------------------------------------------------- both sides of the threshold
+def _zipf_rows(rng, n_rows, shape):
+    """Positions drawn Zipf-like: a few rows take most contributions (the scan
+    and sort plans of the scatter-adds), the rest once or never."""
+    p = 1.0 / np.arange(1, n_rows + 1) ** 1.2
+    return rng.permutation(n_rows)[rng.choice(n_rows, size=shape, p=p / p.sum())]
+
+
+def _mostly_normal(rng, shape, dtype):
+    """Normal values with some edges sprinkled in (ties, NaNs, infinities, subnormals)."""
+    values = rng.standard_normal(shape) * 100
+    sprinkle = rng.random(shape) < 0.01
+    edges = np.array([2049.0, 257.0, np.nan, np.inf, -np.inf, -0.0, 2.0**-24, 2.0**-133])
+    values[sprinkle] = rng.choice(edges, size=int(sprinkle.sum()))
+    with np.errstate(all="ignore"):
+        return values.astype(dtype)
+
+
+D = 48
+
+
+def _big(which):
+    """(B, T) of about _sizes()[which] elements of width D: below and above the threshold."""
+    T = 64
+    return max(1, _sizes()[which] // (T * D)), T
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["below", "above"])
+@pytest.mark.parametrize("dtype", TABLE_DTYPES, ids=DTYPE_IDS)
+def test_lookup_every_thread_count_large(dtype, which):
+    rng = np.random.default_rng(1)
+    table = _mostly_normal(rng, (300, D), dtype)
+    rows = rng.integers(-300, 300, size=_big(which))
+    want = table[rows]
+    for threads in (1, 2, 3, 4):
+        out = np.empty_like(want)
+        assert_bitwise(cposembed.lookup(table, rows, out=out, num_threads=threads), want)
+        assert_bitwise(cposembed.lookup(table, rows, num_threads=threads), want)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["below", "above"])
+@pytest.mark.parametrize("tok_dtype,table_dtype", PAIRS, ids=PAIR_IDS)
+def test_add_positions_every_thread_count_large(tok_dtype, table_dtype, which):
+    if no_common_type(tok_dtype, table_dtype):
+        pytest.skip("float16 with bfloat16: a TypeError (the property test checks it)")
+    rng = np.random.default_rng(2)
+    B, T = _big(which)
+    table = _mostly_normal(rng, (T + 3, D), table_dtype)
+    tokens = _mostly_normal(rng, (B, T, D), tok_dtype)
+    explicit = rng.integers(-(T + 3), T + 3, size=(B, T))
+    for positions, rows in ((None, np.arange(T)), (explicit, explicit)):
+        want, nan_pairs = numpy_add(tokens, table, rows)
+        for threads in (1, 2, 3, 4):
+            got = cposembed.add_positions(tokens, table, positions, num_threads=threads)
+            assert_bitwise(got, want, nan_pairs)
+        if want.dtype == tokens.dtype:  # in place
+            work = tokens.copy()
+            assert cposembed.add_positions(work, table, positions, out=work) is work
+            assert_bitwise(work, want, nan_pairs)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["below", "above"])
+@pytest.mark.parametrize("grad_dtype,g_dtype", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("kind", ["default", "zipf"])
+def test_scatter_add_every_thread_count_large(grad_dtype, g_dtype, kind, which):
+    rng = np.random.default_rng(3)
+    B, T = _big(which)
+    n_rows = 257
+    grad0 = _mostly_normal(rng, (n_rows, D), grad_dtype)
+    g = _mostly_normal(rng, (B, T, D), g_dtype)
+    if kind == "default":
+        positions, rows = None, np.arange(T)
+    else:
+        positions = rows = _zipf_rows(rng, n_rows, (B, T))
+    want, nan_pairs = numpy_add_at(grad0, rows, g)
+    for threads in (1, 2, 3, 4):
+        grad = grad0.copy()
+        try:
+            cposembed.scatter_add(grad, g, positions, num_threads=threads)
+        except TypeError:
+            assert no_common_type(grad_dtype, g_dtype)
+            assert grad.tobytes() == grad0.tobytes()
+            continue
+        assert_bitwise(grad, want, nan_pairs)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["below", "above"])
+@pytest.mark.parametrize("wte_dtype,wpe_dtype", PAIRS, ids=PAIR_IDS)
+def test_embed_every_thread_count_large(wte_dtype, wpe_dtype, which):
+    if no_common_type(wte_dtype, wpe_dtype):
+        pytest.skip("float16 with bfloat16: a TypeError (the property test checks it)")
+    rng = np.random.default_rng(4)
+    B, T = _big(which)
+    wte = _mostly_normal(rng, (3000, D), wte_dtype)
+    wpe = _mostly_normal(rng, (T, D), wpe_dtype)
+    ids = _zipf_rows(rng, 3000, (B, T))
+    want, nan_pairs = numpy_add(wte[ids], wpe, np.arange(T))
+    for threads in (1, 2, 3, 4):
+        assert_bitwise(cposembed.embed(ids, wte, wpe, num_threads=threads), want, nan_pairs)
+        out = np.empty_like(want)
+        assert cposembed.embed(ids, wte, wpe, out=out, num_threads=threads) is out
+        assert_bitwise(out, want, nan_pairs)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["below", "above"])
+@pytest.mark.parametrize("table_dtype,g_dtype", PAIRS, ids=PAIR_IDS)
+def test_embed_backward_every_thread_count_large(table_dtype, g_dtype, which):
+    rng = np.random.default_rng(5)
+    B, T = _big(which)
+    gt0 = _mostly_normal(rng, (3000, D), table_dtype)
+    gp0 = _mostly_normal(rng, (T + 5, D), table_dtype)
+    g = _mostly_normal(rng, (B, T, D), g_dtype)
+    ids = _zipf_rows(rng, 3000, (B, T))
+    pos = rng.integers(0, T + 5, size=(B, T))
+    want_t, nan_t = numpy_add_at(gt0, ids, g)
+    want_p, nan_p = numpy_add_at(gp0, pos, g)
+    for threads in (1, 2, 3, 4):
+        gt, gp = gt0.copy(), gp0.copy()
+        try:
+            cposembed.embed_backward(gt, gp, g, ids, pos, num_threads=threads)
+        except TypeError:
+            assert no_common_type(table_dtype, g_dtype)
+            assert gt.tobytes() == gt0.tobytes() and gp.tobytes() == gp0.tobytes()
+            continue
+        assert_bitwise(gt, want_t, nan_t)
+        assert_bitwise(gp, want_p, nan_p)
+
+
+# ---------------------------------------------------------------- the issue's facts
+@pytest.mark.parametrize("g_dtype", TABLE_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("side", [None, 0], ids=["default", "threaded"])
+def test_a_hundred_adds_of_one_leave_a_float16_2048(g_dtype, side):
+    """2048 + 1 is a tie in float16 (to even: 2048), and the table rounds after
+    each add, so a hundred ones leave 2048, as np.add.at leaves it."""
+    ones = np.ones((100, 4), g_dtype)
+    want = np.full((3, 4), 2048, np.float16)
+    np.add.at(want, np.zeros(100, np.int64), ones)
+    assert (want == 2048).all()
+    with tuned(serial_below=side):
+        for threads in (1, 2, 4):
+            grad = np.full((3, 4), 2048, np.float16)
+            cposembed.scatter_add(grad, ones, np.zeros(100, np.int64), num_threads=threads)
+            assert_bitwise(grad, want)
+            gt = np.full((3, 4), 2048, np.float16)
+            gp = np.full((3, 4), 2048, np.float16)
+            cposembed.embed_backward(gt, gp, ones[None], np.zeros((1, 100), np.int64), [0] * 100)
+            assert_bitwise(gt, want)
+            assert_bitwise(gp, want)
+
+
+def test_float64_to_bfloat16_follows_the_installed_ml_dtypes():
+    """1 + 2**-8 + 2**-30 is just above a bfloat16 tie: one rounding gives
+    1.0078125, rounding through float32 (ml_dtypes 0.6) loses the 2**-30 and
+    rounds the tie to even, 1.0. A float64 gradient into a bfloat16 table is
+    converted as the installed ml_dtypes converts."""
+    x = 1 + 2.0**-8 + 2.0**-30
+    installed = np.array([x]).astype(BFLOAT16)
+    through_float32 = np.array([x]).astype(np.float32).astype(BFLOAT16)
+    assert float(through_float32[0]) == 1.0
+    assert float(installed[0]) in (1.0, 1.0078125), ml_dtypes.__version__
+    g = np.full((4, 1, 3), x)
+    grad = np.full((1, 3), -0.0, BFLOAT16)  # -0.0 + x is x, exactly, in float64
+    cposembed.scatter_add(grad, g[:1], [0])
+    assert_bitwise(grad, np.full((1, 3), installed[0]))
+    want, _ = numpy_add_at(np.zeros((2, 3), BFLOAT16), [0, 1, 0, 1], g)
+    grad = np.zeros((2, 3), BFLOAT16)
+    cposembed.scatter_add(grad, g, [0, 1, 0, 1])
+    assert_bitwise(grad, want)
+
+
+@pytest.mark.parametrize("side", [None, 0], ids=["default", "threaded"])
+def test_a_float64_gradient_into_a_float32_table_is_np_add_at(side):
+    """Added in float64 and rounded once per add: 1 + (2**-24 + 2**-50) is just
+    above a float32 tie and rounds up; converted to float32 first, the 2**-50 is
+    lost and the tie rounds to 1.0."""
+    g = np.full((1, 1, 5), 2.0**-24 + 2.0**-50)
+    grad = np.ones((2, 5), np.float32)
+    with tuned(serial_below=side):
+        cposembed.scatter_add(grad, g, [1])
+    assert (grad[1] == np.float32(1 + 2.0**-23)).all() and (grad[0] == 1).all()
+    converted_first = np.ones((2, 5), np.float32)
+    np.add.at(converted_first, [1], g[0].astype(np.float32))
+    assert (converted_first == 1).all()
+    rng = np.random.default_rng(6)
+    big = rng.standard_normal((16, 512, 32)) * 1e-7
+    grad0 = np.ones((700, 32), np.float32)
+    pos = _zipf_rows(rng, 700, (16, 512))
+    want, _ = numpy_add_at(grad0, pos, big)
+    for threads in (1, 2, 3, 4):
+        grad = grad0.copy()
+        cposembed.scatter_add(grad, big, pos, num_threads=threads)
+        assert_bitwise(grad, want)
+    gt, gp = grad0.copy(), grad0[:512].copy()
+    cposembed.embed_backward(gt, gp, big, pos)
+    assert_bitwise(gt, want)
+    assert_bitwise(gp, numpy_add_at(grad0[:512], np.arange(512), big)[0])
+
+
+# ------------------------------------------------------------- every bit pattern
+def _every_pattern(dtype) -> np.ndarray:
+    """All 65536 values of a half dtype, as a (4096, 16) table."""
+    return np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(dtype).reshape(4096, 16)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
+def test_every_half_pattern_through_lookup(dtype):
+    table = _every_pattern(dtype)
+    rows = np.random.default_rng(7).permutation(4096)
+    assert_bitwise(cposembed.lookup(table, rows), table[rows])
+    assert uint_bits(cposembed.lookup(table, np.arange(4096))).tobytes() == table.tobytes()
+
+
+@pytest.mark.parametrize("other", TABLE_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
+def test_every_half_pattern_through_add(dtype, other):
+    """Every pattern as tokens and as the table, against every pattern (same
+    dtype) or -0.0 (the other dtypes: x + -0.0 is x converted, exactly)."""
+    if no_common_type(dtype, other):
+        pytest.skip("float16 with bfloat16: a TypeError")
+    every = _every_pattern(dtype)
+    rng = np.random.default_rng(8)
+    if other == dtype:
+        partner = every.reshape(-1)[rng.permutation(2**16)].reshape(4096, 16)
+    else:
+        partner = np.full((4096, 16), -0.0, other)
+    for tokens, table in ((every[None], partner), (partner[None], every)):
+        rows = rng.permutation(4096)
+        want, nan_pairs = numpy_add(tokens, table, rows)
+        for threads in (1, 2):
+            got = cposembed.add_positions(tokens, table, rows, num_threads=threads)
+            assert_bitwise(got, want, nan_pairs)
+        want, nan_pairs = numpy_add(tokens, table, np.arange(4096))
+        assert_bitwise(cposembed.add_positions(tokens, table), want, nan_pairs)
+
+
+@pytest.mark.parametrize("other", TABLE_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
+def test_every_half_pattern_through_scatter_add(dtype, other):
+    """Every pattern as grad_output into a table of the other dtype holding -0.0
+    (the conversion, exactly) or, for the same dtype, holding every pattern (the
+    sums); and every pattern as the table, with one add of every pattern."""
+    if no_common_type(dtype, other):
+        pytest.skip("float16 with bfloat16: np.add.at's bits or a TypeError (tested above)")
+    every = _every_pattern(dtype)
+    rng = np.random.default_rng(9)
+    rows = rng.permutation(4096)
+    start = every[rng.permutation(4096)] if other == dtype else np.full((4096, 16), -0.0, other)
+    for grad0, g in ((start, every), (every, start)):
+        want, nan_pairs = numpy_add_at(grad0, rows, g)
+        for threads in (1, 2):
+            grad = grad0.copy()
+            cposembed.scatter_add(grad, g, rows, num_threads=threads)
+            assert_bitwise(grad, want, nan_pairs)
+
+
+def _near_ties(dtype) -> np.ndarray:
+    """float64 values at, just below and just above every midpoint between two
+    neighbouring finite values of a half dtype (and the values themselves)."""
+    finite = _every_pattern(dtype).reshape(-1).astype(np.float64)
+    finite = np.unique(finite[np.isfinite(finite)])
+    mid = (finite[:-1] + finite[1:]) / 2
+    return np.concatenate([finite, mid, np.nextafter(mid, -np.inf), np.nextafter(mid, np.inf)])
+
+
+@pytest.mark.parametrize("g_dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
+def test_every_rounding_tie_into_a_half_table(dtype, g_dtype):
+    """A float32 or float64 gradient at every tie of a half dtype (and either
+    side of it), added into -0.0: the table gets the value rounded as NumPy
+    and ml_dtypes round it, for every representable neighbourhood."""
+    with np.errstate(all="ignore"):
+        values = _near_ties(dtype).astype(g_dtype)
+    values = values[: values.size - values.size % 16].reshape(-1, 16)
+    grad0 = np.full(values.shape, -0.0, dtype)
+    rows = np.arange(values.shape[0])
+    want, _ = numpy_add_at(grad0, rows, values)
+    for threads in (1, 2):
+        grad = grad0.copy()
+        cposembed.scatter_add(grad, values, rows, num_threads=threads)
+        assert_bitwise(grad, want)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
+def test_every_half_plus_half_tie_rounds_once_to_even(dtype):
+    """Every finite value v plus half its distance to the next value: an exact
+    tie in float32, rounded once to even (or up, for the next value's sake, when
+    that one is even), as NumPy and ml_dtypes round it."""
+    v = _every_pattern(dtype).reshape(-1)
+    after = (uint_bits(v) + 1).view(dtype)
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(v.astype(np.float64)) & np.isfinite(after.astype(np.float64))
+    v = v[finite]
+    step = (uint_bits(v) + 1).view(dtype).astype(np.float64) - v.astype(np.float64)
+    half = (step / 2).astype(dtype)
+    exact = half.astype(np.float64) == step / 2
+    tokens = v[exact][: exact.sum() - exact.sum() % 16].reshape(1, -1, 16)
+    table = half[exact][: tokens.size].reshape(-1, 16)
+    rows = np.arange(table.shape[0])
+    want, _ = numpy_add(tokens, table, rows)
+    for threads in (1, 2):
+        assert_bitwise(cposembed.add_positions(tokens, table, num_threads=threads), want)
+    assert_bitwise(cposembed.embed(np.arange(table.shape[0]), tokens[0], table), want[0])
+
+
+# ------------------------------------------------------------- nothing written
+L_ERR, D_ERR = 64, 512
+B_ERR, T_ERR = 4, 64
+
+
+def _pattern(shape, dtype, seed):
+    """Random bits (finite values and NaNs with payloads): any write shows."""
+    dt = np.dtype(dtype)
+    raw = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * dt.itemsize)
+    return raw.astype(np.uint8).view(dt).reshape(shape)
+
+
+def _bad_positions():
+    pos = np.random.default_rng(10).integers(-L_ERR, L_ERR, size=(B_ERR, T_ERR))
+    pos[-1, -1] = L_ERR
+    return pos
+
+
+def _error_cases(dtype):
+    """(name, exception, call on (table, tokens, out, grad, wpe)) for a half dtype."""
+    other = BFLOAT16 if dtype == F16 else F16
+    bad = _bad_positions()
+    ids = np.zeros((B_ERR, T_ERR), np.int64)
+    return [
+        ("lookup/position-out-of-range", IndexError,
+         lambda t, tok, out, g, wpe: cposembed.lookup(t, bad, out=out)),
+        ("lookup/out-of-the-other-half-dtype", TypeError,
+         lambda t, tok, out, g, wpe: cposembed.lookup(t, bad % L_ERR, out=out.view(other))),
+        ("lookup/out-float32", TypeError,
+         lambda t, tok, out, g, wpe: cposembed.lookup(
+             t, bad % L_ERR, out=np.zeros(out.shape, np.float32))),
+        ("add/position-out-of-range-in-place", IndexError,
+         lambda t, tok, out, g, wpe: cposembed.add_positions(tok, t, bad, out=tok)),
+        ("add/position-out-of-range", IndexError,
+         lambda t, tok, out, g, wpe: cposembed.add_positions(tok, t, bad, out=out)),
+        ("add/offset-past-the-end-in-place", IndexError,
+         lambda t, tok, out, g, wpe: cposembed.add_positions(
+             tok, t, offset=L_ERR - T_ERR + 1, out=tok)),
+        ("add/float16-with-bfloat16-in-place", TypeError,
+         lambda t, tok, out, g, wpe: cposembed.add_positions(tok, t.view(other), out=tok)),
+        ("add/float16-with-bfloat16-out", TypeError,
+         lambda t, tok, out, g, wpe: cposembed.add_positions(tok.view(other), t, out=out)),
+        ("add/half-tokens-float32-table-in-place", TypeError,
+         lambda t, tok, out, g, wpe: cposembed.add_positions(
+             tok, t.astype(np.float32), out=tok)),
+        ("scatter/position-out-of-range", IndexError,
+         lambda t, tok, out, g, wpe: cposembed.scatter_add(g, tok, bad)),
+        ("scatter/float64-grad-out-of-range", IndexError,
+         lambda t, tok, out, g, wpe: cposembed.scatter_add(g, tok.astype(np.float64), bad)),
+        ("scatter/offset-past-the-end", IndexError,
+         lambda t, tok, out, g, wpe: cposembed.scatter_add(g, tok, offset=L_ERR - T_ERR + 1)),
+        ("embed/id-out-of-range", IndexError,
+         lambda t, tok, out, g, wpe: cposembed.embed(bad, t, wpe, out=out)),
+        ("embed/float16-with-bfloat16", TypeError,
+         lambda t, tok, out, g, wpe: cposembed.embed(ids, t, wpe.view(other), out=out)),
+        ("embed_backward/id-out-of-range", IndexError,
+         lambda t, tok, out, g, wpe: cposembed.embed_backward(g, wpe, tok, bad)),
+        ("embed_backward/position-out-of-range", IndexError,
+         lambda t, tok, out, g, wpe: cposembed.embed_backward(g, wpe, tok, ids, bad)),
+    ]  # fmt: skip
+
+
+ERROR_NAMES = [name for name, _, _ in _error_cases(F16)]
+
+
+@pytest.mark.parametrize("side", [None, 0], ids=["default", "threaded"])
+@pytest.mark.parametrize("case", range(len(ERROR_NAMES)), ids=ERROR_NAMES)
+@pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
+def test_error_path_writes_nothing(dtype, case, side):
+    name, error, call = _error_cases(dtype)[case]
+    arrays = (
+        _pattern((L_ERR, D_ERR), dtype, 1),
+        _pattern((B_ERR, T_ERR, D_ERR), dtype, 2),
+        _pattern((B_ERR, T_ERR, D_ERR), dtype, 3),
+        _pattern((L_ERR, D_ERR), dtype, 4),
+        _pattern((L_ERR, D_ERR), dtype, 5),
+    )
+    kept = unchanged(*arrays)
+    with tuned(serial_below=side), pytest.raises(error), np.errstate(all="ignore"):
+        call(*arrays)
+    kept()
