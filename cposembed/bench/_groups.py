@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import add, backward, contention, layer, lookup, scatter, threads, tiny
+from . import add, backward, contention, half, layer, lookup, scatter, threads, tiny
 from . import torch as torch_layers
 from ._common import Fixture, Group
 
@@ -39,6 +39,7 @@ GROUPS = (
     Entry("embed_out", layer.embed_out),
     Entry("embed_alloc", layer.embed_alloc),
     Entry("embed_backward", layer.embed_backward),
+    Entry("half", half.half),
     Entry("torch_layer", torch_layers.torch_layer),
     Entry("contention", contention.contention),
 )
