@@ -45,6 +45,18 @@ ROWS: dict[tuple[str, str], tuple[str, str]] = {
         "`pe.backward(g)`'s `scatter_add`, random positions",
         "`np.add.at`",
     ),
+    ("lookup(out=) bfloat16", "limit: streaming fill"): (
+        "`lookup(P, positions, out=)`, bfloat16 table",
+        "the machine's limit: a streaming fill of the same bytes",
+    ),
+    ("scatter_add bfloat16 into float32", "limit: read once"): (
+        "`scatter_add` of a bfloat16 gradient into float32",
+        "the machine's limit: one read of the gradient",
+    ),
+    ("embed(out=) bfloat16", "cposembed, float32 tables"): (
+        "`embed(ids, wte, wpe, out=)`, bfloat16 tables, GPT-2 sizes",
+        "the same call with float32 tables",
+    ),
     ("embed", "numpy wte[ids] + wpe[:T]"): (
         "`embed(ids, wte, wpe)`, GPT-2 vocabulary",
         "NumPy `wte[ids] + wpe[:T]`",
