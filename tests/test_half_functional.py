@@ -76,6 +76,24 @@ def _fresh_out(draw, shape, dtype) -> np.ndarray:
     return draw(edge_values(shape, dtype))
 
 
+def _forward_agrees(call, side, *, refusal, out, want, arrays, read) -> None:
+    """``call()`` (on the ``side`` of the serial threshold) raises a TypeError
+    matching ``refusal`` with every array of ``arrays`` unchanged, or (refusal
+    None) returns ``want``'s bits, in ``out`` when given, with ``read`` unchanged."""
+    kept = unchanged(*arrays) if refusal else unchanged(*read)
+    with tuned(serial_below=side):
+        if refusal:
+            with pytest.raises(TypeError, match=refusal):
+                call()
+            kept()
+            return
+        got = call()
+    if out is not None:
+        assert got is out
+    assert_bitwise(got, *want)
+    kept()
+
+
 # ----------------------------------------------------------------------- lookup
 @pytest.mark.parametrize("dtype", TABLE_DTYPES, ids=DTYPE_IDS)
 @given(data=st.data(), threads=THREADS, side=SIDES)
@@ -122,24 +140,18 @@ def test_add_positions_is_numpy_bitwise(tok_dtype, table_dtype, data, threads, s
         out = _fresh_out(data.draw, lead + (d,), out_dtype)
     else:
         out = tokens if out_kind == "tokens" else None
-    kept = unchanged(tokens, table, out)
-    inputs_kept = unchanged(table) if out is tokens else unchanged(tokens, table)
-    with tuned(serial_below=side):
-        if refused:
-            mixed = no_common_type(tok_dtype, table_dtype)
-            with pytest.raises(TypeError, match=MIXED_HALVES if mixed else "dtype"):
-                cposembed.add_positions(
-                    tokens, table, positions, offset=offset, out=out, num_threads=threads
-                )
-            kept()
-            return
-        got = cposembed.add_positions(
+    mixed = no_common_type(tok_dtype, table_dtype)
+    _forward_agrees(
+        lambda: cposembed.add_positions(
             tokens, table, positions, offset=offset, out=out, num_threads=threads
-        )
-    if out is not None:
-        assert got is out
-    assert_bitwise(got, want, nan_pairs)
-    inputs_kept()
+        ),
+        side,
+        refusal=(MIXED_HALVES if mixed else "dtype") if refused else None,
+        out=out,
+        want=None if refused else (want, nan_pairs),
+        arrays=(tokens, table, out),
+        read=(table,) if out is tokens else (tokens, table),
+    )
 
 
 # ------------------------------------------------------------------ scatter_add
@@ -200,21 +212,17 @@ def test_embed_is_numpy_bitwise(wte_dtype, wpe_dtype, data, threads, side):
         want, nan_pairs = numpy_add(wte[ids], wpe, np.broadcast_to(rows, ids.shape))
     use_out = data.draw(st.booleans(), label="out")
     out = _fresh_out(data.draw, shape, F32 if refused else want.dtype) if use_out else None
-    kept = unchanged(wte, wpe, out)
-    tables_kept = unchanged(wte, wpe)
-    with tuned(serial_below=side):
-        if refused:
-            with pytest.raises(TypeError, match=MIXED_HALVES):
-                cposembed.embed(
-                    ids, wte, wpe, positions, offset=offset, out=out, num_threads=threads
-                )
-            kept()
-            return
-        got = cposembed.embed(ids, wte, wpe, positions, offset=offset, out=out, num_threads=threads)
-    if out is not None:
-        assert got is out
-    assert_bitwise(got, want, nan_pairs)
-    tables_kept()
+    _forward_agrees(
+        lambda: cposembed.embed(
+            ids, wte, wpe, positions, offset=offset, out=out, num_threads=threads
+        ),
+        side,
+        refusal=MIXED_HALVES if refused else None,
+        out=out,
+        want=None if refused else (want, nan_pairs),
+        arrays=(wte, wpe, out),
+        read=(wte, wpe),
+    )
 
 
 @pytest.mark.parametrize("table_dtype,g_dtype", PAIRS, ids=PAIR_IDS)
