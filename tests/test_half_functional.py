@@ -67,6 +67,18 @@ def positions_for(draw, n_rows: int, lead: tuple[int, ...]):
     return positions, 0, rows
 
 
+@st.composite
+def table_and_rows(draw, table_dtype, rows_dtype):
+    """(table, rows, positions, offset, table rows): an (L, d) table and a
+    (*lead, d) array of rows (tokens or grad_output) with their positions."""
+    L = draw(st.integers(1, 8), label="L")
+    d = draw(st.integers(0, 6), label="d")
+    table = draw(edge_values((L, d), table_dtype), label="table")
+    lead = _lead(draw)
+    rows_array = draw(edge_values(lead + (d,), rows_dtype), label="rows")
+    return (table, rows_array, *draw(positions_for(L, lead)))
+
+
 def _lead(draw, max_dims: int = 3) -> tuple[int, ...]:
     return tuple(draw(st.lists(st.integers(0, 4), min_size=1, max_size=max_dims)))
 
@@ -122,12 +134,8 @@ def test_lookup_is_the_table_indexed_bitwise(dtype, data, threads, side):
 def test_add_positions_is_numpy_bitwise(tok_dtype, table_dtype, data, threads, side):
     """``tokens + table[positions]`` in NumPy's result dtype, each element rounded
     once; float16 with bfloat16 a TypeError; out= fresh or the tokens themselves."""
-    L = data.draw(st.integers(1, 8), label="L")
-    d = data.draw(st.integers(0, 6), label="d")
-    table = data.draw(edge_values((L, d), table_dtype), label="table")
-    lead = _lead(data.draw)
-    tokens = data.draw(edge_values(lead + (d,), tok_dtype), label="tokens")
-    positions, offset, rows = data.draw(positions_for(L, lead))
+    table, tokens, positions, offset, rows = data.draw(table_and_rows(table_dtype, tok_dtype))
+    lead, d = tokens.shape[:-1], table.shape[1]
     out_kind = data.draw(st.sampled_from(["none", "fresh", "tokens"]))
     note(f"out {out_kind}")
     refused = no_common_type(tok_dtype, table_dtype)
@@ -162,12 +170,7 @@ def test_scatter_add_is_np_add_at_bitwise(grad_dtype, g_dtype, data, threads, si
     """grad_output of any of the four dtypes into a table of any of the four:
     ``np.add.at``'s bits (computed in float64 if either is float64, else in float32,
     rounded after each add); float16 with bfloat16 that or a TypeError."""
-    L = data.draw(st.integers(1, 6), label="L")
-    d = data.draw(st.integers(0, 5), label="d")
-    grad = data.draw(edge_values((L, d), grad_dtype), label="grad")
-    lead = _lead(data.draw)
-    g = data.draw(edge_values(lead + (d,), g_dtype), label="grad_output")
-    positions, offset, rows = data.draw(positions_for(L, lead))
+    grad, g, positions, offset, rows = data.draw(table_and_rows(grad_dtype, g_dtype))
     want, nan_pairs = numpy_add_at(grad, rows, g)
     grad_kept, g_kept = unchanged(grad), unchanged(g)
     with tuned(serial_below=side):
@@ -286,6 +289,14 @@ def _big(which):
     return max(1, _sizes()[which] // (T * D)), T
 
 
+def _forward_case(dtype_a, dtype_b, which, seed):
+    """A large forward case's generator and (B, T); float16 with bfloat16 is
+    skipped (a TypeError, which the property tests check)."""
+    if no_common_type(dtype_a, dtype_b):
+        pytest.skip("float16 with bfloat16: a TypeError (the property test checks it)")
+    return (np.random.default_rng(seed), *_big(which))
+
+
 @pytest.mark.parametrize("which", [0, 1], ids=["below", "above"])
 @pytest.mark.parametrize("dtype", TABLE_DTYPES, ids=DTYPE_IDS)
 def test_lookup_every_thread_count_large(dtype, which):
@@ -302,10 +313,7 @@ def test_lookup_every_thread_count_large(dtype, which):
 @pytest.mark.parametrize("which", [0, 1], ids=["below", "above"])
 @pytest.mark.parametrize("tok_dtype,table_dtype", PAIRS, ids=PAIR_IDS)
 def test_add_positions_every_thread_count_large(tok_dtype, table_dtype, which):
-    if no_common_type(tok_dtype, table_dtype):
-        pytest.skip("float16 with bfloat16: a TypeError (the property test checks it)")
-    rng = np.random.default_rng(2)
-    B, T = _big(which)
+    rng, B, T = _forward_case(tok_dtype, table_dtype, which, seed=2)
     table = _mostly_normal(rng, (T + 3, D), table_dtype)
     tokens = _mostly_normal(rng, (B, T, D), tok_dtype)
     explicit = rng.integers(-(T + 3), T + 3, size=(B, T))
@@ -348,10 +356,7 @@ def test_scatter_add_every_thread_count_large(grad_dtype, g_dtype, kind, which):
 @pytest.mark.parametrize("which", [0, 1], ids=["below", "above"])
 @pytest.mark.parametrize("wte_dtype,wpe_dtype", PAIRS, ids=PAIR_IDS)
 def test_embed_every_thread_count_large(wte_dtype, wpe_dtype, which):
-    if no_common_type(wte_dtype, wpe_dtype):
-        pytest.skip("float16 with bfloat16: a TypeError (the property test checks it)")
-    rng = np.random.default_rng(4)
-    B, T = _big(which)
+    rng, B, T = _forward_case(wte_dtype, wpe_dtype, which, seed=4)
     wte = _mostly_normal(rng, (3000, D), wte_dtype)
     wpe = _mostly_normal(rng, (T, D), wpe_dtype)
     ids = _zipf_rows(rng, 3000, (B, T))
