@@ -63,13 +63,13 @@ def _cast(values: np.ndarray, dt: np.dtype) -> np.ndarray:
 
 
 @st.composite
-def layout(draw, arr: np.ndarray) -> np.ndarray:
-    """The same values (or a reversed copy of them) in some memory layout."""
-    how = draw(
-        st.sampled_from(
-            ["c", "fortran", "reversed", "strided", "readonly", "broadcast", "unaligned"]
-        )
-    )
+def layout(draw, arr: np.ndarray, writable: bool = False) -> np.ndarray:
+    """The same values (or a reversed copy of them) in some memory layout
+    (``writable``: only the layouts that can be written)."""
+    hows = ["c", "fortran", "reversed", "strided", "unaligned"]
+    if not writable:
+        hows += ["readonly", "broadcast"]
+    how = draw(st.sampled_from(hows))
     note(f"layout {how}")
     if how == "fortran":
         return np.asfortranarray(arr)

@@ -22,7 +22,7 @@ from half_oracle import (
 from helpers import _sizes, tuned
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
-from strategies import BFLOAT16, TABLE_DTYPES, edge_values
+from strategies import BFLOAT16, TABLE_DTYPES, edge_values, layout
 
 import cposembed
 
@@ -38,6 +38,8 @@ INDEX_DTYPES = st.sampled_from([np.int64, np.int32, np.int16, np.intp])
 # The properties run once per dtype pair (16 times): each takes a share of the
 # profile's examples (40 of ci's 100, 2,000 of slow's 5,000).
 PER_PAIR = settings(max_examples=max(10, settings.default.max_examples * 2 // 5))
+# Row widths: short rows (the scalar tails) and rows of several 8-lane blocks.
+WIDTHS = st.one_of(st.integers(0, 6), st.integers(7, 40))
 # The TypeError of float16 with bfloat16 names both.
 MIXED_HALVES = "float16.*bfloat16|bfloat16.*float16"
 
@@ -72,7 +74,7 @@ def table_and_rows(draw, table_dtype, rows_dtype):
     """(table, rows, positions, offset, table rows): an (L, d) table and a
     (*lead, d) array of rows (tokens or grad_output) with their positions."""
     L = draw(st.integers(1, 8), label="L")
-    d = draw(st.integers(0, 6), label="d")
+    d = draw(WIDTHS, label="d")
     table = draw(edge_values((L, d), table_dtype), label="table")
     lead = _lead(draw)
     rows_array = draw(edge_values(lead + (d,), rows_dtype), label="rows")
@@ -111,8 +113,8 @@ def _forward_agrees(call, side, *, refusal, out, want, arrays, read) -> None:
 @given(data=st.data(), threads=THREADS, side=SIDES)
 def test_lookup_is_the_table_indexed_bitwise(dtype, data, threads, side):
     L = data.draw(st.integers(1, 8), label="L")
-    d = data.draw(st.integers(0, 6), label="d")
-    table = data.draw(edge_values((L, d), dtype), label="table")
+    d = data.draw(WIDTHS, label="d")
+    table = data.draw(layout(data.draw(edge_values((L, d), dtype))), label="table")
     lead = _lead(data.draw)
     positions, _, rows = data.draw(positions_for(L, lead))
     if positions is None:
@@ -138,6 +140,8 @@ def test_add_positions_is_numpy_bitwise(tok_dtype, table_dtype, data, threads, s
     lead, d = tokens.shape[:-1], table.shape[1]
     out_kind = data.draw(st.sampled_from(["none", "fresh", "tokens"]))
     note(f"out {out_kind}")
+    table = data.draw(layout(table), label="table layout")
+    tokens = data.draw(layout(tokens, writable=out_kind == "tokens"), label="tokens layout")
     refused = no_common_type(tok_dtype, table_dtype)
     if not refused:
         want, nan_pairs = numpy_add(tokens, table, rows)
@@ -171,6 +175,8 @@ def test_scatter_add_is_np_add_at_bitwise(grad_dtype, g_dtype, data, threads, si
     ``np.add.at``'s bits (computed in float64 if either is float64, else in float32,
     rounded after each add); float16 with bfloat16 that or a TypeError."""
     grad, g, positions, offset, rows = data.draw(table_and_rows(grad_dtype, g_dtype))
+    grad = data.draw(layout(grad, writable=True), label="grad layout")
+    g = data.draw(layout(g), label="grad_output layout")
     want, nan_pairs = numpy_add_at(grad, rows, g)
     grad_kept, g_kept = unchanged(grad), unchanged(g)
     with tuned(serial_below=side):
@@ -187,18 +193,20 @@ def test_scatter_add_is_np_add_at_bitwise(grad_dtype, g_dtype, data, threads, si
 
 # ------------------------------------------------------------------------ embed
 @st.composite
-def layer_arrays(draw, wte_dtype, wpe_dtype):
+def layer_arrays(draw, wte_dtype, wpe_dtype, writable=False):
+    """Token and position tables (in any layout, ``writable`` ones for the
+    gradients), token ids, and positions."""
     vocab = draw(st.integers(1, 8), label="vocab")
     n_pos = draw(st.integers(1, 6), label="n_pos")
-    d = draw(st.integers(0, 5), label="d")
+    d = draw(WIDTHS, label="d")
     lead = _lead(draw, max_dims=2)
     size = int(np.prod(lead))
     ids = np.array(
         draw(st.lists(st.integers(-vocab, vocab - 1), min_size=size, max_size=size)), np.int64
     ).reshape(lead)
     positions, offset, rows = draw(positions_for(n_pos, lead))
-    wte = draw(edge_values((vocab, d), wte_dtype), label="wte")
-    wpe = draw(edge_values((n_pos, d), wpe_dtype), label="wpe")
+    wte = draw(layout(draw(edge_values((vocab, d), wte_dtype)), writable), label="wte")
+    wpe = draw(layout(draw(edge_values((n_pos, d), wpe_dtype)), writable), label="wpe")
     return wte, wpe, ids, positions, offset, rows
 
 
@@ -236,8 +244,9 @@ def test_embed_backward_is_np_add_at_on_each_table(table_dtype, g_dtype, data, t
     dtype); the position table's dtype is the token table's or any other; a
     table may be None."""
     gp_dtype = data.draw(st.sampled_from([table_dtype, *TABLE_DTYPES]), label="gp dtype")
-    gt, gp, ids, positions, offset, rows = data.draw(layer_arrays(table_dtype, gp_dtype))
+    gt, gp, ids, positions, offset, rows = data.draw(layer_arrays(table_dtype, gp_dtype, True))
     g = data.draw(edge_values(ids.shape + (gt.shape[1],), g_dtype), label="grad_output")
+    g = data.draw(layout(g), label="grad_output layout")
     which = data.draw(st.sampled_from(["both", "tokens", "positions"]))
     gt_arg = None if which == "positions" else gt
     gp_arg = None if which == "tokens" else gp
