@@ -117,6 +117,34 @@ def test_class_comparisons_run_check_equal_outputs_and_have_targets(tmp_path, na
         assert any((op, r["contender"]) in bench.TARGETS for r in peers), f"no target for {op!r}"
 
 
+HALF_TARGETS = {
+    ("lookup(out=) bfloat16", "limit: streaming fill"): 1.15,
+    ("lookup(out=) float16", "limit: streaming fill"): 1.15,
+    ("scatter_add bfloat16 into float32", "limit: read once"): 1.5,
+    ("scatter_add float16 into float32", "limit: read once"): 1.5,
+    ("embed(out=) bfloat16", "limit: streaming fill"): 1.15,
+    ("embed(out=) bfloat16", "cposembed, float32 tables"): 0.7,
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_half_rows_have_the_issues_targets_and_equal_checks(tmp_path, dtype):
+    """The half group runs in a float32 or float64 run alike: its peers' outputs
+    are checked equal (the limits and the float32 layer have no output to check)."""
+    path = tmp_path / "b.json"
+    code = bench.main(
+        ["--quick", "--no-torch", "--repeats", "1", "--only", "half", "--dtype", dtype,
+         "--json", str(path)]
+    )  # fmt: skip
+    assert code == 0
+    rows = json.loads(path.read_text())["results"]
+    targets = {(r["op"], r["contender"]): r["target"] for r in rows if r["target"] is not None}
+    assert targets == HALF_TARGETS
+    checked = [r for r in rows if r["contender"] != bench.OURS and r["check"]]
+    assert len(checked) == 7 and all(r["check"] == "equal" for r in checked), checked
+    assert {(op, c) for (op, c) in HALF_TARGETS} <= set(bench.TARGETS)
+
+
 def test_every_target_names_a_comparison_that_exists(tmp_path):
     path = tmp_path / "b.json"
     code = bench.main(
