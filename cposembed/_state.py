@@ -31,7 +31,15 @@ from typing import IO, Any, NamedTuple, Union
 import numpy as np
 
 from . import _core
-from ._validation import FLOAT_DTYPES, describe, native_dtype
+from ._validation import (
+    BFLOAT16,
+    FLOAT_DTYPES,
+    FLOAT_NAMES,
+    describe,
+    is_real,
+    native_dtype,
+    work_dtype,
+)
 
 # The keys __getstate__ writes, and those of an instance pickled before
 # __getstate__ existed (its __dict__).
@@ -62,14 +70,15 @@ PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 class State(NamedTuple):
     """A checked state, in the layout the class keeps."""
 
-    embeddings: np.ndarray  # (L, d) float32/float64, native, C-contiguous, writable
+    embeddings: np.ndarray  # (L, d) of FLOAT_DTYPES, native, C-contiguous, writable
     grad: np.ndarray | None  # None or (L, d), real dtype (kept as given if it fits)
     touched: np.ndarray | None  # None or (L,) bool, a fresh array; only with a grad
     padding_idx: int | None  # normalised to [0, L)
 
 
 def _table(value: Any, what: str) -> np.ndarray:
-    """A float32/float64 ``(L, d)`` table, native and C-contiguous (a copy if needed)."""
+    """An ``(L, d)`` table of one of FLOAT_DTYPES, native and C-contiguous (a copy if
+    needed)."""
     if (
         not isinstance(value, np.ndarray)
         or value.ndim != 2
@@ -77,8 +86,7 @@ def _table(value: Any, what: str) -> np.ndarray:
         or native_dtype(value.dtype) not in FLOAT_DTYPES
     ):
         raise ValueError(
-            f"{what} must be a 2-D float32 or float64 array with both sizes >= 1; "
-            f"got {describe(value)}"
+            f"{what} must be a 2-D {FLOAT_NAMES} array with both sizes >= 1; got {describe(value)}"
         )
     dtype = native_dtype(value.dtype)
     if _core.is_plain(value, dtype, writable=True):
@@ -141,7 +149,7 @@ def from_pickle(state: Any, current_version: int) -> State:
 
     grad = state.get("grad")
     if grad is not None:
-        if not isinstance(grad, np.ndarray) or grad.dtype.kind not in "biuf":
+        if not isinstance(grad, np.ndarray) or not is_real(grad.dtype):
             raise ValueError(
                 f"pickled state: grad must be None or a real-valued array of the table's "
                 f"shape {table.shape}; got {describe(grad)}"
@@ -151,8 +159,11 @@ def from_pickle(state: Any, current_version: int) -> State:
                 f"pickled state: grad must have the table's shape {table.shape}; "
                 f"got shape {grad.shape}"
             )
-        if not _core.is_plain(grad, table.dtype, writable=True):
-            grad = np.array(grad, dtype=table.dtype, order="C", copy=True, subok=False)
+        # A gradient in another layout becomes one in the dtype a backward
+        # gives (float32 for a float16 or bfloat16 table).
+        grad_dtype = work_dtype(table.dtype)
+        if not _core.is_plain(grad, grad_dtype, writable=True):
+            grad = np.array(grad, dtype=grad_dtype, order="C", copy=True, subok=False)
 
     touched = state.get("touched")
     if touched is not None:
@@ -212,6 +223,20 @@ def _read_member(
     return arr
 
 
+def _bfloat16_member(raw: np.ndarray, dtype_name: str | None, key: str) -> np.ndarray:
+    """A table member as read: NumPy writes bfloat16 as 2-byte void (``|V2``),
+    which is bfloat16 again (a view) when the ``dtype`` member says so."""
+    if raw.dtype.kind != "V":
+        return raw
+    if dtype_name != BFLOAT16.name or raw.dtype.itemsize != 2 or raw.dtype.fields is not None:
+        raise _Refused(
+            f"member {key!r} must be a 2-D {FLOAT_NAMES} array; got shape {raw.shape} "
+            f"and dtype {raw.dtype} (2-byte void is bfloat16 only where the member "
+            f"'dtype' says 'bfloat16'; it says {dtype_name!r})"
+        )
+    return raw.view(BFLOAT16)
+
+
 def from_npz(
     f: IO[bytes], name: str, kind: str, current_version: int
 ) -> tuple[np.ndarray, int | None]:
@@ -265,18 +290,20 @@ def _from_archive(
             f"format version {version}; this cposembed reads versions 1 to {current_version} "
             "(a newer file needs a newer cposembed)"
         )
+    dtype_name = None
+    if "dtype.npy" in names:
+        dtype_name = str(_read_member(archive, "dtype", "U", 0, "a 0-d string array"))
     tables = []
     for key in keys:
-        raw = _read_member(archive, key, "f", 2, "a 2-D float32 or float64 array")
+        raw = _read_member(archive, key, "fV", 2, f"a 2-D {FLOAT_NAMES} array")
         try:
-            tables.append(_table(raw, f"member {key!r}"))
+            tables.append(_table(_bfloat16_member(raw, dtype_name, key), f"member {key!r}"))
         except ValueError as exc:
             raise _Refused(str(exc)) from None
     dtypes = {t.dtype.name for t in tables}
     if len(dtypes) != 1:
         raise _Refused(f"the tables {list(keys)} differ in dtype: {sorted(dtypes)}")
-    if "dtype.npy" in names:
-        dtype_name = str(_read_member(archive, "dtype", "U", 0, "a 0-d string array"))
+    if dtype_name is not None:
         if dtype_name != tables[0].dtype.name:
             raise _Refused(
                 f"member 'dtype' says {dtype_name!r} but the table is {tables[0].dtype.name}"
