@@ -17,6 +17,7 @@ was. :func:`output_problem` checks a path before long work that ends in a write.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import math
@@ -223,18 +224,29 @@ def _read_member(
     return arr
 
 
-def _bfloat16_member(raw: np.ndarray, dtype_name: str | None, key: str) -> np.ndarray:
-    """A table member as read: NumPy writes bfloat16 as 2-byte void (``|V2``),
-    which is bfloat16 again (a view) when the ``dtype`` member says so."""
-    if raw.dtype.kind != "V":
-        return raw
+def _void_byte_order(archive: zipfile.ZipFile, key: str) -> str:
+    """The byte order of a void member as its header wrote it (``"<"``, ``">"`` or
+    ``"|"``): NumPy reads ``'>V2'`` (a big-endian bfloat16) back as ``'|V2'``."""
+    with archive.open(key + ".npy") as fp:
+        major, _ = np.lib.format.read_magic(fp)
+        size_format = "<H" if major == 1 else "<I"
+        (length,) = struct.unpack(size_format, fp.read(struct.calcsize(size_format)))
+        header = ast.literal_eval(fp.read(length).decode("latin1"))
+    descr = header.get("descr") if isinstance(header, dict) else None
+    return descr[0] if isinstance(descr, str) and descr[:1] in ("<", ">") else "|"
+
+
+def _bfloat16_member(raw: np.ndarray, dtype_name: str | None, key: str, order: str) -> np.ndarray:
+    """A void table member as read: NumPy writes bfloat16 as 2-byte void (``|V2``,
+    or ``>V2`` from a big-endian array), which is bfloat16 in that byte order again
+    (a view) when the ``dtype`` member says so."""
     if dtype_name != BFLOAT16.name or raw.dtype.itemsize != 2 or raw.dtype.fields is not None:
         raise _Refused(
             f"member {key!r} must be a 2-D {FLOAT_NAMES} array; got shape {raw.shape} "
             f"and dtype {raw.dtype} (2-byte void is bfloat16 only where the member "
             f"'dtype' says 'bfloat16'; it says {dtype_name!r})"
         )
-    return raw.view(BFLOAT16)
+    return raw.view(BFLOAT16.newbyteorder("=" if order == "|" else order))
 
 
 def from_npz(
@@ -297,7 +309,9 @@ def _from_archive(
     for key in keys:
         raw = _read_member(archive, key, "fV", 2, f"a 2-D {FLOAT_NAMES} array")
         try:
-            tables.append(_table(_bfloat16_member(raw, dtype_name, key), f"member {key!r}"))
+            if raw.dtype.kind == "V":
+                raw = _bfloat16_member(raw, dtype_name, key, _void_byte_order(archive, key))
+            tables.append(_table(raw, f"member {key!r}"))
         except ValueError as exc:
             raise _Refused(str(exc)) from None
     dtypes = {t.dtype.name for t in tables}

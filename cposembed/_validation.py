@@ -16,7 +16,6 @@ import math
 import operator
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 # Imported now, not on first use: NumPy imports submodules lazily, and a
@@ -26,10 +25,10 @@ from numpy import ma as _ma
 
 from . import _core
 
-# NumPy's bfloat16 comes from ml_dtypes. Its kind is 'V' and
+# NumPy's bfloat16 comes from ml_dtypes (the kernels' _core.BFLOAT16). Its kind is 'V' and
 # np.issubdtype(bfloat16, np.floating) is False, so "is it a float" is asked
 # of FLOAT_DTYPES or is_real here, never of the dtype's kind alone.
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+BFLOAT16 = _core.BFLOAT16
 HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), *HALF_DTYPES)
 FLOAT_NAMES = "float16, bfloat16, float32 or float64"
@@ -38,7 +37,7 @@ _INT64 = np.dtype(np.int64)
 # (and bfloat16, of kind 'V').
 _REAL_KINDS = "biuf"
 # Scalars a real-valued argument (a learning rate, ...) may be.
-REAL_SCALARS = (int, float, np.integer, np.floating, ml_dtypes.bfloat16)
+REAL_SCALARS = (int, float, np.integer, np.floating, BFLOAT16.type)
 
 
 class NotAnIntegerError(TypeError):
