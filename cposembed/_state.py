@@ -27,7 +27,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Iterator
-from typing import IO, Any, NamedTuple, Union
+from typing import IO, Any, Literal, NamedTuple, Union
 
 import numpy as np
 
@@ -224,19 +224,26 @@ def _read_member(
     return arr
 
 
-def _void_byte_order(archive: zipfile.ZipFile, key: str) -> str:
-    """The byte order of a void member as its header wrote it (``"<"``, ``">"`` or
-    ``"|"``): NumPy reads ``'>V2'`` (a big-endian bfloat16) back as ``'|V2'``."""
+def _void_byte_order(archive: zipfile.ZipFile, key: str) -> Literal["<", ">", "="]:
+    """The byte order of a void member as its header wrote it (``"<"``, ``">"``, or
+    ``"="`` for ``"|"``): NumPy reads ``'>V2'`` (a big-endian bfloat16) back as
+    ``'|V2'``."""
     with archive.open(key + ".npy") as fp:
         major, _ = np.lib.format.read_magic(fp)
         size_format = "<H" if major == 1 else "<I"
         (length,) = struct.unpack(size_format, fp.read(struct.calcsize(size_format)))
         header = ast.literal_eval(fp.read(length).decode("latin1"))
     descr = header.get("descr") if isinstance(header, dict) else None
-    return descr[0] if isinstance(descr, str) and descr[:1] in ("<", ">") else "|"
+    if isinstance(descr, str) and descr.startswith("<"):
+        return "<"
+    if isinstance(descr, str) and descr.startswith(">"):
+        return ">"
+    return "="
 
 
-def _bfloat16_member(raw: np.ndarray, dtype_name: str | None, key: str, order: str) -> np.ndarray:
+def _bfloat16_member(
+    raw: np.ndarray, dtype_name: str | None, key: str, order: Literal["<", ">", "="]
+) -> np.ndarray:
     """A void table member as read: NumPy writes bfloat16 as 2-byte void (``|V2``,
     or ``>V2`` from a big-endian array), which is bfloat16 in that byte order again
     (a view) when the ``dtype`` member says so."""
@@ -246,7 +253,7 @@ def _bfloat16_member(raw: np.ndarray, dtype_name: str | None, key: str, order: s
             f"and dtype {raw.dtype} (2-byte void is bfloat16 only where the member "
             f"'dtype' says 'bfloat16'; it says {dtype_name!r})"
         )
-    return raw.view(BFLOAT16.newbyteorder("=" if order == "|" else order))
+    return raw.view(BFLOAT16.newbyteorder(order))
 
 
 def from_npz(
