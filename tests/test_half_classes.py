@@ -123,6 +123,20 @@ def test_lookup_and_add_are_numpys(dtype):
     assert same_bits(pe.add_to(tok, positions), want)
 
 
+@half
+@pytest.mark.parametrize("table_dtype", [np.float32, np.float64])
+def test_half_tokens_into_a_wider_table_are_numpys(dtype, table_dtype):
+    pe = LearnedPositionEmbedding(16, 8, seed=1, dtype=table_dtype)
+    table = pe.embeddings.copy()
+    tok = np.random.default_rng(2).standard_normal((3, 5, 8)).astype(dtype)
+    got = pe.add_to(tok, offset=2)
+    assert same_bits(got, tok + table[2:7])
+    assert same_bits(got, tok.astype(table_dtype) + table[2:7])  # exact widening
+    out = np.empty((3, 5, 8), table_dtype)
+    assert pe.add_to(tok, [[0], [5], [15]], out=out) is out
+    assert same_bits(out, tok + table[[[0], [5], [15]]])
+
+
 def test_add_of_float16_with_bfloat16_is_a_type_error():
     pe = LearnedPositionEmbedding(8, 4, seed=0, dtype="bfloat16")
     before = pe.embeddings.copy()
