@@ -14,7 +14,7 @@ import zipfile
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import HALF_DTYPES, same_bits
+from helpers import HALF_DTYPES, same_bits, tuned
 
 import cposembed
 from cposembed import SGD, Adam, AdamW, LearnedPositionEmbedding, TokenPositionEmbedding
@@ -245,8 +245,9 @@ def tie_cases(dtype, n):
 
 
 @half
-@pytest.mark.parametrize("n_rows", [40, 3000])  # both sides of the serial threshold
-def test_sgd_step_is_float32_then_one_rounding(dtype, n_rows):
+@pytest.mark.parametrize("n_rows", [40, 3000])
+@pytest.mark.parametrize("serial_below", [None, 64])  # both sides of the serial threshold
+def test_sgd_step_is_float32_then_one_rounding(dtype, n_rows, serial_below):
     pe = LearnedPositionEmbedding(n_rows, 16, seed=0, dtype=dtype, padding_idx=1)
     t, g_tie, lr = tie_cases(dtype, 16)
     pe.embeddings[2] = t
@@ -262,7 +263,8 @@ def test_sgd_step_is_float32_then_one_rounding(dtype, n_rows):
         before = cposembed.get_num_threads()
         cposembed.set_num_threads(threads)
         try:
-            pe.sgd_step(lr)
+            with tuned(serial_below=serial_below):
+                pe.sgd_step(lr)
         finally:
             cposembed.set_num_threads(before)
         want = table.copy()
