@@ -22,7 +22,10 @@
  *
  * The SSE2 versions convert eight values at a time with the same bits as the
  * scalar functions (tests/test_half_conversions.py compares them over every
- * half bit pattern and every float32 the kernels produce).
+ * half bit pattern and a sample of float32 patterns, every one with
+ * CPOSEMBED_EXHAUSTIVE=1). Eight values in the common range (normal
+ * float16, no NaN) take a short path; a block with any other value the full
+ * one.
  */
 #ifndef CPOSEMBED_HALF_H
 #define CPOSEMBED_HALF_H
@@ -159,10 +162,28 @@ static inline __m128 cpe_f16x4_to_f32(__m128i h) {
     return _mm_castsi128_ps(_mm_or_si128(r, sign));
 }
 
+/* Four normal float16 (zero-extended into 32-bit lanes) to float32: the
+ * exponent rebiased, the significand shifted into place. */
+static inline __m128 cpe_f16x4_normal_to_f32(__m128i h) {
+    __m128i sign = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
+    __m128i r = _mm_add_epi32(_mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13),
+                              _mm_set1_epi32(0x38000000));
+    return _mm_castsi128_ps(_mm_or_si128(r, sign));
+}
+
 static inline void cpe_ld8_f16(const uint16_t *p, __m128 *lo, __m128 *hi) {
     __m128i x = _mm_loadu_si128((const __m128i *)p), z = _mm_setzero_si128();
-    *lo = cpe_f16x4_to_f32(_mm_unpacklo_epi16(x, z));
-    *hi = cpe_f16x4_to_f32(_mm_unpackhi_epi16(x, z));
+    /* zeros, subnormals, infinities and NaNs (exponent 0 or 31) take the
+     * full conversion; eight normal values the short one */
+    __m128i e = _mm_and_si128(x, _mm_set1_epi16(0x7c00));
+    __m128i special = _mm_or_si128(_mm_cmpeq_epi16(e, z), _mm_cmpeq_epi16(e, _mm_set1_epi16(0x7c00)));
+    if (_mm_movemask_epi8(special)) {
+        *lo = cpe_f16x4_to_f32(_mm_unpacklo_epi16(x, z));
+        *hi = cpe_f16x4_to_f32(_mm_unpackhi_epi16(x, z));
+    } else {
+        *lo = cpe_f16x4_normal_to_f32(_mm_unpacklo_epi16(x, z));
+        *hi = cpe_f16x4_normal_to_f32(_mm_unpackhi_epi16(x, z));
+    }
 }
 
 static inline void cpe_ld8_bf16(const uint16_t *p, __m128 *lo, __m128 *hi) {
@@ -201,15 +222,45 @@ static inline __m128i cpe_f32x4_to_f16(__m128 f) {
     return _mm_or_si128(r, sign);
 }
 
+/* |f| in [2^-14, 65536) in every lane (normal float16 results, or 65536
+ * after rounding up, which the normal path also gives as inf). */
+static inline __m128i cpe_f16x4_in_normal_range(__m128i a) {
+    return _mm_and_si128(_mm_cmpgt_epi32(a, _mm_set1_epi32(0x387fffff)),
+                         _mm_cmpgt_epi32(_mm_set1_epi32(0x47800000), a));
+}
+
+static inline __m128i cpe_f32x4_normal_to_f16(__m128 f, __m128i a) {
+    const __m128i b = _mm_castps_si128(f);
+    __m128i sign = _mm_srai_epi32(_mm_and_si128(b, _mm_set1_epi32((int)0x80000000u)), 16);
+    __m128i odd = _mm_and_si128(_mm_srli_epi32(a, 13), _mm_set1_epi32(1));
+    __m128i r = _mm_srli_epi32(
+        _mm_sub_epi32(_mm_add_epi32(_mm_add_epi32(a, _mm_set1_epi32(0xfff)), odd),
+                      _mm_set1_epi32(0x38000000)),
+        13);
+    return _mm_or_si128(r, sign);
+}
+
 static inline __m128i cpe_pack8_f16(__m128 lo, __m128 hi) {
+    const __m128i abs = _mm_set1_epi32(0x7fffffff);
+    __m128i a = _mm_and_si128(_mm_castps_si128(lo), abs);
+    __m128i b = _mm_and_si128(_mm_castps_si128(hi), abs);
+    __m128i ok = _mm_and_si128(cpe_f16x4_in_normal_range(a), cpe_f16x4_in_normal_range(b));
+    if (_mm_movemask_epi8(ok) == 0xffff)
+        return _mm_packs_epi32(cpe_f32x4_normal_to_f16(lo, a), cpe_f32x4_normal_to_f16(hi, b));
     return _mm_packs_epi32(cpe_f32x4_to_f16(lo), cpe_f32x4_to_f16(hi));
 }
 
-/* Four float32 to bfloat16, sign-extended into 32-bit lanes (for packs). */
+/* Four float32 that are not NaN to bfloat16, rounded to nearest even,
+ * sign-extended into 32-bit lanes (for packs). */
 static inline __m128i cpe_f32x4_to_bf16(__m128 f) {
     const __m128i b = _mm_castps_si128(f);
     __m128i odd = _mm_and_si128(_mm_srli_epi32(b, 16), _mm_set1_epi32(1));
-    __m128i r = _mm_srai_epi32(_mm_add_epi32(_mm_add_epi32(b, _mm_set1_epi32(0x7fff)), odd), 16);
+    return _mm_srai_epi32(_mm_add_epi32(_mm_add_epi32(b, _mm_set1_epi32(0x7fff)), odd), 16);
+}
+
+/* The NaN lanes of f replaced by the quiet NaN 0x7fc0 with their sign. */
+static inline __m128i cpe_bf16x4_nans(__m128 f, __m128i r) {
+    const __m128i b = _mm_castps_si128(f);
     __m128i is_nan = _mm_castps_si128(_mm_cmpunord_ps(f, f));
     __m128i nan = _mm_or_si128(
         _mm_srai_epi32(_mm_and_si128(b, _mm_set1_epi32((int)0x80000000u)), 16),
@@ -218,7 +269,12 @@ static inline __m128i cpe_f32x4_to_bf16(__m128 f) {
 }
 
 static inline __m128i cpe_pack8_bf16(__m128 lo, __m128 hi) {
-    return _mm_packs_epi32(cpe_f32x4_to_bf16(lo), cpe_f32x4_to_bf16(hi));
+    __m128i a = cpe_f32x4_to_bf16(lo), b = cpe_f32x4_to_bf16(hi);
+    if (_mm_movemask_ps(_mm_cmpunord_ps(lo, hi))) { /* a NaN in either */
+        a = cpe_bf16x4_nans(lo, a);
+        b = cpe_bf16x4_nans(hi, b);
+    }
+    return _mm_packs_epi32(a, b);
 }
 
 #endif /* CPE_HALF_SSE2 */
