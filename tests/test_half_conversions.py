@@ -6,8 +6,10 @@ definition: ``np.add.at`` into a zero table converts the source to the
 table's dtype after one add of 0 (which only turns -0.0 into +0.0 and quiets
 NaNs, in both), and ``a + b`` of two half arrays converts both to float32
 and the sum back. Rows of 8 or more elements take the SSE2 blocks, rows of
-fewer than 8 the scalar loops: both are checked. ``CPOSEMBED_EXHAUSTIVE=1``
-runs every float32 bit pattern instead of a sample (about a minute).
+fewer than 8 the scalar loops: both are checked, and the blocks both with
+F16C's conversions of float16 (where the CPU has them) and with SSE2's.
+``CPOSEMBED_EXHAUSTIVE=1`` runs every float32 bit pattern instead of a
+sample (about ten minutes).
 """
 
 from __future__ import annotations
@@ -19,11 +21,23 @@ import numpy as np
 import pytest
 
 import cposembed
+from cposembed import _core
 
 # NaN, inf and overflow are among the values on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture(
+    autouse=True,
+    params=[True, False] if _core.f16c_available() else [False],
+    ids=lambda on: "f16c" if on else "sse2-conversions",
+)
+def float16_isa(request):
+    assert _core.set_f16c(request.param) == request.param
+    yield
+    _core.set_f16c(True)
 HALVES = [np.dtype(np.float16), BF16]
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
