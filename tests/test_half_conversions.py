@@ -38,6 +38,8 @@ def float16_isa(request):
     assert _core.set_f16c(request.param) == request.param
     yield
     _core.set_f16c(True)
+
+
 HALVES = [np.dtype(np.float16), BF16]
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -119,7 +121,9 @@ def float64_sample(n, seed):
     """Doubles across the half formats' range, and halfway between neighbouring
     half values (plus and minus a few ulps of float64 and of float32)."""
     rng = np.random.default_rng(seed)
-    rand = rng.integers(0, 1 << 63, n, dtype=np.uint64) | (rng.integers(0, 2, n, dtype=np.uint64) << 63)
+    rand = rng.integers(0, 1 << 63, n, dtype=np.uint64) | (
+        rng.integers(0, 2, n, dtype=np.uint64) << 63
+    )
     scale = np.ldexp(rng.standard_normal(n), rng.integers(-30, 20, n))
     out = [rand.view(np.float64), scale, [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0]]
     for dtype in HALVES:
