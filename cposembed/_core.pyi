@@ -143,8 +143,9 @@ def clear_pool() -> None: ...
 def fail_scratch(n: int, after: int = 0) -> int: ...  # tests: n requests of scratch fail
 
 # Zeroed tables handed out through DLPack (src_c/_zeros.pxi).
-def set_f16c(on: bool) -> bool: ...  # tests: F16C or SSE2 float16 conversions (same bits)
-def f16c_available() -> bool: ...
+ISAS: tuple[str, ...]  # the half-precision primitives' variants: sse2, f16c, avx2
+def set_isa(name: str) -> str: ...  # tests: use a variant (same bits); the one used
+def isas() -> tuple[str, ...]: ...  # the variants this CPU has
 def zeroed_dlpack(
     rows: int, cols: int, itemsize: int, bfloat16: bool = False
 ) -> Any: ...  # a "dltensor" PyCapsule

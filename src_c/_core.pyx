@@ -44,19 +44,23 @@ cdef int _NPY_BFLOAT16 = BFLOAT16.num
 cpe_set_bf16_from_f64_direct(
     int(np.array([1 + 2.0**-8 + 2.0**-30]).astype(BFLOAT16).view(np.uint16)[0]) == 0x3F81
 )
-# The F16C twins of the float16 primitives where the CPU has F16C.
+# The half-precision primitives' best variant for this CPU (_rows.h.tp).
 cpe_init_isa()
+ISAS = ("sse2", "f16c", "avx2")
 
 
-def set_f16c(bint on):
-    """Use the F16C conversions of float16 (if the CPU has them) or the SSE2
-    ones, which give the same bits (for tests); whether F16C is now used."""
-    return bool(cpe_set_f16c(on))
+def set_isa(name):
+    """Use the half-precision primitives of variant `name` ("sse2", "f16c" or
+    "avx2"; all give the same bits), or the best below it that the CPU has
+    (for tests); the name of the one now used."""
+    if name not in ISAS:
+        raise ValueError(f"name must be one of {ISAS}; got {name!r}")
+    return ISAS[cpe_set_isa(ISAS.index(name))]
 
 
-def f16c_available():
-    """Whether the CPU has F16C (and the build its twins)."""
-    return bool(cpe_f16c_available())
+def isas():
+    """The variants this CPU and build have, from the portable one up."""
+    return ISAS[: cpe_best_isa() + 1]
 
 
 cdef extern from "Python.h":

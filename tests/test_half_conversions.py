@@ -6,8 +6,8 @@ definition: ``np.add.at`` into a zero table converts the source to the
 table's dtype after one add of 0 (which only turns -0.0 into +0.0 and quiets
 NaNs, in both), and ``a + b`` of two half arrays converts both to float32
 and the sum back. Rows of 8 or more elements take the SSE2 blocks, rows of
-fewer than 8 the scalar loops: both are checked, and the blocks both with
-F16C's conversions of float16 (where the CPU has them) and with SSE2's.
+fewer than 8 the scalar loops: both are checked, and the blocks in every
+variant the CPU has (SSE2, F16C, AVX2).
 ``CPOSEMBED_EXHAUSTIVE=1`` runs every float32 bit pattern instead of a
 sample (about ten minutes).
 """
@@ -29,15 +29,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-@pytest.fixture(
-    autouse=True,
-    params=[True, False] if _core.f16c_available() else [False],
-    ids=lambda on: "f16c" if on else "sse2-conversions",
-)
-def float16_isa(request):
-    assert _core.set_f16c(request.param) == request.param
+@pytest.fixture(autouse=True, params=_core.isas())
+def half_isa(request):
+    # Every variant of the half-precision primitives this CPU has.
+    assert _core.set_isa(request.param) == request.param
     yield
-    _core.set_f16c(True)
+    _core.set_isa(_core.ISAS[-1])
 
 
 HALVES = [np.dtype(np.float16), BF16]
