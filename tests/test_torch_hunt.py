@@ -232,8 +232,16 @@ def test_a_forward_output_can_be_resized_as_nn_embeddings() -> None:
 )
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"padding_idx": -1}, {"max_norm": 0.5}, {"sparse": True}, {"dtype": torch.float64}],
-    ids=["plain", "pad", "max_norm", "sparse", "f64"],
+    [
+        {},
+        {"padding_idx": -1},
+        {"max_norm": 0.5},
+        {"sparse": True},
+        {"dtype": torch.float64},
+        {"dtype": torch.bfloat16},
+        {"dtype": torch.float16, "padding_idx": 2},
+    ],
+    ids=["plain", "pad", "max_norm", "sparse", "f64", "bf16", "f16"],
 )
 def test_index_forms_equal_nn_embedding(ids, kw) -> None:
     ours, ref = _twins(**kw)
@@ -278,19 +286,20 @@ def test_no_grad_inference_mode_and_frozen_weights() -> None:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: torch.randn(4, 10).t(),
-        lambda: torch.randn(10, 8)[:, 2:6],
-        lambda: torch.randn(1, 4).expand(10, 4),
-        lambda: torch.randn(10, 4)._neg_view(),
+        lambda dt: torch.randn(4, 10, dtype=dt).t(),
+        lambda dt: torch.randn(10, 8, dtype=dt)[:, 2:6],
+        lambda dt: torch.randn(1, 4, dtype=dt).expand(10, 4),
+        lambda dt: torch.randn(10, 4, dtype=dt)._neg_view(),
     ],
     ids=["transposed", "column-view", "expanded", "neg-view"],
 )
-def test_strided_weights_equal_nn_embedding(make) -> None:
-    w = make()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_strided_weights_equal_nn_embedding(make, dtype) -> None:
+    w = make(dtype)
     ours = ct.Embedding.from_pretrained(w, freeze=False)
     ref = nn.Embedding.from_pretrained(w, freeze=False)
     assert torch.equal(ours(IDS), ref(IDS))
-    g = torch.randn(2, 3, 4)
+    g = torch.randn(2, 3, 4, dtype=dtype)
     ours(IDS).backward(g)
     ref(IDS).backward(g)
     assert torch.equal(ours.weight.grad, ref.weight.grad)
