@@ -13,7 +13,6 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import run_on_two_ranks
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -388,82 +387,3 @@ def test_half_torch_func_and_forward_ad_equal_nn_embedding(dtype) -> None:
         }
         t = fwAD.unpack_dual(functional_call(m, p, (ids[:, :3],))).tangent
     assert _same_bits(t, t_tok[ids[:, :3]] + t_pos[:3])
-
-
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("optimizer", ["sgd", "adam", "sparse_adam"])
-def test_half_training_matches_nn_embedding(dtype, optimizer) -> None:
-    sparse = optimizer == "sparse_adam"
-    m = ct.TokenPositionEmbedding(2048, 16, 512, dtype=dtype)  # 2 MiB token gradient
-    m.tokens.sparse = sparse
-    e_tok = _embedding(m.tokens.weight, sparse=sparse)
-    e_pos = _embedding(m.positions.weight)
-    eps = 1e-4  # Adam's 1e-8 is 0 in float16
-    make = {
-        "sgd": lambda p: [torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01)],
-        "adam": lambda p: [torch.optim.Adam(p, lr=0.01, eps=eps)],
-        "sparse_adam": lambda p: [
-            torch.optim.SparseAdam(p[:1], lr=0.01, eps=eps),
-            torch.optim.Adam(p[1:], eps=eps),
-        ],
-    }[optimizer]
-    opt_ours = make([m.tokens.weight, m.positions.weight])
-    opt_ref = make([e_tok.weight, e_pos.weight])
-    target = torch.randn(16, 512).to(dtype)
-    for _ in range(3):
-        ids = torch.randint(0, 2048, (4, 16))
-        for o in (*opt_ours, *opt_ref):
-            o.zero_grad(set_to_none=True)
-        ((m(ids) - target) ** 2).mean().backward()
-        ((e_tok(ids) + e_pos(torch.arange(16).expand(4, 16)) - target) ** 2).mean().backward()
-        for o in (*opt_ours, *opt_ref):
-            o.step()
-    assert torch.isfinite(m.tokens.weight).all()
-    assert _same_bits(m.tokens.weight, e_tok.weight)
-    assert _same_bits(m.positions.weight, e_pos.weight)
-
-
-# ---- across processes ----------------------------------------------------------------
-
-_DDP = """
-import json, os, sys
-import torch, torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-import cposembed.torch as ct
-
-def run(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    equal = {}
-    for dtype in (torch.bfloat16, torch.float16):
-        for sparse, view in ((False, True), (True, False)):
-            weights = []
-            for cls in (ct.Embedding, nn.Embedding):
-                torch.manual_seed(0)
-                # a 2.1 MiB gradient: a block of float32 pairs
-                model = nn.Sequential(cls(70000, 16, sparse=sparse), nn.Linear(16, 3)).to(dtype)
-                ddp = DDP(model, gradient_as_bucket_view=view)
-                opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-                g = torch.Generator().manual_seed(rank)  # each rank its own rows
-                for step in range(3):
-                    opt.zero_grad()
-                    ddp(torch.randint(0, 70000, (4, 16), generator=g)).pow(2).sum().backward()
-                    opt.step()
-                weights.append([p.detach().clone() for p in model.parameters()])
-            equal[f"{dtype} sparse={sparse} view={view}"] = all(map(torch.equal, *weights))
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(equal, f)
-    sys.stdout.flush()
-    os._exit(0)
-
-"""
-
-
-def test_distributed_data_parallel_trains_half_weights_as_nn_embedding(tmp_path) -> None:
-    result = run_on_two_ranks(_DDP, tmp_path)
-    assert result == dict.fromkeys(result, True) and len(result) == 4, result

@@ -551,20 +551,22 @@ def run(rank, world, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     equal = {}
-    for sparse, view in ((False, True), (True, False)):
-        weights = []
-        for cls in (ct.Embedding, nn.Embedding):
-            torch.manual_seed(0)
-            model = nn.Sequential(cls(70000, 8, sparse=sparse), nn.Linear(8, 3))  # 2.1 MiB
-            ddp = DDP(model, gradient_as_bucket_view=view)
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-            g = torch.Generator().manual_seed(rank)  # each rank its own rows
-            for step in range(3):
-                opt.zero_grad()
-                ddp(torch.randint(0, 70000, (4, 16), generator=g)).pow(2).sum().backward()
-                opt.step()
-            weights.append([p.detach().clone() for p in model.parameters()])
-        equal[f"sparse={sparse} view={view}"] = all(map(torch.equal, *weights))
+    # 2.1 MiB gradients (at half dtypes: a block of float32 pairs)
+    for dtype, d in ((torch.float32, 8), (torch.bfloat16, 16), (torch.float16, 16)):
+        for sparse, view in ((False, True), (True, False)):
+            weights = []
+            for cls in (ct.Embedding, nn.Embedding):
+                torch.manual_seed(0)
+                model = nn.Sequential(cls(70000, d, sparse=sparse), nn.Linear(d, 3)).to(dtype)
+                ddp = DDP(model, gradient_as_bucket_view=view)
+                opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+                g = torch.Generator().manual_seed(rank)  # each rank its own rows
+                for step in range(3):
+                    opt.zero_grad()
+                    ddp(torch.randint(0, 70000, (4, 16), generator=g)).pow(2).sum().backward()
+                    opt.step()
+                weights.append([p.detach().clone() for p in model.parameters()])
+            equal[f"{dtype} sparse={sparse} view={view}"] = all(map(torch.equal, *weights))
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -578,4 +580,4 @@ def run(rank, world, port, out):
 
 def test_distributed_data_parallel_trains_as_nn_embedding(tmp_path) -> None:
     result = run_on_two_ranks(_DDP, tmp_path)
-    assert result == dict.fromkeys(result, True) and len(result) == 2, result
+    assert result == dict.fromkeys(result, True) and len(result) == 6, result
