@@ -236,6 +236,32 @@ def _directives_changed():
     return True
 
 
+# Sources generated from templates (Cython's Tempita, as scikit-learn's and
+# pandas' `.tp` / `.in` files): one body for every element type.
+TEMPLATES = ["src_c/_rows.h.tp"]
+
+
+def _generate_templates():
+    """Write each template's expansion beside it (only when it changed, so that
+    an unchanged build stays up to date)."""
+    from Cython import Tempita
+
+    for template in TEMPLATES:
+        target = template[: -len(".tp")]
+        with open(template) as f:
+            text = Tempita.sub(f.read())
+        try:
+            with open(target) as f:
+                if f.read() == text:
+                    continue
+        except OSError:
+            pass
+        with open(target, "w") as f:
+            f.write(text)
+
+
+_generate_templates()
+
 EXTENSIONS = [
     # The one checked C entry per operation and the kernels behind them, on
     # NumPy's C API: built against NumPy 2.x headers, it runs on NumPy >= 1.24
@@ -246,6 +272,9 @@ EXTENSIONS = [
         include_dirs=["src_c", numpy.get_include()],
         depends=[
             "src_c/_stream.h",
+            "src_c/_half.h",
+            "src_c/_rows.h.tp",
+            "src_c/_rows.h",
             "src_c/_openmp.pxd",
             "src_c/_kernels.pxi",
             "src_c/_pool.pxi",

@@ -21,6 +21,7 @@ _A = TypeVar("_A", bound=np.ndarray)
 SERIAL_THRESHOLD: int  # elements of work below which a call runs on one thread
 STREAM_THRESHOLD_BYTES: int  # outputs at least this large use streaming stores
 POOL_MIN_BYTES: int  # fresh outputs at least this large come from the pool
+BFLOAT16: np.dtype[Any]  # np.dtype(ml_dtypes.bfloat16), as the kernels know it
 
 class ScatterPlan(enum.IntEnum):
     PLAN_AUTO = 0
@@ -142,5 +143,5 @@ def clear_pool() -> None: ...
 def fail_scratch(n: int, after: int = 0) -> int: ...  # tests: n requests of scratch fail
 
 # Zeroed tables handed out through DLPack (src_c/_zeros.pxi).
-def zeroed_dlpack(rows: int, cols: int, itemsize: int) -> Any: ...  # a "dltensor" PyCapsule
+def zeroed_dlpack(rows: int, cols: int, itemsize: int, bfloat16: bool = False) -> Any: ...  # a "dltensor" PyCapsule
 def zeroed_kept(keep: bool | None = None) -> int: ...

@@ -10,7 +10,7 @@
 # way to a kernel.
 #
 # Accepted as they are: exact ndarrays, C-contiguous and aligned, in native
-# byte order, float32/float64 tables; positions as read by _index.pxi;
+# byte order, float16/bfloat16/float32/float64 tables; positions as read by _index.pxi;
 # outputs that share no memory with what the call reads (except `out is
 # tokens`, the in-place add, where each element reads only itself first).
 # Positions are always copied into a buffer the call owns before anything is
@@ -27,6 +27,23 @@ include "_team.pxi"
 include "_zeros.pxi"
 
 cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h":
+    enum:
+        NPY_HALF  # not in Cython's numpy declarations
+
+import ml_dtypes
+import numpy as np
+
+# NumPy's bfloat16 is ml_dtypes' (a dtype registered at run time, so its
+# type number is known only now).
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+cdef int _NPY_BFLOAT16 = BFLOAT16.num
+# float64 -> bfloat16 as the installed ml_dtypes converts: 1 + 2^-8 + 2^-30
+# is 1.0 through float32 (two roundings) and 1 + 2^-7 in one.
+cpe_set_bf16_from_f64_direct(
+    int(np.array([1 + 2.0**-8 + 2.0**-30]).astype(BFLOAT16).view(np.uint16)[0]) == 0x3F81
+)
 
 
 cdef extern from "Python.h":
@@ -50,9 +67,9 @@ cdef inline void _take_gil(PyThreadState* state) noexcept:
 # ---- the kernels of each dtype -------------------------------------------------
 #
 # Each entry describes its kernel call in a KernelCall and hands it to
-# _run_kernel, the one place that maps a table dtype to the kernels'
-# specialisations (real_t in _kernels.pxi). A dtype is added here: in
-# _has_kernels, in _run_kernel, and in real_t.
+# _run_kernel, the one place that maps dtypes to the kernels' row primitives
+# (_rows.h, generated from _rows.h.tp for every element type). A dtype is
+# added here, in _type_code, and in the template's TYPES.
 #
 # A kernel call cannot fail: whatever it needs was allocated before, with
 # the GIL held, by _scratch_or_raise, which raises the MemoryError there.
@@ -76,6 +93,8 @@ cdef struct KernelCall:
     #     the table (SGD), gtok (the pair); out2: gpos (the pair)
     #   src: read: the table (lookup), tokens (add, embed), g (the
     #     scatter-adds), grad (SGD); table: the position table (add, embed)
+    #   src_type: src's dtype where it may differ from the table's (the
+    #     scatter-adds' g, SGD's grad); -1: the table's
     Kernel kernel
     void* out
     void* out2
@@ -92,8 +111,9 @@ cdef struct KernelCall:
     int stream
     int in_place
     ScatterPlan plan
-    double lr            # the SGD step, rounded to the dtype by _kernel_as
+    double lr            # the SGD step, rounded to the compute type by the row primitive
     int64_t* scratch
+    int src_type
 
 
 cdef inline void _kernel_call(KernelCall* c, Kernel kernel, void* out, const void* src,
@@ -109,46 +129,63 @@ cdef inline void _kernel_call(KernelCall* c, Kernel kernel, void* out, const voi
     c.m = m
     c.d = d
     c.n_threads = n_threads
+    c.src_type = -1
+
+
+cdef inline int _type_code(int typenum) noexcept:
+    """The row primitives' code (_rows.h) of a dtype the kernels run on; -1
+    for any other."""
+    if typenum == cnp.NPY_FLOAT:
+        return CPE_F32
+    if typenum == cnp.NPY_DOUBLE:
+        return CPE_F64
+    if typenum == NPY_HALF:
+        return CPE_F16
+    if typenum == _NPY_BFLOAT16:
+        return CPE_BF16
+    return -1
 
 
 cdef inline bint _has_kernels(int typenum) noexcept:
-    """The table dtypes the kernels run on."""
-    return typenum == cnp.NPY_FLOAT or typenum == cnp.NPY_DOUBLE
+    """The dtypes the kernels run on: float16, bfloat16, float32, float64."""
+    return _type_code(typenum) >= 0
 
 
 cdef void _run_kernel(const KernelCall* c, int typenum) noexcept:
-    """Run c.kernel on data of dtype `typenum` (one _has_kernels accepts),
-    without the GIL unless the work is small (_release_gil)."""
+    """Run c.kernel on tables of dtype `typenum` (and a source of dtype
+    c.src_type), both ones _has_kernels accepts, without the GIL unless the
+    work is small (_release_gil)."""
+    cdef cpe_row_ops ops
+    cdef int t = _type_code(typenum)
+    cdef int g = _type_code(c.src_type) if c.src_type >= 0 else t
+    if t < 0 or g < 0:
+        abort()  # a dtype _has_kernels does not accept
+    cpe_row_ops_for(t, g, &ops)
     cdef PyThreadState* gil = _release_gil(c.n * c.d)
-    if typenum == cnp.NPY_FLOAT:
-        _kernel_as(c, <float*>NULL)
-    elif typenum == cnp.NPY_DOUBLE:
-        _kernel_as(c, <double*>NULL)
-    else:
-        abort()  # a dtype _has_kernels accepts and this dispatch does not know
+    _kernel(c, &ops)
     _take_gil(gil)
 
 
-cdef void _kernel_as(const KernelCall* c, real_t* kind) noexcept nogil:
-    # c.kernel on real_t data (`kind` only names the type).
+cdef void _kernel(const KernelCall* c, const cpe_row_ops* ops) noexcept nogil:
+    # c.kernel with the row primitives of its dtypes.
     if c.kernel == K_LOOKUP:
-        _lookup(<const real_t*>c.src, c.rows, <real_t*>c.out, c.n, c.L, c.d, c.n_threads,
+        _lookup(<const char*>c.src, c.rows, <char*>c.out, c.n, c.L, c.d, ops, c.n_threads,
                 c.stream)
     elif c.kernel == K_ADD:
-        _add(<const real_t*>c.src, <const real_t*>c.table, c.rows, <real_t*>c.out, c.n,
-             c.m, c.d, c.n_threads, c.stream, c.in_place)
+        _add(<const char*>c.src, <const char*>c.table, c.rows, <char*>c.out, c.n, c.m, c.d,
+             ops, c.n_threads, c.stream, c.in_place)
     elif c.kernel == K_SCATTER_ADD:
-        _scatter_add(<real_t*>c.out, <const real_t*>c.src, c.rows, c.L, c.d, c.m,
-                     c.n // c.m, c.n_threads, c.plan, c.scratch)
+        _scatter_add(<char*>c.out, <const char*>c.src, c.rows, c.L, c.d, c.m, c.n // c.m,
+                     ops, c.n_threads, c.plan, c.scratch)
     elif c.kernel == K_SGD:
-        _sgd_rows(<real_t*>c.out, <const real_t*>c.src, c.rows, c.n, c.d, <real_t>c.lr,
+        _sgd_rows(<char*>c.out, <const char*>c.src, c.rows, c.n, c.d, ops, c.lr,
                   c.n_threads)
     elif c.kernel == K_EMBED:
-        _embed(<const real_t*>c.src, c.ids, c.V, <const real_t*>c.table, c.rows,
-               <real_t*>c.out, c.n, c.m, c.d, c.n_threads, c.stream)
+        _embed(<const char*>c.src, c.ids, c.V, <const char*>c.table, c.rows, <char*>c.out,
+               c.n, c.m, c.d, ops, c.n_threads, c.stream)
     else:
-        _scatter_pair(<real_t*>c.out, c.V, c.ids, <real_t*>c.out2, c.L, c.rows, c.m,
-                      <const real_t*>c.src, c.n, c.d, c.n_threads, c.scratch)
+        _scatter_pair(<char*>c.out, c.V, c.ids, <char*>c.out2, c.L, c.rows, c.m,
+                      <const char*>c.src, c.n, c.d, ops, c.n_threads, c.scratch)
 
 
 cdef bint _plain_as(object obj, int typenum) noexcept:
@@ -162,6 +199,16 @@ cdef bint _plain_as(object obj, int typenum) noexcept:
         and cnp.PyArray_IS_C_CONTIGUOUS(a)
         and cnp.PyArray_ISALIGNED(a)
     )
+
+
+cdef int _source_type(object arr) noexcept:
+    """The dtype of an ndarray whose dtype has kernels, -1 for anything else
+    (a source that may differ from the table's dtype: _plain_as still checks
+    it)."""
+    if not cnp.PyArray_CheckExact(arr):
+        return -1
+    cdef int typenum = cnp.PyArray_TYPE(<cnp.ndarray>arr)
+    return typenum if _has_kernels(typenum) else -1
 
 
 cdef int _table_type(object table) noexcept:
@@ -402,11 +449,13 @@ cdef class TableCall:
         return result
 
 
-cdef int _rows_type(object table, object rows_array) noexcept:
+cdef int _rows_type(object table, object rows_array, bint any_dtype=False) noexcept:
     # The dtype of a plain (L, d) table with kernels and of a plain array
-    # of shape (..., d) with that dtype (tokens, a gradient); -1 else.
+    # of shape (..., d) with that dtype (tokens), or with any dtype that has
+    # kernels if any_dtype (a gradient: _source_type); -1 else.
     cdef int typenum = _table_type(table)
-    if typenum < 0 or not _plain_as(rows_array, typenum):
+    if typenum < 0 or not _plain_as(
+            rows_array, _source_type(rows_array) if any_dtype else typenum):
         return -1
     cdef cnp.ndarray a = <cnp.ndarray>rows_array
     cdef int nd = cnp.PyArray_NDIM(a)
@@ -489,14 +538,16 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     returns grad, or None if declined.
 
     grad: a plain writable (L, d) table; grad_output: a plain array of shape
-    (..., d) with grad's dtype, apart from grad; positions and offset as for
+    (..., d) of any dtype with kernels, apart from grad (each add as
+    np.add.at's: in float64 if either dtype is, else in float32, rounded to
+    grad's dtype); positions and offset as for
     add. touched: None or a plain writable bool array of length L, apart from
     grad, whose rows that received a contribution are set True. skip_row: a
     row in [0, L) that gets no gradient (zeroed after the sum, and unmarked:
     padding_idx, whose row is zero before every call), or -1. plan: a
     ScatterPlan (PLAN_AUTO: chosen per call; the others force one, for tests).
     """
-    cdef int typenum = _rows_type(grad, grad_output)
+    cdef int typenum = _rows_type(grad, grad_output, True)
     if typenum < 0:
         return None
     cdef cnp.ndarray G = <cnp.ndarray>grad
@@ -534,6 +585,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
             _kernel_call(&c, K_SCATTER_ADD, cnp.PyArray_DATA(G), cnp.PyArray_DATA(g),
                          ix.rows, N, m, d, nt)
             c.L = L
+            c.src_type = cnp.PyArray_TYPE(g)
             c.plan = <ScatterPlan>plan
             c.scratch = <int64_t*>_scratch_or_raise(_scatter_scratch_bytes(L, m, nt),
                                                     &capacity, "the scatter-add's scratch")
@@ -547,16 +599,19 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
 
 
 def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=None):
-    """``table[r] -= lr * grad[r]`` (lr rounded once to the table's dtype) on
-    the rows r that ``touched`` marks (every row if None), except skip_row;
-    True, or None if declined.
+    """``table[r] -= lr * grad[r]`` on the rows r that ``touched`` marks
+    (every row if None), except skip_row, computed in the gradient's dtype (lr
+    rounded once to it) and rounded once to the table's; True, or None if
+    declined.
 
     table: a plain writable (L, d) table; grad: a plain array of the same
-    shape and dtype, apart from it; touched: None or a plain bool array of
-    length L; skip_row: a row in [0, L), or -1.
+    shape, apart from it, of the table's dtype, or float32 for a float16 or
+    bfloat16 table (the master gradient); touched: None or a plain bool array
+    of length L; skip_row: a row in [0, L), or -1.
     """
     cdef int typenum = _table_type(table)
-    if typenum < 0 or not _plain_as(grad, typenum):
+    cdef bint half = typenum == NPY_HALF or typenum == _NPY_BFLOAT16
+    if typenum < 0 or not _plain_as(grad, cnp.NPY_FLOAT if half else typenum):
         return None
     cdef cnp.ndarray t = <cnp.ndarray>table
     cdef cnp.ndarray G = <cnp.ndarray>grad
@@ -585,6 +640,7 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
     if nt:
         _kernel_call(&c, K_SGD, cnp.PyArray_DATA(t), cnp.PyArray_DATA(G), rows, n, n, d, nt)
         c.lr = lr
+        c.src_type = cnp.NPY_FLOAT if half else typenum
         _run_kernel(&c, typenum)
     _scratch_give(rows, capacity)
     return True if nt else None
@@ -676,14 +732,15 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
 
     The two tables: plain, writable, one dtype and embed_dim, apart from each
     other (either table alone goes through scatter_add); grad_output: a plain
-    array of shape token_ids.shape + (d,) with their dtype, apart from both;
-    token_ids and positions as for embed. token_touched / position_touched:
+    array of shape token_ids.shape + (d,) of any dtype with kernels (each add
+    as scatter_add's), apart from both; token_ids and positions as for embed.
+    token_touched / position_touched:
     None or plain writable bool arrays of length V / L whose rows that
     received a contribution are set True; token_skip_row: a token row that
     gets no gradient (padding_idx, zeroed after the sum), or -1.
     """
     cdef int typenum = _pair_type(grad_token_table, grad_position_table)
-    if typenum < 0 or not _plain_as(grad_output, typenum):
+    if typenum < 0 or not _plain_as(grad_output, _source_type(grad_output)):
         return None
     cdef cnp.ndarray gt = <cnp.ndarray>grad_token_table
     cdef cnp.ndarray gp = <cnp.ndarray>grad_position_table
@@ -727,6 +784,7 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
             _kernel_call(&c, K_SCATTER_PAIR, cnp.PyArray_DATA(gt), cnp.PyArray_DATA(g),
                          ix.rows, ids.n, m, d, nt)
             c.out2 = cnp.PyArray_DATA(gp)
+            c.src_type = cnp.PyArray_TYPE(g)
             c.ids = ids.rows
             c.V = V
             c.L = L

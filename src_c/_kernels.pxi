@@ -18,8 +18,15 @@
 # thread is free: contiguous blocks of output rows, or, in the scatter-adds,
 # ranges of table rows that one chunk owns. A chunk that streams its stores
 # ends with a store fence (see _stream.h). Each kernel's job is a struct
-# (RowJob, ...) and a function of (job, chunk number) that calls the fused
-# block function for the job's dtype.
+# (RowJob, ...) and a function of (job, chunk number) that calls the block
+# function.
+#
+# The kernels are written once for every element type: they move rows as
+# bytes and leave the arithmetic on elements to the row primitives of
+# _rows.h (generated from _rows.h.tp for float16, bfloat16, float32 and
+# float64), chosen per call: `ops` holds those of the table's type and the
+# source's (cpe_row_ops_for). Row r of a table starts r * d * ops.tsize
+# bytes in; row i of a source (a gradient) i * d * ops.gsize bytes in.
 
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport abort, calloc, free, malloc
@@ -34,24 +41,30 @@ cdef extern from "_stream.h" nogil:
     void cpe_prefetch(const void* p)
     void cpe_prefetch_l2(const void* p)
     void cpe_prefetch_nta(const void* p)
-    void cpe_copy_f32(float* dst, const float* src, Py_ssize_t n, int stream)
-    void cpe_copy_f64(double* dst, const double* src, Py_ssize_t n, int stream)
-    void cpe_add_f32(float* out, const float* a, const float* b, Py_ssize_t n, int stream)
-    void cpe_add_f64(double* out, const double* a, const double* b, Py_ssize_t n,
-                     int stream)
-    void cpe_acc_f32(float* acc, const float* src, const float* nxt, const float* far,
-                     float* nacc, const float* far_acc, Py_ssize_t n)
-    void cpe_acc_f64(double* acc, const double* src, const double* nxt, const double* far,
-                     double* nacc, const double* far_acc, Py_ssize_t n)
-    void cpe_acc2_f32(float* acc1, float* acc2, const float* src, const float* nxt,
-                      const float* far, const float* far_acc, Py_ssize_t n)
-    void cpe_acc2_f64(double* acc1, double* acc2, const double* src, const double* nxt,
-                      const double* far, const double* far_acc, Py_ssize_t n)
+    void cpe_copy_bytes(void* dst, const void* src, size_t n, int stream)
 
 
-ctypedef fused real_t:
-    float
-    double
+cdef extern from "_rows.h" nogil:
+    enum:
+        CPE_F16
+        CPE_BF16
+        CPE_F32
+        CPE_F64
+    ctypedef void (*cpe_add_fn)(void*, const void*, const void*, Py_ssize_t, int)
+    ctypedef void (*cpe_acc_fn)(void*, const void*, const void*, const void*, void*,
+                                const void*, Py_ssize_t)
+    ctypedef void (*cpe_acc2_fn)(void*, void*, const void*, const void*, const void*,
+                                 const void*, Py_ssize_t)
+    ctypedef void (*cpe_sgd_fn)(void*, const void*, Py_ssize_t, double)
+    ctypedef struct cpe_row_ops:
+        cpe_add_fn add
+        cpe_acc_fn acc
+        cpe_acc2_fn acc2
+        cpe_sgd_fn sgd
+        Py_ssize_t tsize
+        Py_ssize_t gsize
+    void cpe_row_ops_for(int t, int g, cpe_row_ops* ops)
+    void cpe_set_bf16_from_f64_direct(int direct)
 
 
 # How the scatter-add assigns contributions to threads. Each table row is
@@ -146,47 +159,6 @@ cdef bint _repeats(const int64_t* p, Py_ssize_t n, Py_ssize_t period) noexcept n
     return True
 
 
-cdef inline void _copy_row(real_t* dst, const real_t* src, Py_ssize_t d,
-                           int stream) noexcept nogil:
-    if real_t is float:
-        cpe_copy_f32(dst, src, d, stream)
-    else:
-        cpe_copy_f64(dst, src, d, stream)
-
-
-cdef inline void _add_row(const real_t* a, const real_t* b, real_t* out,
-                          Py_ssize_t d, int stream) noexcept nogil:
-    # `out` may be `a` (in place); element k only reads a[k], b[k].
-    if real_t is float:
-        cpe_add_f32(out, a, b, d, stream)
-    else:
-        cpe_add_f64(out, a, b, d, stream)
-
-
-cdef inline void _acc_row(real_t* acc, const real_t* src, const real_t* nxt,
-                          const real_t* far, real_t* nacc, const real_t* far_acc,
-                          Py_ssize_t d) noexcept nogil:
-    # acc += src; asks for the lines of `nxt` (next source row, L1), `far`
-    # (a source row further ahead, L2), `nacc` (the next row to add into)
-    # and `far_acc` (a row to add into further ahead, L2) as it goes; any may
-    # be NULL (see _stream.h).
-    if real_t is float:
-        cpe_acc_f32(acc, src, nxt, far, nacc, far_acc, d)
-    else:
-        cpe_acc_f64(acc, src, nxt, far, nacc, far_acc, d)
-
-
-cdef inline void _acc2_row(real_t* acc1, real_t* acc2, const real_t* src,
-                           const real_t* nxt, const real_t* far, const real_t* far_acc,
-                           Py_ssize_t d) noexcept nogil:
-    # acc1 += src and acc2 += src in one pass over src, with the prefetches
-    # of _acc_row (far_acc: a row of acc1's table; see _stream.h).
-    if real_t is float:
-        cpe_acc2_f32(acc1, acc2, src, nxt, far, far_acc, d)
-    else:
-        cpe_acc2_f64(acc1, acc2, src, nxt, far, far_acc, d)
-
-
 # Where _prefetch_row asks a row's lines to go. _TO_L1: the next row of a
 # random gather, which arrives while the current one is done. _TO_L2: a row
 # of a random gather a few rows ahead (the memory latency of a row that
@@ -199,19 +171,18 @@ cdef enum:
     _ONCE = 2
 
 
-cdef inline void _prefetch_row(const real_t* src, Py_ssize_t d, int where) noexcept nogil:
-    # Asks for every cache line of a row now (where: _TO_L1, _TO_L2 or
-    # _ONCE, a constant at each call, so the test folds away).
+cdef inline void _prefetch_row(const char* src, Py_ssize_t nbytes, int where) noexcept nogil:
+    # Asks for every cache line of a row of `nbytes` now (where: _TO_L1,
+    # _TO_L2 or _ONCE, a constant at each call, so the test folds away).
     cdef Py_ssize_t k = 0
-    cdef Py_ssize_t step = 64 // sizeof(real_t)
-    while k < d:
+    while k < nbytes:
         if where == _TO_L1:
             cpe_prefetch(src + k)
         elif where == _TO_L2:
             cpe_prefetch_l2(src + k)
         else:
             cpe_prefetch_nta(src + k)
-        k += step
+        k += 64
 
 
 cdef struct RowJob:
@@ -225,37 +196,40 @@ cdef struct RowJob:
     Py_ssize_t n, m, d, per
     int stream
     int flag             # lookup, embed: prefetch; add: in place
-    bint f64
+    cpe_row_ops ops      # lookup: only tsize
 
 
 # ---- lookup ------------------------------------------------------------------
 
 
-cdef void _lookup_block(const real_t* table, const int64_t* rows, real_t* out,
-                        Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t d, int stream,
+cdef void _lookup_block(const char* table, const int64_t* rows, char* out,
+                        Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t rb, int stream,
                         int prefetch) noexcept nogil:
+    # Rows of rb bytes.
     cdef Py_ssize_t i
     for i in range(lo, hi):
         if prefetch and i + 1 < hi:
-            _prefetch_row(table + rows[i + 1] * d, d, _TO_L1)
-        _copy_row(out + i * d, table + rows[i] * d, d, stream)
+            _prefetch_row(table + rows[i + 1] * rb, rb, _TO_L1)
+        cpe_copy_bytes(out + i * rb, table + rows[i] * rb, rb, stream)
     if stream:
         cpe_sfence()
 
 
-cdef void _lookup(const real_t* table, const int64_t* rows, real_t* out, Py_ssize_t n,
-                  Py_ssize_t L, Py_ssize_t d, int n_threads, int stream) noexcept nogil:
+cdef void _lookup(const char* table, const int64_t* rows, char* out, Py_ssize_t n,
+                  Py_ssize_t L, Py_ssize_t d, const cpe_row_ops* ops, int n_threads,
+                  int stream) noexcept nogil:
     # out[i, :] = table[rows[i], :] for i < n, on n_threads. The next row
     # is prefetched only from a table beyond the L2 cache (rows read at
     # random from memory); a smaller one is in cache already.
     cdef RowJob job
     cdef cpe_crew crew
-    cdef int prefetch = L * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
+    cdef Py_ssize_t rb = d * ops.tsize
+    cdef int prefetch = L * rb > _PREFETCH_TABLE_BYTES
     cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(n, per)
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
-        _lookup_block(table, rows, out, 0, n, d, stream, prefetch)
+        _lookup_block(table, rows, out, 0, n, rb, stream, prefetch)
         return
     job.src = table
     job.ids = rows
@@ -265,34 +239,32 @@ cdef void _lookup(const real_t* table, const int64_t* rows, real_t* out, Py_ssiz
     job.per = per
     job.stream = stream
     job.flag = prefetch
-    job.f64 = real_t is double
+    job.ops = ops[0]
     cpe_crew_run(&crew, _lookup_chunk, &job, n_chunks)
 
 
 cdef void _lookup_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     cdef RowJob* j = <RowJob*>arg
     cdef Py_ssize_t lo = c * j.per, hi = min(j.n, lo + j.per)
-    if j.f64:
-        _lookup_block(<const double*>j.src, j.ids, <double*>j.out, lo, hi, j.d, j.stream,
-                      j.flag)
-    else:
-        _lookup_block(<const float*>j.src, j.ids, <float*>j.out, lo, hi, j.d, j.stream,
-                      j.flag)
+    _lookup_block(<const char*>j.src, j.ids, <char*>j.out, lo, hi, j.d * j.ops.tsize,
+                  j.stream, j.flag)
 
 
 # ---- add ---------------------------------------------------------------------
 
 
-cdef void _add_block(const real_t* tokens, const real_t* table, const int64_t* rows,
-                     real_t* out, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t m,
-                     Py_ssize_t d, int stream, int in_place) noexcept nogil:
+cdef void _add_block(const char* tokens, const char* table, const int64_t* rows,
+                     char* out, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t m,
+                     Py_ssize_t d, const cpe_row_ops* ops, int stream,
+                     int in_place) noexcept nogil:
     # In place the lines are read anyway, so ordinary stores cost nothing
     # extra; there the token rows are prefetched with a non-temporal hint.
-    cdef Py_ssize_t i, j = lo % m
+    # `out` may be `tokens` (in place): element k only reads itself.
+    cdef Py_ssize_t i, j = lo % m, rb = d * ops.tsize
     for i in range(lo, hi):
         if in_place and i + _AHEAD < hi:
-            _prefetch_row(tokens + (i + _AHEAD) * d, d, _ONCE)
-        _add_row(tokens + i * d, table + rows[j] * d, out + i * d, d, stream)
+            _prefetch_row(tokens + (i + _AHEAD) * rb, rb, _ONCE)
+        ops.add(out + i * rb, tokens + i * rb, table + rows[j] * rb, d, stream)
         j += 1
         if j == m:
             j = 0
@@ -300,9 +272,9 @@ cdef void _add_block(const real_t* tokens, const real_t* table, const int64_t* r
         cpe_sfence()
 
 
-cdef void _add(const real_t* tokens, const real_t* table, const int64_t* rows, real_t* out,
-               Py_ssize_t N, Py_ssize_t m, Py_ssize_t d, int n_threads, int stream,
-               int in_place) noexcept nogil:
+cdef void _add(const char* tokens, const char* table, const int64_t* rows, char* out,
+               Py_ssize_t N, Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops,
+               int n_threads, int stream, int in_place) noexcept nogil:
     # out[i, :] = tokens[i, :] + table[rows[i % m], :] for i < N, on n_threads.
     cdef RowJob job
     cdef cpe_crew crew
@@ -310,7 +282,7 @@ cdef void _add(const real_t* tokens, const real_t* table, const int64_t* rows, r
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
-        _add_block(tokens, table, rows, out, 0, N, m, d, stream, in_place)
+        _add_block(tokens, table, rows, out, 0, N, m, d, ops, stream, in_place)
         return
     job.src = tokens
     job.table = table
@@ -322,19 +294,15 @@ cdef void _add(const real_t* tokens, const real_t* table, const int64_t* rows, r
     job.per = per
     job.stream = stream
     job.flag = in_place
-    job.f64 = real_t is double
+    job.ops = ops[0]
     cpe_crew_run(&crew, _add_chunk, &job, n_chunks)
 
 
 cdef void _add_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     cdef RowJob* j = <RowJob*>arg
     cdef Py_ssize_t lo = c * j.per, hi = min(j.n, lo + j.per)
-    if j.f64:
-        _add_block(<const double*>j.src, <const double*>j.table, j.rows, <double*>j.out,
-                   lo, hi, j.m, j.d, j.stream, j.flag)
-    else:
-        _add_block(<const float*>j.src, <const float*>j.table, j.rows, <float*>j.out,
-                   lo, hi, j.m, j.d, j.stream, j.flag)
+    _add_block(<const char*>j.src, <const char*>j.table, j.rows, <char*>j.out, lo, hi,
+               j.m, j.d, &j.ops, j.stream, j.flag)
 
 
 # ---- scatter-add -------------------------------------------------------------
@@ -418,9 +386,9 @@ cdef inline void _cursor_next(RowCursor* c, const int64_t* row_start, Py_ssize_t
     _cursor_row(c, row_start, r_hi)
 
 
-cdef void _sum_rows(real_t* grad, const real_t* g, const int64_t* row_start,
+cdef void _sum_rows(char* grad, const char* g, const int64_t* row_start,
                     const int64_t* order, Py_ssize_t r_lo, Py_ssize_t r_hi, Py_ssize_t nb,
-                    Py_ssize_t m, Py_ssize_t d) noexcept nogil:
+                    Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops) noexcept nogil:
     # Rows r_lo..r_hi-1 of grad, each summing its contributions in input
     # order (i = k*m + j ascending): the order np.add.at uses. One row at a
     # time, so it stays in L1 while its source rows come at random: the next
@@ -428,8 +396,9 @@ cdef void _sum_rows(real_t* grad, const real_t* g, const int64_t* row_start,
     # (L2).
     cdef RowCursor cur, nxt, far
     cdef int k
-    cdef const real_t* pn
-    cdef const real_t* pf
+    cdef const char* pn
+    cdef const char* pf
+    cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
     cur.r = r_lo
     cur.done = False
     _cursor_row(&cur, row_start, r_hi)
@@ -442,26 +411,27 @@ cdef void _sum_rows(real_t* grad, const real_t* g, const int64_t* row_start,
         pn = NULL
         pf = NULL
         if not nxt.done:
-            pn = g + (nxt.k * m + order[nxt.t]) * d
+            pn = g + (nxt.k * m + order[nxt.t]) * gb
         if not far.done:
-            pf = g + (far.k * m + order[far.t]) * d
-        _acc_row(grad + cur.r * d, g + (cur.k * m + order[cur.t]) * d, pn, pf, NULL, NULL, d)
+            pf = g + (far.k * m + order[far.t]) * gb
+        ops.acc(grad + cur.r * tb, g + (cur.k * m + order[cur.t]) * gb, pn, pf, NULL, NULL, d)
         cur = nxt
         _cursor_next(&nxt, row_start, r_hi, nb)
         _cursor_next(&far, row_start, r_hi, nb)
 
 
-cdef void _sum_distinct(real_t* grad, const real_t* g, const int64_t* rows,
+cdef void _sum_distinct(char* grad, const char* g, const int64_t* rows,
                         Py_ssize_t j_lo, Py_ssize_t j_hi, Py_ssize_t nb,
-                        Py_ssize_t m, Py_ssize_t d) noexcept nogil:
+                        Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops) noexcept nogil:
     # Positions j_lo..j_hi-1 hit distinct rows, so row rows[j] receives
     # exactly g[k*m + j] for k = 0..nb-1, summed in that order (np.add.at's).
     # Blocked: a block of table rows small enough to stay in cache takes the
     # whole batch, reading each block of g (contiguous rows) once; the next
     # row of g is prefetched line by line (a jump at each block's end).
-    cdef Py_ssize_t rows_per_block = _BLOCK_BYTES // (d * sizeof(real_t))
+    cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
+    cdef Py_ssize_t rows_per_block = _BLOCK_BYTES // tb
     cdef Py_ssize_t b0, b1, j, k
-    cdef const real_t* nxt
+    cdef const char* nxt
     if rows_per_block < 1:
         rows_per_block = 1
     b0 = j_lo
@@ -472,27 +442,29 @@ cdef void _sum_distinct(real_t* grad, const real_t* g, const int64_t* rows,
         for k in range(nb):
             for j in range(b0, b1):
                 if j + 1 < b1:
-                    nxt = g + (k * m + j + 1) * d
+                    nxt = g + (k * m + j + 1) * gb
                 elif k + 1 < nb:
-                    nxt = g + ((k + 1) * m + b0) * d
+                    nxt = g + ((k + 1) * m + b0) * gb
                 else:
                     nxt = NULL
-                _acc_row(grad + rows[j] * d, g + (k * m + j) * d, nxt, NULL, NULL, NULL, d)
+                ops.acc(grad + rows[j] * tb, g + (k * m + j) * gb, nxt, NULL, NULL, NULL, d)
         b0 = b1
 
 
-cdef void _scan_rows(real_t* grad, const real_t* g, const int64_t* rows,
+cdef void _scan_rows(char* grad, const char* g, const int64_t* rows,
                      const int64_t* order, Py_ssize_t q_lo, Py_ssize_t q_hi,
-                     Py_ssize_t nb, Py_ssize_t m, Py_ssize_t d) noexcept nogil:
+                     Py_ssize_t nb, Py_ssize_t m, Py_ssize_t d,
+                     const cpe_row_ops* ops) noexcept nogil:
     # Takes the contributions j = order[q] (j = q if order is NULL) for q in
     # q_lo..q_hi-1, ascending, for every batch k: input order i = k*m + j,
     # so np.add.at's, while reading g front to back. The caller hands each
     # chunk only the j that fall in its own table rows, so no two chunks
     # write the same row; those rows are updated at random, in cache.
     cdef Py_ssize_t k, q, j, j1
-    cdef const real_t* nxt
-    cdef const real_t* far
-    cdef real_t* nacc
+    cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
+    cdef const char* nxt
+    cdef const char* far
+    cdef char* nacc
     for k in range(nb):
         for q in range(q_lo, q_hi):
             j = order[q] if order != NULL else q
@@ -504,12 +476,12 @@ cdef void _scan_rows(real_t* grad, const real_t* g, const int64_t* rows,
             nacc = NULL
             if q + 1 < q_hi:
                 j1 = order[q + 1] if order != NULL else q + 1
-                nxt = g + (k * m + j1) * d
-                nacc = grad + rows[j1] * d
+                nxt = g + (k * m + j1) * gb
+                nacc = grad + rows[j1] * tb
             if q + _AHEAD < q_hi:
                 j1 = order[q + _AHEAD] if order != NULL else q + _AHEAD
-                far = g + (k * m + j1) * d
-            _acc_row(grad + rows[j] * d, g + (k * m + j) * d, nxt, far, nacc, NULL, d)
+                far = g + (k * m + j1) * gb
+            ops.acc(grad + rows[j] * tb, g + (k * m + j) * gb, nxt, far, nacc, NULL, d)
 
 
 # A thread's cost for a table row it sums: one unit per contribution, plus
@@ -657,33 +629,29 @@ cdef struct ScatterJob:
     const int64_t* q_start
     Py_ssize_t m, nb, d, per
     ScatterPlan plan
-    bint f64
-
-
-cdef void _scatter_block(real_t* grad, const real_t* g, ScatterJob* j,
-                         Py_ssize_t c) noexcept nogil:
-    cdef Py_ssize_t lo
-    if j.plan == PLAN_DISTINCT:
-        lo = c * j.per
-        _sum_distinct(grad, g, j.rows, lo, min(j.m, lo + j.per), j.nb, j.m, j.d)
-    elif j.plan == PLAN_SCAN:
-        _scan_rows(grad, g, j.rows, j.order, j.q_start[c], j.q_start[c + 1], j.nb, j.m, j.d)
-    else:
-        _sum_rows(grad, g, j.row_start, j.order, j.bounds[c], j.bounds[c + 1], j.nb, j.m,
-                  j.d)
+    cpe_row_ops ops
 
 
 cdef void _scatter_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     cdef ScatterJob* j = <ScatterJob*>arg
-    if j.f64:
-        _scatter_block(<double*>j.grad, <const double*>j.g, j, c)
+    cdef char* grad = <char*>j.grad
+    cdef const char* g = <const char*>j.g
+    cdef Py_ssize_t lo
+    if j.plan == PLAN_DISTINCT:
+        lo = c * j.per
+        _sum_distinct(grad, g, j.rows, lo, min(j.m, lo + j.per), j.nb, j.m, j.d, &j.ops)
+    elif j.plan == PLAN_SCAN:
+        _scan_rows(grad, g, j.rows, j.order, j.q_start[c], j.q_start[c + 1], j.nb, j.m, j.d,
+                   &j.ops)
     else:
-        _scatter_block(<float*>j.grad, <const float*>j.g, j, c)
+        _sum_rows(grad, g, j.row_start, j.order, j.bounds[c], j.bounds[c + 1], j.nb, j.m,
+                  j.d, &j.ops)
 
 
-cdef void _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
+cdef void _scatter_add(char* grad, const char* g, const int64_t* rows,
                        Py_ssize_t L, Py_ssize_t d, Py_ssize_t m, Py_ssize_t nb,
-                       int n_threads, ScatterPlan plan, int64_t* scratch) noexcept nogil:
+                       const cpe_row_ops* ops, int n_threads, ScatterPlan plan,
+                       int64_t* scratch) noexcept nogil:
     # grad[rows[i % m], :] += g[i, :] for i < nb * m, each row summed in
     # input order by one chunk; `scratch`: _scatter_scratch_bytes of it.
     cdef ScatterScratch s
@@ -703,17 +671,17 @@ cdef void _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
         _prefix_rows(L, s.row_start)
         # The plan by each thread's share of the table.
         _owner_bounds(s.row_start, L, n_threads, s.bounds)
-        plan = _choose_plan(plan, s.row_start, L, m, s.bounds, d, sizeof(real_t), n_threads)
+        plan = _choose_plan(plan, s.row_start, L, m, s.bounds, d, ops.tsize, n_threads)
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
         if plan == PLAN_DISTINCT:
-            _sum_distinct(grad, g, rows, 0, m, nb, m, d)
+            _sum_distinct(grad, g, rows, 0, m, nb, m, d, ops)
         elif plan == PLAN_SCAN:
-            _scan_rows(grad, g, rows, NULL, 0, m, nb, m, d)
+            _scan_rows(grad, g, rows, NULL, 0, m, nb, m, d, ops)
         else:
             _sort_by_row(rows, m, L, s.row_start, s.order)
-            _sum_rows(grad, g, s.row_start, s.order, 0, L, nb, m, d)
+            _sum_rows(grad, g, s.row_start, s.order, 0, L, nb, m, d, ops)
         return
     job.grad = grad
     job.g = g
@@ -727,7 +695,7 @@ cdef void _scatter_add(real_t* grad, const real_t* g, const int64_t* rows,
     job.d = d
     job.per = per
     job.plan = plan
-    job.f64 = real_t is double
+    job.ops = ops[0]
     if plan != PLAN_DISTINCT:
         # The chunks: ranges of table rows, for the threads the call has.
         c = _scatter_chunks(n_threads)
@@ -770,26 +738,19 @@ cdef Py_ssize_t _marked_rows(const uint8_t* mark, Py_ssize_t L, Py_ssize_t skip_
     return n
 
 
-cdef inline void _sgd_row(real_t* row, const real_t* gr, Py_ssize_t d,
-                          real_t step) noexcept nogil:
-    # row -= step * gr: one multiply and one subtract per element, as
-    # NumPy's `table -= lr * grad` (setup.py builds with -ffp-contract=off,
-    # so the compiler cannot fuse them into an FMA).
-    cdef Py_ssize_t k
-    for k in range(d):
-        row[k] = row[k] - step * gr[k]
-
-
-cdef void _sgd_rows(real_t* table, const real_t* grad, const int64_t* rows, Py_ssize_t n,
-                    Py_ssize_t d, real_t step, int n_threads) noexcept nogil:
-    # The update of the n distinct rows `rows`; each chunk owns its rows.
+cdef void _sgd_rows(char* table, const char* grad, const int64_t* rows, Py_ssize_t n,
+                    Py_ssize_t d, const cpe_row_ops* ops, double step,
+                    int n_threads) noexcept nogil:
+    # The update of the n distinct rows `rows` (row -= step * grad row, by
+    # ops.sgd: a multiply, then a subtract, in the compute type, as NumPy's
+    # `table -= lr * grad`); each chunk owns its rows.
     cdef SgdJob job
     cdef cpe_crew crew
     cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(n, per)
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
-        _sgd_block(table, grad, rows, 0, n, d, step)
+        _sgd_block(table, grad, rows, 0, n, d, ops, step)
         return
     job.table = table
     job.grad = grad
@@ -798,15 +759,16 @@ cdef void _sgd_rows(real_t* table, const real_t* grad, const int64_t* rows, Py_s
     job.d = d
     job.per = per
     job.step = step
-    job.f64 = real_t is double
+    job.ops = ops[0]
     cpe_crew_run(&crew, _sgd_chunk, &job, n_chunks)
 
 
-cdef void _sgd_block(real_t* table, const real_t* grad, const int64_t* rows,
-                     Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t d, real_t step) noexcept nogil:
-    cdef Py_ssize_t i
+cdef void _sgd_block(char* table, const char* grad, const int64_t* rows,
+                     Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t d, const cpe_row_ops* ops,
+                     double step) noexcept nogil:
+    cdef Py_ssize_t i, tb = d * ops.tsize, gb = d * ops.gsize
     for i in range(lo, hi):
-        _sgd_row(table + rows[i] * d, grad + rows[i] * d, d, step)
+        ops.sgd(table + rows[i] * tb, grad + rows[i] * gb, d, step)
 
 
 cdef struct SgdJob:
@@ -815,33 +777,30 @@ cdef struct SgdJob:
     const void* grad
     const int64_t* rows
     Py_ssize_t n, d, per
-    double step          # the float32 step exactly, for a float32 table
-    bint f64
+    double step          # rounded to the compute type by ops.sgd
+    cpe_row_ops ops
 
 
 cdef void _sgd_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     cdef SgdJob* j = <SgdJob*>arg
     cdef Py_ssize_t lo = c * j.per, hi = min(j.n, lo + j.per)
-    if j.f64:
-        _sgd_block(<double*>j.table, <const double*>j.grad, j.rows, lo, hi, j.d, j.step)
-    else:
-        _sgd_block(<float*>j.table, <const float*>j.grad, j.rows, lo, hi, j.d,
-                   <float>j.step)
+    _sgd_block(<char*>j.table, <const char*>j.grad, j.rows, lo, hi, j.d, &j.ops, j.step)
 
 
 # ---- the token + position layer ------------------------------------------------
 
 
-cdef void _embed_block(const real_t* tokens, const int64_t* ids, const real_t* table,
-                       const int64_t* rows, real_t* out, Py_ssize_t lo, Py_ssize_t hi,
-                       Py_ssize_t m, Py_ssize_t d, int stream, int prefetch) noexcept nogil:
-    cdef Py_ssize_t i, j = lo % m
+cdef void _embed_block(const char* tokens, const int64_t* ids, const char* table,
+                       const int64_t* rows, char* out, Py_ssize_t lo, Py_ssize_t hi,
+                       Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops, int stream,
+                       int prefetch) noexcept nogil:
+    cdef Py_ssize_t i, j = lo % m, rb = d * ops.tsize
     for i in range(lo, hi):
         if prefetch and i + 1 < hi:
-            _prefetch_row(tokens + ids[i + 1] * d, d, _TO_L1)
+            _prefetch_row(tokens + ids[i + 1] * rb, rb, _TO_L1)
             if i + _AHEAD < hi:
-                _prefetch_row(tokens + ids[i + _AHEAD] * d, d, _TO_L2)
-        _add_row(tokens + ids[i] * d, table + rows[j] * d, out + i * d, d, stream)
+                _prefetch_row(tokens + ids[i + _AHEAD] * rb, rb, _TO_L2)
+        ops.add(out + i * rb, tokens + ids[i] * rb, table + rows[j] * rb, d, stream)
         j += 1
         if j == m:
             j = 0
@@ -849,21 +808,22 @@ cdef void _embed_block(const real_t* tokens, const int64_t* ids, const real_t* t
         cpe_sfence()
 
 
-cdef void _embed(const real_t* tokens, const int64_t* ids, Py_ssize_t V,
-                 const real_t* table, const int64_t* rows, real_t* out, Py_ssize_t N,
-                 Py_ssize_t m, Py_ssize_t d, int n_threads, int stream) noexcept nogil:
+cdef void _embed(const char* tokens, const int64_t* ids, Py_ssize_t V,
+                 const char* table, const int64_t* rows, char* out, Py_ssize_t N,
+                 Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops, int n_threads,
+                 int stream) noexcept nogil:
     # out[i, :] = tokens[ids[i], :] + table[rows[i % m], :] for i < N: the
     # token rows are gathered at random from a vocabulary table far larger
     # than the caches, so the next one is prefetched into L1 and the one
     # _AHEAD rows on into L2.
     cdef RowJob job
     cdef cpe_crew crew
-    cdef int prefetch = V * d * <Py_ssize_t>sizeof(real_t) > _PREFETCH_TABLE_BYTES
+    cdef int prefetch = V * d * ops.tsize > _PREFETCH_TABLE_BYTES
     cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(N, per)
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
     if n_threads <= 1:
-        _embed_block(tokens, ids, table, rows, out, 0, N, m, d, stream, prefetch)
+        _embed_block(tokens, ids, table, rows, out, 0, N, m, d, ops, stream, prefetch)
         return
     job.src = tokens
     job.ids = ids
@@ -876,19 +836,15 @@ cdef void _embed(const real_t* tokens, const int64_t* ids, Py_ssize_t V,
     job.per = per
     job.stream = stream
     job.flag = prefetch
-    job.f64 = real_t is double
+    job.ops = ops[0]
     cpe_crew_run(&crew, _embed_chunk, &job, n_chunks)
 
 
 cdef void _embed_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     cdef RowJob* j = <RowJob*>arg
     cdef Py_ssize_t lo = c * j.per, hi = min(j.n, lo + j.per)
-    if j.f64:
-        _embed_block(<const double*>j.src, j.ids, <const double*>j.table, j.rows,
-                     <double*>j.out, lo, hi, j.m, j.d, j.stream, j.flag)
-    else:
-        _embed_block(<const float*>j.src, j.ids, <const float*>j.table, j.rows,
-                     <float*>j.out, lo, hi, j.m, j.d, j.stream, j.flag)
+    _embed_block(<const char*>j.src, j.ids, <const char*>j.table, j.rows, <char*>j.out,
+                 lo, hi, j.m, j.d, &j.ops, j.stream, j.flag)
 
 
 cdef void _count_owned(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int n_threads,
@@ -920,10 +876,10 @@ cdef Py_ssize_t _collect_pair(const int64_t* ids, const int64_t* tok_owner,
     return n
 
 
-cdef void _sum_pair(real_t* gtok, const int64_t* ids, real_t* gpos, const int64_t* rows,
-                    const int64_t* pos_owner, int64_t t, const real_t* g,
+cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* rows,
+                    const int64_t* pos_owner, int64_t t, const char* g,
                     const int64_t* work, Py_ssize_t n, Py_ssize_t m,
-                    Py_ssize_t d) noexcept nogil:
+                    Py_ssize_t d, const cpe_row_ops* ops) noexcept nogil:
     # For each listed contribution i, ascending: gtok[ids[i]] += g[i] if this
     # thread owns the token row, gpos[rows[i % m]] += g[i] if it owns the
     # position row; one read of g[i] serves both. As it goes it asks for the
@@ -933,27 +889,28 @@ cdef void _sum_pair(real_t* gtok, const int64_t* ids, real_t* gpos, const int64_
     # follow, and token rows come from memory at random.
     cdef Py_ssize_t q, i, w
     cdef int64_t p
-    cdef const real_t* src
-    cdef const real_t* nxt
-    cdef const real_t* far
-    cdef const real_t* far_acc
+    cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
+    cdef const char* src
+    cdef const char* nxt
+    cdef const char* far
+    cdef const char* far_acc
     for q in range(n):
         i = work[q] >> 1
-        src = g + i * d
-        nxt = g + (work[q + 1] >> 1) * d if q + 1 < n else NULL
-        far = g + (work[q + _GATHER_AHEAD] >> 1) * d if q + _GATHER_AHEAD < n else NULL
+        src = g + i * gb
+        nxt = g + (work[q + 1] >> 1) * gb if q + 1 < n else NULL
+        far = g + (work[q + _GATHER_AHEAD] >> 1) * gb if q + _GATHER_AHEAD < n else NULL
         far_acc = NULL
         if q + _AHEAD < n:
             w = work[q + _AHEAD]
             if w & 1:
-                far_acc = gtok + ids[w >> 1] * d
+                far_acc = gtok + ids[w >> 1] * tb
         p = rows[i % m]
         if not work[q] & 1:
-            _acc_row(gpos + p * d, src, nxt, far, NULL, NULL, d)
+            ops.acc(gpos + p * tb, src, nxt, far, NULL, NULL, d)
         elif pos_owner[p] == t:
-            _acc2_row(gtok + ids[i] * d, gpos + p * d, src, nxt, far, far_acc, d)
+            ops.acc2(gtok + ids[i] * tb, gpos + p * tb, src, nxt, far, far_acc, d)
         else:
-            _acc_row(gtok + ids[i] * d, src, nxt, far, NULL, far_acc, d)
+            ops.acc(gtok + ids[i] * tb, src, nxt, far, NULL, far_acc, d)
 
 
 cdef size_t _pair_scratch_bytes(Py_ssize_t V, Py_ssize_t L, Py_ssize_t N,
@@ -978,28 +935,21 @@ cdef struct PairJob:
     const int64_t* pos_owner
     int64_t* work
     Py_ssize_t N, m, d
-    bint f64
-
-
-cdef void _pair_block(real_t* gtok, real_t* gpos, const real_t* g, PairJob* j,
-                      Py_ssize_t c) noexcept nogil:
-    cdef int64_t* work = j.work + c * j.N
-    cdef Py_ssize_t n = _collect_pair(j.ids, j.tok_owner, j.rows, j.pos_owner, j.N, j.m, c,
-                                      work)
-    _sum_pair(gtok, j.ids, gpos, j.rows, j.pos_owner, c, g, work, n, j.m, j.d)
+    cpe_row_ops ops
 
 
 cdef void _pair_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     cdef PairJob* j = <PairJob*>arg
-    if j.f64:
-        _pair_block(<double*>j.gtok, <double*>j.gpos, <const double*>j.g, j, c)
-    else:
-        _pair_block(<float*>j.gtok, <float*>j.gpos, <const float*>j.g, j, c)
+    cdef int64_t* work = j.work + c * j.N
+    cdef Py_ssize_t n = _collect_pair(j.ids, j.tok_owner, j.rows, j.pos_owner, j.N, j.m, c,
+                                      work)
+    _sum_pair(<char*>j.gtok, j.ids, <char*>j.gpos, j.rows, j.pos_owner, c,
+              <const char*>j.g, work, n, j.m, j.d, &j.ops)
 
 
-cdef void _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* gpos,
-                        Py_ssize_t L, const int64_t* rows, Py_ssize_t m, const real_t* g,
-                        Py_ssize_t N, Py_ssize_t d, int n_threads,
+cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos,
+                        Py_ssize_t L, const int64_t* rows, Py_ssize_t m, const char* g,
+                        Py_ssize_t N, Py_ssize_t d, const cpe_row_ops* ops, int n_threads,
                         int64_t* scratch) noexcept nogil:
     # Both gradients of the token + position layer from one pass over g:
     # gtok[ids[i]] += g[i] and gpos[rows[i % m]] += g[i] for i < N, each
@@ -1013,13 +963,14 @@ cdef void _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
     cdef PairJob job
     cdef cpe_crew crew
     cdef int64_t* bounds
+    cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, n_threads)
     if n_threads <= 1:
         for i in range(N):
-            _acc2_row(gtok + ids[i] * d, gpos + rows[i % m] * d, g + i * d,
-                      g + (i + 1) * d if i + 1 < N else NULL, NULL,
-                      gtok + ids[i + _AHEAD] * d if i + _AHEAD < N else NULL, d)
+            ops.acc2(gtok + ids[i] * tb, gpos + rows[i % m] * tb, g + i * gb,
+                     g + (i + 1) * gb if i + 1 < N else NULL, NULL,
+                     gtok + ids[i + _AHEAD] * tb if i + _AHEAD < N else NULL, d)
         return
     # The chunks for the threads the call has (the scratch holds those of
     # the threads it asked for).
@@ -1038,5 +989,5 @@ cdef void _scatter_pair(real_t* gtok, Py_ssize_t V, const int64_t* ids, real_t* 
     job.N = N
     job.m = m
     job.d = d
-    job.f64 = real_t is double
+    job.ops = ops[0]
     cpe_crew_run(&crew, _pair_chunk, &job, c)

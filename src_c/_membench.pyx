@@ -16,7 +16,7 @@ from cposembed._core import team
 cdef extern from "_stream.h" nogil:
     int cpe_have_stream()
     void cpe_sfence()
-    void cpe_copy_f32(float* dst, const float* src, Py_ssize_t n, int stream)
+    void cpe_copy_bytes(void* dst, const void* src, size_t n, int stream)
     void cpe_fill_f32(float* dst, Py_ssize_t n, float value, int stream)
     double cpe_read_sum_f32(const float* src, Py_ssize_t n)
 
@@ -75,12 +75,12 @@ def copy(float[::1] dst, const float[::1] src, n_threads, bint stream=True):
     cdef const float* sp = &src[0]
     with nogil:
         if nt <= 1:
-            cpe_copy_f32(dp, sp, n, stream)
+            cpe_copy_bytes(dp, sp, n * sizeof(float), stream)
             cpe_sfence()
         else:
             for t in prange(nt, schedule="static", num_threads=nt):
-                cpe_copy_f32(dp + _lo(n, t, nt), sp + _lo(n, t, nt),
-                             _lo(n, t + 1, nt) - _lo(n, t, nt), stream)
+                cpe_copy_bytes(dp + _lo(n, t, nt), sp + _lo(n, t, nt),
+                               (_lo(n, t + 1, nt) - _lo(n, t, nt)) * sizeof(float), stream)
                 cpe_sfence()
 
 

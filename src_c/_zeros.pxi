@@ -130,13 +130,14 @@ cdef extern from *:
         return n;
     }
 
-    static void cpe_zero_set(cpe_ZeroBlock *b, int64_t rows, int64_t cols, int bits) {
+    static void cpe_zero_set(cpe_ZeroBlock *b, int64_t rows, int64_t cols, int code,
+                             int bits) {
         b->shape[0] = rows;
         b->shape[1] = cols;
         b->managed.dl_tensor.device.device_type = 1; /* kDLCPU */
         b->managed.dl_tensor.device.device_id = 0;
         b->managed.dl_tensor.ndim = 2;
-        b->managed.dl_tensor.dtype.code = 2; /* kDLFloat */
+        b->managed.dl_tensor.dtype.code = (uint8_t)code;
         b->managed.dl_tensor.dtype.bits = (uint8_t)bits;
         b->managed.dl_tensor.dtype.lanes = 1;
         b->managed.dl_tensor.shape = b->shape;
@@ -146,9 +147,11 @@ cdef extern from *:
         b->managed.deleter = cpe_zero_block_free;
     }
 
-    /* A zeroed rows x cols table of `bits`-bit floats (DLPack code 2), or
-       NULL when there is no memory for it. */
-    static cpe_DLManagedTensor *cpe_zero_block_new(int64_t rows, int64_t cols, int bits) {
+    /* A zeroed rows x cols table of `bits`-bit elements of DLPack type
+       `code` (2: kDLFloat, 4: kDLBfloat), or NULL when there is no memory
+       for it. */
+    static cpe_DLManagedTensor *cpe_zero_block_new(int64_t rows, int64_t cols, int code,
+                                                   int bits) {
         size_t nbytes = (size_t)rows * (size_t)cols * (size_t)(bits / 8);
         void *p = NULL;
         cpe_ZeroBlock *b = (cpe_ZeroBlock *)calloc(1, sizeof *b);
@@ -167,19 +170,20 @@ cdef extern from *:
         }
         b->nbytes = nbytes;
         b->managed.dl_tensor.data = p;
-        cpe_zero_set(b, rows, cols, bits);
+        cpe_zero_set(b, rows, cols, code, bits);
         return &b->managed;
     }
 
     /* A kept block of the size, zeroed (without the GIL), else a new one. */
-    static cpe_DLManagedTensor *cpe_zero_block(int64_t rows, int64_t cols, int bits) {
+    static cpe_DLManagedTensor *cpe_zero_block(int64_t rows, int64_t cols, int code,
+                                               int bits) {
         size_t nbytes = (size_t)rows * (size_t)cols * (size_t)(bits / 8);
         cpe_ZeroBlock *b = cpe_zero_keep ? cpe_zero_take(nbytes) : NULL;
-        if (b == NULL) return cpe_zero_block_new(rows, cols, bits);
+        if (b == NULL) return cpe_zero_block_new(rows, cols, code, bits);
         Py_BEGIN_ALLOW_THREADS
         memset(b->managed.dl_tensor.data, 0, nbytes);
         Py_END_ALLOW_THREADS
-        cpe_zero_set(b, rows, cols, bits);
+        cpe_zero_set(b, rows, cols, code, bits);
         return &b->managed;
     }
 
@@ -203,17 +207,18 @@ cdef extern from *:
     """
     ctypedef struct cpe_DLManagedTensor:
         pass
-    cpe_DLManagedTensor* cpe_zero_block(int64_t rows, int64_t cols, int bits)
+    cpe_DLManagedTensor* cpe_zero_block(int64_t rows, int64_t cols, int code, int bits)
     object cpe_zero_capsule(cpe_DLManagedTensor* block)
     void cpe_zero_drop_kept()
     int cpe_zero_kept_count()
     int cpe_zero_keep
 
 
-def zeroed_dlpack(rows, cols, itemsize):
+def zeroed_dlpack(rows, cols, itemsize, bfloat16=False):
     """A zeroed C-order ``(rows, cols)`` float table as a DLPack capsule.
 
-    ``itemsize``: 4 (float32) or 8 (float64). Pass the capsule to
+    ``itemsize``: 2 (float16, or bfloat16 if ``bfloat16``), 4 (float32) or 8
+    (float64). Pass the capsule to
     ``torch.from_dlpack``; when the last tensor using the memory is gone, it
     is kept for a later call of the same size or returned to the OS.
     """
@@ -221,12 +226,14 @@ def zeroed_dlpack(rows, cols, itemsize):
     for name, value in (("rows", rows), ("cols", cols)):
         if type(value) is not int or value < 0:
             raise ValueError(f"{name} must be a non-negative int; got {value!r}")
-    if type(itemsize) is not int or itemsize not in (4, 8):
-        raise ValueError(f"itemsize must be 4 or 8; got {itemsize!r}")
+    if type(itemsize) is not int or itemsize not in (2, 4, 8):
+        raise ValueError(f"itemsize must be 2, 4 or 8; got {itemsize!r}")
+    if bfloat16 and itemsize != 2:
+        raise ValueError(f"a bfloat16 table has itemsize 2; got {itemsize!r}")
     nbytes = rows * cols * itemsize
     if nbytes >= 1 << 62:
         raise MemoryError(f"a ({rows}, {cols}) table of {nbytes} bytes does not fit in memory")
-    block = cpe_zero_block(rows, cols, 8 * itemsize)
+    block = cpe_zero_block(rows, cols, 4 if bfloat16 else 2, 8 * itemsize)
     if block == NULL:
         raise MemoryError(f"no memory for a ({rows}, {cols}) table of {nbytes} bytes")
     return cpe_zero_capsule(block)

@@ -37,7 +37,7 @@ from cposembed import _core, _routes
         np.ones((12, 5), np.float32)[:, ::2],
         np.asfortranarray(np.ones((12, 5))),
         np.ones((12, 5), ">f4"),
-        np.ones((12, 5), np.float16),
+        np.ones((12, 5), np.complex64),
         np.ones((12, 5), np.int64),
         np.ones((12, 5), np.float32)[0],
         np.ones((12, 5), np.float32)[None],
@@ -305,7 +305,7 @@ def test_public_functions_call_each_entry_once_or_twice(entry_calls, dtype):
     check(lambda: cposembed.lookup(np.asfortranarray(table), pos), {"lookup": TWICE}, table[pos])
     check(lambda: cposembed.lookup(table.astype(other), pos), {"lookup": ONCE}, None)
     with pytest.raises(TypeError):
-        cposembed.lookup(table.astype(np.float16), pos)
+        cposembed.lookup(table.astype(np.int32), pos)
     assert entry_calls() == {"lookup": [False]}
     check(lambda: cposembed.lookup(table, [True, False] * 32), {"lookup": TWICE}, table[::2])
     check(lambda: cposembed.lookup(table, slice(2, 5)), {"lookup": TWICE}, table[2:5])
@@ -379,6 +379,11 @@ def test_public_functions_call_each_entry_once_or_twice(entry_calls, dtype):
         np.add.at(want, p, np.asarray(g, dtype))
         return want
 
+    def added_as_is(g, p):  # another dtype: each add in the wider one, rounded
+        want = np.zeros((L, d), dtype)
+        np.add.at(want, p, g)
+        return want
+
     fortran = np.zeros((L, d), dtype, order="F")
     for call, calls, expect in [
         (lambda: cposembed.scatter_add(np.zeros((L, d), dtype), tok, pos), ONCE, added(tok, pos)),
@@ -394,8 +399,8 @@ def test_public_functions_call_each_entry_once_or_twice(entry_calls, dtype):
         ),
         (
             lambda: cposembed.scatter_add(np.zeros((L, d), dtype), tok.astype(other), pos),
-            TWICE,
-            added(tok.astype(other), pos),
+            ONCE,
+            added_as_is(tok.astype(other), pos),
         ),
         (lambda: cposembed.scatter_add(fortran, tok, pos), TWICE, added(tok, pos)),
         (

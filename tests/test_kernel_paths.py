@@ -738,8 +738,9 @@ def test_membench_probes_cap_the_thread_count_as_num_threads_does():
     [
         ((-1, 4, 4), ValueError),
         ((4, 2.0, 4), ValueError),
-        ((4, 4, 2), ValueError),
+        ((4, 4, 3), ValueError),
         ((4, 4, True), ValueError),
+        ((4, 4, 4, True), ValueError),  # bfloat16 has 2 bytes
         ((1 << 40, 1 << 30, 8), MemoryError),
     ],
 )

@@ -37,8 +37,8 @@ def _zipf_ids(rng, vocab, shape, exponent=1.2):
 
 def _expected_backward(gt, gp, g, ids, rows):
     et, ep = gt.copy(), gp.copy()
-    np.add.at(et, ids, g.astype(et.dtype))
-    np.add.at(ep, np.broadcast_to(rows, ids.shape), g.astype(ep.dtype))
+    np.add.at(et, ids, g)
+    np.add.at(ep, np.broadcast_to(rows, ids.shape), g)
     return et, ep
 
 

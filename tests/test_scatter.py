@@ -319,14 +319,18 @@ def test_scatter_add_offset_and_broadcast_positions():
     assert grad.tobytes() == reference_scatter(np.zeros((10, 6)), g, positions).tobytes()
 
 
-def test_scatter_add_converts_and_handles_layouts():
+def test_scatter_add_mixes_dtypes_as_add_at_and_handles_layouts():
     rng = np.random.RandomState(11)
     g64 = rng.randn(2, 5, 4)
     positions = np.array([0, 1, 1, 3, 0])
     grad = np.zeros((4, 4), np.float32)
     cposembed.scatter_add(grad, g64, positions)
-    expected = reference_scatter(np.zeros((4, 4), np.float32), g64.astype(np.float32), positions)
+    # Each add in float64, rounded to float32 (not g64 rounded first).
+    expected = np.zeros((4, 4), np.float32)
+    np.add.at(expected, np.broadcast_to(positions, (2, 5)), g64)
     assert grad.tobytes() == expected.tobytes()
+    first_rounded = reference_scatter(np.zeros((4, 4), np.float32), g64.astype(np.float32), positions)
+    assert grad.tobytes() != first_rounded.tobytes()  # the data shows the difference
     # Fortran-ordered gradient table and non-contiguous grad_output.
     grad_f = np.asfortranarray(np.ones((4, 4)))
     g_view = rng.randn(2, 10, 4)[:, ::2]
