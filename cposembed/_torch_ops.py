@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -49,7 +48,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 ROW_DTYPES = KERNEL_DTYPES
 _DTYPE_NAMES = "float16, bfloat16, float32 or float64"
 # NumPy's bfloat16 is ml_dtypes' (torch has no NumPy view of a bfloat16 tensor).
-_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_BFLOAT16 = _core.BFLOAT16
 _NUMPY_DTYPES = {
     torch.float16: np.dtype(np.float16),
     torch.bfloat16: _BFLOAT16,
@@ -141,14 +140,9 @@ def fresh_zeros(n_rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     itemsize = _numpy_dtype(dtype).itemsize
     if n_rows * d * itemsize < _FRESH_MIN_BYTES:
         t = torch.zeros((n_rows, d), dtype=dtype)
-    elif itemsize == 2 and d % 2 == 0:
-        # A block of float32 pairs, seen as the half dtype (the blocks are of
-        # 4- or 8-byte floats); it is the view's only referent.
-        t = torch.from_dlpack(_core.zeroed_dlpack(n_rows, d // 2, 4)).view(dtype)
-    elif itemsize == 2:
-        t = torch.zeros((n_rows, d), dtype=dtype)
     else:
-        t = torch.from_dlpack(_core.zeroed_dlpack(n_rows, d, itemsize))
+        block = _core.zeroed_dlpack(n_rows, d, itemsize, dtype == torch.bfloat16)
+        t = torch.from_dlpack(block)
     return t, _array(t)
 
 

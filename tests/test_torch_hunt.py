@@ -551,7 +551,7 @@ def run(rank, world, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     equal = {}
-    # 2.1 MiB gradients (at half dtypes: a block of float32 pairs)
+    # 2.1 MiB gradients: DLPack blocks
     for dtype, d in ((torch.float32, 8), (torch.bfloat16, 16), (torch.float16, 16)):
         for sparse, view in ((False, True), (True, False)):
             weights = []
