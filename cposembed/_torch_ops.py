@@ -270,7 +270,10 @@ def _embed(
     _skip_row(padding_idx, token_table.shape[0])
     ids, pos = _array(token_ids), _maybe_array(positions)
     if {token_table.dtype, position_table.dtype} == _HALF_PAIR:
-        # torch adds the pair in float32: the token rows converted (exactly), then added.
+        # torch adds the pair in float32: the token rows converted (exactly), then
+        # added; ids and positions checked as embed checks them.
+        ids = _routes.checked_ids(ids, token_table.shape[0])
+        pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
         rows = _f.lookup(_array(token_table), ids).astype(np.float32)
         return _tensor(_f.add_positions(rows, _array(position_table), pos, offset=offset))
     out = _layer.embed(ids, _array(token_table), _array(position_table), pos, offset=offset)

@@ -221,6 +221,25 @@ def test_tables_of_two_dtypes_equal_two_nn_embeddings(token_dtype, position_dtyp
     assert _same_bits(m.positions.weight.grad, e_pos.weight.grad)
 
 
+def test_float16_with_bfloat16_tables_raise_embeds_errors() -> None:
+    ops = torch.ops.cposembed
+    t = torch.randn(10, 4)
+    for ids, pos in (
+        (torch.tensor(3), None),
+        (torch.tensor([[10]]), None),
+        (torch.tensor([[1, 2]]), torch.tensor([10])),
+        (torch.tensor([[1, 2]]), torch.tensor([1, 2, 3])),
+    ):
+        errors = []
+        for tt, pt in ((t, t), (t.bfloat16(), t.half())):
+            with pytest.raises((IndexError, ValueError)) as info:
+                ops.embed(ids, tt, pt, pos, 0)
+            errors.append((info.type, str(info.value)))
+        assert errors[0] == errors[1]
+    x = ops.embed(torch.tensor(3), t.bfloat16(), t.half(), torch.tensor(2), 0)
+    assert _same_bits(x, t.bfloat16()[3].float() + t.half()[2].float())
+
+
 # ---- rounding facts ----------------------------------------------------------------
 
 
