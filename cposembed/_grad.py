@@ -64,7 +64,9 @@ class GradientState:
     def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The gradient a backward adds into, and the touched-rows mask to mark.
 
-        A fresh gradient is kept (:meth:`keep`) only once the call has
+        A fresh gradient is zeros in :func:`~cposembed._validation.work_dtype`
+        (the table's dtype; float32 for a float16 or bfloat16 table, a master
+        gradient). It is kept (:meth:`keep`) only once the call has
         succeeded, so an invalid first call leaves ``grad`` as None. A
         ``grad`` the user assigned is checked, and all its rows count as
         touched (it may hold anything).
@@ -74,7 +76,7 @@ class GradientState:
             return grad, self.touched
         fresh = grad is None
         if grad is None:
-            grad = np.zeros_like(table)
+            grad = np.zeros(table.shape, dtype=v.work_dtype(table.dtype))
         check_grad(grad, table)
         return grad, np.full(table.shape[0], not fresh, dtype=bool)
 
@@ -118,7 +120,7 @@ class GradientState:
         grad = self.grad
         if grad is None:
             return None
-        if not isinstance(grad, np.ndarray) or grad.dtype.kind not in "biuf":
+        if not isinstance(grad, np.ndarray) or not v.is_real(grad.dtype):
             raise TypeError(f"grad must be a real-valued numpy.ndarray; got {v.describe(grad)}")
         if grad.shape != table.shape:
             raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
@@ -139,11 +141,11 @@ class GradientState:
 
 
 def check_grad(grad: Any, table: np.ndarray) -> None:
-    """A gradient a backward may accumulate into: a writable float ndarray of the
-    table's shape."""
+    """A gradient a backward may accumulate into: a writable float ndarray (any of
+    the four float dtypes, whatever the table's) of the table's shape."""
     if not isinstance(grad, np.ndarray) or v.native_dtype(grad.dtype) not in v.FLOAT_DTYPES:
         raise TypeError(
-            f"grad must be a float32 or float64 numpy.ndarray of the table's shape "
+            f"grad must be a {v.FLOAT_NAMES} numpy.ndarray of the table's shape "
             f"{table.shape}; got {v.describe(grad)}"
         )
     if grad.shape != table.shape:
@@ -155,7 +157,19 @@ def check_grad(grad: Any, table: np.ndarray) -> None:
 def sgd_step(table: np.ndarray, state: GradientState, grad: np.ndarray, lr: float) -> None:
     """``table -= lr * grad`` on the rows a step visits (``grad`` from
     :meth:`GradientState.for_step`): the kernel, else NumPy's own arithmetic
-    under the same rule, for a gradient the kernel does not take."""
+    under the same rule, for a gradient the kernel does not take.
+
+    A float32 or float64 table: NumPy's ``table[rows] -= lr * grad[rows]``. A
+    float16 or bfloat16 table: ``T(float32(row) - float32(lr) * float32(grad))``,
+    a multiply, then a subtract, in float32, and one rounding to the table's
+    dtype ``T`` (the kernel's rule for a float32 gradient; another gradient dtype
+    is converted to float32 first).
+    """
     if _core.sgd_step(table, grad, state.step_mask(grad), lr, state.skip_row) is None:
         rows = state.step_rows(grad, table.shape[0])
-        table[rows] -= lr * grad[rows]
+        if table.dtype in v.HALF_DTYPES:
+            work = v.work_dtype(table.dtype).type
+            step = work(lr) * grad[rows].astype(work)
+            table[rows] = (table[rows].astype(work) - step).astype(table.dtype)
+        else:
+            table[rows] -= lr * grad[rows]

@@ -126,13 +126,15 @@ def add(tokens: Any, table: Any, positions: Any, *, offset: Any, out: Any, num_t
     t = v.as_table(table)
     n_rows, d = t.shape
     tok = v.as_rows(tokens, d, "token_embeddings")
+    v.check_not_mixed_halves(tok.dtype, "token_embeddings", t.dtype, "table")
     nt = _threads.check_num_threads(num_threads)
     pos, off = row_positions(positions, offset, tok.shape[:-1], n_rows, "token_embeddings")
     dtype = np.result_type(tok.dtype, t.dtype)
     if out is not None:
         v.check_out(out, tok.shape, dtype)
     if dtype != t.dtype:
-        # e.g. float64 tokens + float32 table: NumPy's own promotion decides.
+        # e.g. float64 tokens + float32 table, or float16 tokens + float32
+        # table: NumPy's own promotion decides.
         rows = t[v.default_positions(off, tok.shape[-2])] if pos is None else t[pos]
         return np.add(tok, rows, out=out)
     tok_c = v.plain_copy(tok, dtype)
@@ -212,6 +214,15 @@ def scatter_add(
     )
 
 
+def grad_output_dtype(grad_output: np.dtype, table: np.dtype) -> np.dtype:
+    """The dtype a gradient enters the scatter-add entries in: its own (native) if
+    it is one of the four float dtypes (the entries add as ``np.add.at`` does, in
+    float64 if either side is float64, else in float32, and round to the table's
+    dtype after each add), else (bool, integers) the table's."""
+    native = v.native_dtype(grad_output)
+    return native if native in v.FLOAT_DTYPES else table
+
+
 def scatter_add_declined(
     grad_table: Any,
     grad_output: Any,
@@ -230,7 +241,7 @@ def scatter_add_declined(
     g = v.as_rows(grad_output, d, "grad_output")
     nt = _threads.check_num_threads(num_threads)
     pos, off = row_positions(positions, offset, g.shape[:-1], n_rows, "grad_output")
-    g_c = v.plain_copy(g, native)
+    g_c = v.plain_copy(g, grad_output_dtype(g.dtype, native))
     if v.overlaps(g_c, grad_table):
         g_c = g_c.copy()
     g_c, pos, off = _shallow(g_c, pos, off)
@@ -291,6 +302,7 @@ def embed(
 ) -> Any:
     """:func:`cposembed.embed` for what its C entry declined."""
     tt, pt = _tables_pair(token_table, position_table)
+    v.check_not_mixed_halves(tt.dtype, "token_table", pt.dtype, "position_table")
     nt = _threads.check_num_threads(num_threads)
     ids = checked_ids(token_ids, tt.shape[0])
     pos, off = id_positions(ids, positions, offset, pt.shape[0])
@@ -418,7 +430,7 @@ def embed_backward(
         return
     assert gt is not None and gp is not None
     native = v.native_dtype(gt.dtype)
-    g_c = v.plain_copy(g, native)
+    g_c = v.plain_copy(g, grad_output_dtype(g.dtype, native))
     works = [v.plain_copy(_base(table), native) for table in (gt, gp)]
     _accepted(
         _core.embed_backward(

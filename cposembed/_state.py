@@ -17,6 +17,7 @@ was. :func:`output_problem` checks a path before long work that ends in a write.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import math
@@ -26,12 +27,20 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Iterator
-from typing import IO, Any, NamedTuple, Union
+from typing import IO, Any, Literal, NamedTuple, Union
 
 import numpy as np
 
 from . import _core
-from ._validation import FLOAT_DTYPES, describe, native_dtype
+from ._validation import (
+    BFLOAT16,
+    FLOAT_DTYPES,
+    FLOAT_NAMES,
+    describe,
+    is_real,
+    native_dtype,
+    work_dtype,
+)
 
 # The keys __getstate__ writes, and those of an instance pickled before
 # __getstate__ existed (its __dict__).
@@ -62,14 +71,15 @@ PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 class State(NamedTuple):
     """A checked state, in the layout the class keeps."""
 
-    embeddings: np.ndarray  # (L, d) float32/float64, native, C-contiguous, writable
+    embeddings: np.ndarray  # (L, d) of FLOAT_DTYPES, native, C-contiguous, writable
     grad: np.ndarray | None  # None or (L, d), real dtype (kept as given if it fits)
     touched: np.ndarray | None  # None or (L,) bool, a fresh array; only with a grad
     padding_idx: int | None  # normalised to [0, L)
 
 
 def _table(value: Any, what: str) -> np.ndarray:
-    """A float32/float64 ``(L, d)`` table, native and C-contiguous (a copy if needed)."""
+    """An ``(L, d)`` table of one of FLOAT_DTYPES, native and C-contiguous (a copy if
+    needed)."""
     if (
         not isinstance(value, np.ndarray)
         or value.ndim != 2
@@ -77,8 +87,7 @@ def _table(value: Any, what: str) -> np.ndarray:
         or native_dtype(value.dtype) not in FLOAT_DTYPES
     ):
         raise ValueError(
-            f"{what} must be a 2-D float32 or float64 array with both sizes >= 1; "
-            f"got {describe(value)}"
+            f"{what} must be a 2-D {FLOAT_NAMES} array with both sizes >= 1; got {describe(value)}"
         )
     dtype = native_dtype(value.dtype)
     if _core.is_plain(value, dtype, writable=True):
@@ -141,7 +150,7 @@ def from_pickle(state: Any, current_version: int) -> State:
 
     grad = state.get("grad")
     if grad is not None:
-        if not isinstance(grad, np.ndarray) or grad.dtype.kind not in "biuf":
+        if not isinstance(grad, np.ndarray) or not is_real(grad.dtype):
             raise ValueError(
                 f"pickled state: grad must be None or a real-valued array of the table's "
                 f"shape {table.shape}; got {describe(grad)}"
@@ -151,8 +160,11 @@ def from_pickle(state: Any, current_version: int) -> State:
                 f"pickled state: grad must have the table's shape {table.shape}; "
                 f"got shape {grad.shape}"
             )
-        if not _core.is_plain(grad, table.dtype, writable=True):
-            grad = np.array(grad, dtype=table.dtype, order="C", copy=True, subok=False)
+        # A gradient in another layout becomes one in the dtype a backward
+        # gives (float32 for a float16 or bfloat16 table).
+        grad_dtype = work_dtype(table.dtype)
+        if not _core.is_plain(grad, grad_dtype, writable=True):
+            grad = np.array(grad, dtype=grad_dtype, order="C", copy=True, subok=False)
 
     touched = state.get("touched")
     if touched is not None:
@@ -212,6 +224,38 @@ def _read_member(
     return arr
 
 
+def _void_byte_order(archive: zipfile.ZipFile, key: str) -> Literal["<", ">", "="]:
+    """The byte order of a void member as its header wrote it (``"<"``, ``">"``, or
+    ``"="`` for ``"|"``): NumPy reads ``'>V2'`` (a big-endian bfloat16) back as
+    ``'|V2'``."""
+    with archive.open(key + ".npy") as fp:
+        major, _ = np.lib.format.read_magic(fp)
+        size_format = "<H" if major == 1 else "<I"
+        (length,) = struct.unpack(size_format, fp.read(struct.calcsize(size_format)))
+        header = ast.literal_eval(fp.read(length).decode("latin1"))
+    descr = header.get("descr") if isinstance(header, dict) else None
+    if isinstance(descr, str) and descr.startswith("<"):
+        return "<"
+    if isinstance(descr, str) and descr.startswith(">"):
+        return ">"
+    return "="
+
+
+def _bfloat16_member(
+    raw: np.ndarray, dtype_name: str | None, key: str, order: Literal["<", ">", "="]
+) -> np.ndarray:
+    """A void table member as read: NumPy writes bfloat16 as 2-byte void (``|V2``,
+    or ``>V2`` from a big-endian array), which is bfloat16 in that byte order again
+    (a view) when the ``dtype`` member says so."""
+    if dtype_name != BFLOAT16.name or raw.dtype.itemsize != 2 or raw.dtype.fields is not None:
+        raise _Refused(
+            f"member {key!r} must be a 2-D {FLOAT_NAMES} array; got shape {raw.shape} "
+            f"and dtype {raw.dtype} (2-byte void is bfloat16 only where the member "
+            f"'dtype' says 'bfloat16'; it says {dtype_name!r})"
+        )
+    return raw.view(BFLOAT16.newbyteorder(order))
+
+
 def from_npz(
     f: IO[bytes], name: str, kind: str, current_version: int
 ) -> tuple[np.ndarray, int | None]:
@@ -265,18 +309,22 @@ def _from_archive(
             f"format version {version}; this cposembed reads versions 1 to {current_version} "
             "(a newer file needs a newer cposembed)"
         )
+    dtype_name = None
+    if "dtype.npy" in names:
+        dtype_name = str(_read_member(archive, "dtype", "U", 0, "a 0-d string array"))
     tables = []
     for key in keys:
-        raw = _read_member(archive, key, "f", 2, "a 2-D float32 or float64 array")
+        raw = _read_member(archive, key, "fV", 2, f"a 2-D {FLOAT_NAMES} array")
         try:
+            if raw.dtype.kind == "V":
+                raw = _bfloat16_member(raw, dtype_name, key, _void_byte_order(archive, key))
             tables.append(_table(raw, f"member {key!r}"))
         except ValueError as exc:
             raise _Refused(str(exc)) from None
     dtypes = {t.dtype.name for t in tables}
     if len(dtypes) != 1:
         raise _Refused(f"the tables {list(keys)} differ in dtype: {sorted(dtypes)}")
-    if "dtype.npy" in names:
-        dtype_name = str(_read_member(archive, "dtype", "U", 0, "a 0-d string array"))
+    if dtype_name is not None:
         if dtype_name != tables[0].dtype.name:
             raise _Refused(
                 f"member 'dtype' says {dtype_name!r} but the table is {tables[0].dtype.name}"

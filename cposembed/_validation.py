@@ -25,10 +25,19 @@ from numpy import ma as _ma
 
 from . import _core
 
-FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# NumPy's bfloat16 comes from ml_dtypes (the kernels' _core.BFLOAT16). Its kind is 'V' and
+# np.issubdtype(bfloat16, np.floating) is False, so "is it a float" is asked
+# of FLOAT_DTYPES or is_real here, never of the dtype's kind alone.
+BFLOAT16 = _core.BFLOAT16
+HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), *HALF_DTYPES)
+FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 _INT64 = np.dtype(np.int64)
-# Element kinds NumPy can add to a float table: bool, signed, unsigned, float.
+# Element kinds NumPy can add to a float table: bool, signed, unsigned, float
+# (and bfloat16, of kind 'V').
 _REAL_KINDS = "biuf"
+# Scalars a real-valued argument (a learning rate, ...) may be.
+REAL_SCALARS = (int, float, np.integer, np.floating, BFLOAT16.type)
 
 
 class NotAnIntegerError(TypeError):
@@ -93,11 +102,34 @@ def check_int(
     return n
 
 
+def is_real(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` holds real numbers: bool, integer, float or bfloat16 (either
+    byte order)."""
+    return dtype.kind in _REAL_KINDS or native_dtype(dtype) == BFLOAT16
+
+
+def work_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a table of ``dtype`` keeps its gradient and optimizer state in, and
+    computes its steps in: float64 for float64, float32 for every other dtype (the
+    master gradient of a float16 or bfloat16 table)."""
+    if np.dtype(dtype) == np.float64:
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+def check_not_mixed_halves(a: np.dtype, a_name: str, b: np.dtype, b_name: str) -> None:
+    """float16 with bfloat16 in an add: a ``TypeError`` (they have no common dtype)."""
+    if {native_dtype(a), native_dtype(b)} == set(HALF_DTYPES):
+        raise TypeError(
+            f"{a_name} and {b_name} must not mix float16 with bfloat16 (they have no "
+            f"common dtype; convert one, to float32 say); got {a_name} of dtype {a} and "
+            f"{b_name} of dtype {b}"
+        )
+
+
 def learning_rate(lr: Any) -> float:
     """A step's ``lr``: any finite real number, as a Python float."""
-    if isinstance(lr, (bool, np.bool_)) or not isinstance(
-        lr, (int, float, np.integer, np.floating)
-    ):
+    if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, REAL_SCALARS):
         raise TypeError(f"lr must be a real number; got {describe(lr)}")
     try:
         value = float(lr)
@@ -109,7 +141,9 @@ def learning_rate(lr: Any) -> float:
 
 
 def table_dtype(dtype: Any) -> np.dtype:
-    """A class's ``dtype=``: float32 (also for None, as in NumPy) or float64."""
+    """A class's ``dtype=``: float32 (also for None, as in NumPy), float64, float16 or
+    bfloat16, as a dtype or anything ``np.dtype`` reads as one (``"bfloat16"``,
+    ``ml_dtypes.bfloat16``, ``"f2"``)."""
     if dtype is None:
         return np.dtype(np.float32)
     try:
@@ -118,7 +152,7 @@ def table_dtype(dtype: Any) -> np.dtype:
         dt = None
     # (`dt is None` first: NumPy compares None equal to float64.)
     if dt is None or dt not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
+        raise TypeError(f"dtype must be {FLOAT_NAMES}; got {dtype!r}")
     return dt
 
 
@@ -148,13 +182,14 @@ def native_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def as_table(table: Any, name: str = "table") -> np.ndarray:
-    """A 2-D float32/float64 ndarray, native byte order, C-contiguous (copied only if not)."""
+    """A 2-D ndarray of one of :data:`FLOAT_DTYPES`, native byte order, C-contiguous
+    (copied only if not)."""
     refuse_masked(table, name)
     arr = np.asarray(table)
     if not arr.dtype.isnative and native_dtype(arr.dtype) in FLOAT_DTYPES:
         arr = arr.astype(native_dtype(arr.dtype))  # e.g. a big-endian checkpoint
     if arr.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must have dtype float32 or float64; got {arr.dtype}")
+        raise TypeError(f"{name} must have dtype {FLOAT_NAMES}; got {arr.dtype}")
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D (max_seq_len, embed_dim); got shape {arr.shape}")
     return plain_copy(arr, arr.dtype)
@@ -267,7 +302,7 @@ def as_rows(values: Any, d: int, name: str) -> np.ndarray:
     """An ndarray of real numbers whose last axis has length ``d``."""
     refuse_masked(values, name)
     arr = np.asarray(values)
-    if arr.dtype.kind not in _REAL_KINDS:
+    if not is_real(arr.dtype):
         raise TypeError(
             f"{name} must hold real numbers (bool, integer or float); got dtype {arr.dtype}"
         )
@@ -280,13 +315,13 @@ def as_rows(values: Any, d: int, name: str) -> np.ndarray:
 
 
 def as_grad_table(grad: Any, name: str) -> np.ndarray:
-    """A gradient table the call accumulates into: a writable 2-D float32/float64
-    ndarray (any layout or byte order; masked arrays refused)."""
+    """A gradient table the call accumulates into: a writable 2-D ndarray of one of
+    :data:`FLOAT_DTYPES` (any layout or byte order; masked arrays refused)."""
     if not isinstance(grad, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray; got {describe(grad)}")
     refuse_masked(grad, name)
     if native_dtype(grad.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must have dtype float32 or float64; got {grad.dtype}")
+        raise TypeError(f"{name} must have dtype {FLOAT_NAMES}; got {grad.dtype}")
     if grad.ndim != 2:
         raise ValueError(f"{name} must be 2-D (L, d); got shape {grad.shape}")
     if not grad.flags.writeable:

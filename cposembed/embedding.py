@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copyreg
 import os
+import sys
 from typing import IO, TYPE_CHECKING, Any, Union, overload
 
 import numpy as np
@@ -39,11 +40,16 @@ def _values_of(table: Any) -> np.ndarray:
 
     A tensor that requires grad (torch) refuses ``__array__``; its detached
     values are taken instead, from the CPU, without importing its framework.
+    A torch bfloat16 tensor (which NumPy cannot read) comes as its bits viewed
+    as ``ml_dtypes.bfloat16``.
     """
     if not isinstance(table, np.ndarray) and callable(getattr(table, "detach", None)):
         table = table.detach()
         if callable(getattr(table, "cpu", None)):
             table = table.cpu()
+        torch = sys.modules.get("torch")
+        if torch is not None and getattr(table, "dtype", None) is torch.bfloat16:
+            return table.contiguous().view(torch.int16).numpy().view(v.BFLOAT16)
     return np.asarray(table)
 
 
@@ -62,8 +68,8 @@ class LearnedPositionEmbedding(_core.TableCall):
     """Learned position embedding table with C-accelerated lookup, add and backward.
 
     A drop-in for the handbook's NumPy class (:mod:`cposembed.reference`):
-    same constructor, same table for the same ``seed`` (cast to ``dtype``),
-    same ``pe(positions)`` results.
+    same constructor, same table for the same ``seed`` (the reference's
+    float64 table ``.astype(dtype)``), same ``pe(positions)`` results.
 
     Parameters
     ----------
@@ -73,8 +79,10 @@ class LearnedPositionEmbedding(_core.TableCall):
         Embedding dimension ``d``.
     seed : int, optional
         Seed for the initial table; ``None`` uses NumPy's global legacy RNG.
-    dtype : {numpy.float32, numpy.float64}, default float32
-        Table dtype. float32 is the fast path; float64 is bitwise the reference.
+    dtype : {float32, float64, float16, bfloat16}, default float32
+        Table dtype, or its name (``"bfloat16"``). float32 is the fast path;
+        float64 is bitwise the reference; float16 and bfloat16 tables move
+        half the bytes, and keep a float32 :attr:`grad` (a master gradient).
     padding_idx : int, optional
         As in ``torch.nn.Embedding``: that row starts at zero and never
         receives gradient (:meth:`backward` leaves ``grad[padding_idx]`` at
@@ -87,8 +95,22 @@ class LearnedPositionEmbedding(_core.TableCall):
     embeddings : ndarray of shape (max_seq_len, embed_dim)
         The live table (C-contiguous, writable).
     grad : ndarray or None
-        Accumulated gradient, ``None`` until the first :meth:`backward`.
+        Accumulated gradient, ``None`` until the first :meth:`backward`; in the
+        table's dtype, float32 for a float16 or bfloat16 table.
     padding_idx : int or None
+
+    Examples
+    --------
+    A bfloat16 table (NumPy's bfloat16 comes from ``ml_dtypes``):
+
+    >>> import numpy as np
+    >>> from cposembed import LearnedPositionEmbedding
+    >>> pe = LearnedPositionEmbedding(16, 8, seed=0, dtype="bfloat16")
+    >>> pe.embeddings.dtype, pe([0, 3]).dtype
+    (dtype(bfloat16), dtype(bfloat16))
+    >>> pe.backward(np.ones((2, 8), dtype=np.float32), [0, 3]).dtype
+    dtype('float32')
+    >>> pe.sgd_step(0.1)
     """
 
     # Slots: reads of them are as fast as a plain class's attributes (those of
@@ -128,12 +150,15 @@ class LearnedPositionEmbedding(_core.TableCall):
         Parameters
         ----------
         table : array_like of shape (L, d)
-            Any array-like of real numbers: a NumPy array (any dtype, layout or
-            byte order), nested lists, or a framework tensor such as a torch
-            weight that requires grad (its values are copied; no need to call
-            ``.detach()`` first).
-        dtype : {numpy.float32, numpy.float64}, default float32
-            Dtype of the new table.
+            Any array-like of real numbers: a NumPy array (any dtype, bfloat16
+            included, layout or byte order), nested lists, or a framework
+            tensor such as a torch weight that requires grad (its values are
+            copied; no need to call ``.detach()`` first; a torch bfloat16
+            tensor works too).
+        dtype : {float32, float64, float16, bfloat16}, default float32
+            Dtype of the new table (a name such as ``"bfloat16"`` works too).
+            Values are converted as NumPy's ``astype`` converts them; a
+            bfloat16 table with ``dtype="bfloat16"`` is copied bit for bit.
         padding_idx : int, optional
             As in ``torch.nn.Embedding.from_pretrained``: that row keeps the
             value it has in ``table`` (it is not zeroed) and never receives
@@ -146,7 +171,7 @@ class LearnedPositionEmbedding(_core.TableCall):
         dt = v.table_dtype(dtype)
         v.refuse_masked(table, "table")
         arr = _values_of(table)
-        if arr.dtype.kind not in "biuf":
+        if not v.is_real(arr.dtype):
             raise TypeError(f"table must hold real numbers; got dtype {arr.dtype}")
         if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
             raise ValueError(
@@ -172,7 +197,7 @@ class LearnedPositionEmbedding(_core.TableCall):
     @embeddings.setter
     def embeddings(self, value: Any) -> None:
         arr = np.asarray(value)
-        if arr.dtype.kind not in "biuf":
+        if not v.is_real(arr.dtype):
             raise TypeError(f"embeddings must hold real numbers; got dtype {arr.dtype}")
         if arr.shape != self._embeddings.shape:
             raise ValueError(
@@ -291,8 +316,10 @@ class LearnedPositionEmbedding(_core.TableCall):
         Parameters
         ----------
         grad_output : array_like of shape (..., embed_dim)
-            Gradient of the loss with respect to the output; converted to the
-            gradient's dtype.
+            Gradient of the loss with respect to the output. A float16,
+            bfloat16, float32 or float64 one is added as it is, bitwise as
+            ``np.add.at(grad, positions, grad_output)`` adds it; another real
+            dtype is converted to the gradient's dtype first.
         positions : array_like of int, optional
             The positions of the forward call; ``None`` means
             ``offset + arange(T)``.
@@ -330,7 +357,10 @@ class LearnedPositionEmbedding(_core.TableCall):
 
         Bitwise what NumPy computes for ``pe.embeddings -= float(lr) * pe.grad``
         (``lr`` rounded once to the table's dtype, then a multiply and a
-        subtract per element), but only rows that some :meth:`backward` touched
+        subtract per element); for a float16 or bfloat16 table (whose
+        gradient is float32), ``T(float32(row) - float32(lr) * grad)``: a
+        multiply and a subtract in float32, then one rounding to the table's
+        dtype ``T``. Only rows that some :meth:`backward` touched
         since the last :meth:`zero_grad` are visited: the others have a zero
         gradient and would not change. Runs on the kernels' threads. Does not
         reset the gradient (call :meth:`zero_grad`, as with torch optimizers).
@@ -407,8 +437,10 @@ class LearnedPositionEmbedding(_core.TableCall):
         """Write the table and its settings to ``path`` as an ``.npz`` archive.
 
         Writes exactly ``path`` (no ``.npz`` suffix is appended) or into an
-        open binary file. Stored: the table (bitwise, in its dtype), its dtype,
-        ``padding_idx`` and a format version. The gradient is not stored: a
+        open binary file. Stored: the table (bitwise, in its dtype), its dtype's
+        name, ``padding_idx`` and a format version. (NumPy writes a bfloat16
+        table as 2-byte void, ``|V2``; :meth:`load` reads it back as bfloat16
+        by the stored name.) The gradient is not stored: a
         saved table is a checkpoint of the parameters, like a torch
         ``state_dict`` (pickle keeps :attr:`grad`).
 

@@ -38,7 +38,7 @@ def lookup(
 
     Parameters
     ----------
-    table : array_like of shape (L, d), float32 or float64
+    table : array_like of shape (L, d), float16, bfloat16, float32 or float64
         The position embedding table.
     positions : int, array_like of int, or any NumPy index
         Row indices, ``-L <= p < L`` (negatives wrap). Boolean masks and
@@ -92,8 +92,10 @@ def add_positions(
     ----------
     tokens : array_like of shape (..., T, d)
         Token embeddings (any real dtype; the result dtype is NumPy's
-        ``result_type(tokens, table)``).
-    table : array_like of shape (L, d), float32 or float64
+        ``result_type(tokens, table)``, each element as NumPy adds it: two
+        float16 or two bfloat16 operands in float32, rounded once). float16
+        with bfloat16 is a ``TypeError``.
+    table : array_like of shape (L, d), float16, bfloat16, float32 or float64
         The position embedding table.
     positions : array_like of int, optional
         Must broadcast to ``tokens.shape[:-1]``. ``None`` means
@@ -155,10 +157,14 @@ def scatter_add(
 
     Parameters
     ----------
-    grad_table : ndarray of shape (L, d), float32 or float64, writable
-        Accumulated into in place.
+    grad_table : ndarray of shape (L, d), writable
+        float16, bfloat16, float32 or float64; accumulated into in place.
     grad_output : array_like of shape (..., d)
-        Converted to ``grad_table``'s dtype.
+        float16, bfloat16, float32 or float64, whatever ``grad_table``'s dtype:
+        each add as ``np.add.at`` makes it (in float64 if either is float64,
+        else in float32), rounded to ``grad_table``'s dtype after each add.
+        Another real dtype (bool, integers) is converted to ``grad_table``'s
+        dtype first.
     positions : array_like of int, optional
         Must broadcast to ``grad_output.shape[:-1]``; ``None`` means
         ``offset + arange(T)`` for every sequence.

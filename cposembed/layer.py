@@ -38,10 +38,11 @@ def embed(
     ----------
     token_ids : int, array_like of int
         Shape ``(..., T)``; ``-V <= id < V`` (negatives wrap).
-    token_table : array_like of shape (V, d), float32 or float64
+    token_table : array_like of shape (V, d), float16, bfloat16, float32 or float64
         Token embeddings (GPT-2's ``wte``).
-    position_table : array_like of shape (L, d), float32 or float64
-        Position embeddings (GPT-2's ``wpe``); same ``d``.
+    position_table : array_like of shape (L, d), float16, bfloat16, float32 or float64
+        Position embeddings (GPT-2's ``wpe``); same ``d``. Mixed dtypes give
+        NumPy's promotion, except float16 with bfloat16 (``TypeError``).
     positions : array_like of int, optional
         Must broadcast to ``token_ids.shape``. ``None`` means
         ``offset + arange(T)`` for every sequence.
@@ -113,13 +114,17 @@ def embed_backward(
 
     Parameters
     ----------
-    grad_token_table : ndarray of shape (V, d), float32 or float64, writable, or None
-        Accumulated into in place; ``None`` skips the token table.
-    grad_position_table : ndarray of shape (L, d), float32 or float64, writable, or None
-        Accumulated into in place; ``None`` skips the position table.
+    grad_token_table : ndarray of shape (V, d), writable, or None
+        float16, bfloat16, float32 or float64; accumulated into in place;
+        ``None`` skips the token table.
+    grad_position_table : ndarray of shape (L, d), writable, or None
+        The same, for the position table.
     grad_output : array_like of shape token_ids.shape + (d,)
-        Gradient of the loss with respect to :func:`embed`'s output;
-        converted to each table's dtype.
+        Gradient of the loss with respect to :func:`embed`'s output. float16,
+        bfloat16, float32 or float64, whatever the tables' dtype: each add as
+        ``np.add.at`` makes it, rounded to the table's dtype after each add.
+        Another real dtype (bool, integers) is converted to each table's
+        dtype first.
     token_ids : int, array_like of int
         The token ids of the forward call.
     positions : array_like of int, optional

@@ -133,7 +133,7 @@ def positions_from_mask(
            [4]])
     """
     mask = np.asarray(attention_mask)
-    if mask.dtype.kind not in "biuf":
+    if not v.is_real(mask.dtype):
         raise TypeError(
             f"attention_mask must hold 0/1 (bool, integer or float); got dtype {mask.dtype}"
         )

@@ -41,7 +41,8 @@ _STATE_VERSION = 1
 def state_dtype(table_dtype: np.dtype) -> np.dtype:
     """The dtype of an optimizer's state (and of its arithmetic) for a table dtype.
 
-    float64 tables keep float64 state; every other table dtype keeps float32.
+    float64 tables keep float64 state; every other table dtype (float32,
+    float16, bfloat16) keeps float32, the dtype of its gradient.
 
     Parameters
     ----------
@@ -53,16 +54,12 @@ def state_dtype(table_dtype: np.dtype) -> np.dtype:
     numpy.dtype
         ``float64`` for a float64 table, else ``float32``.
     """
-    if np.dtype(table_dtype) == np.float64:
-        return np.dtype(np.float64)
-    return np.dtype(np.float32)
+    return v.work_dtype(table_dtype)
 
 
 # -- hyper-parameter checks, worded as torch.optim words them -------------------
 def _real(value: Any, name: str) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, np.integer, np.floating)
-    ):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, v.REAL_SCALARS):
         raise TypeError(f"{name} must be a real number; got {v.describe(value)}")
     return float(value)
 
@@ -744,7 +741,7 @@ def fused_position_backward(
     lead = g.shape[:-1]
     pos, off = _routes.row_positions(positions, offset, lead, n_rows, "grad_output")
     rows, inverse = _distinct(_flat_rows(pos, off, lead, n_rows), lead)
-    scratch = np.zeros((rows.size, d), dtype=table.dtype)
+    scratch = np.zeros((rows.size, d), dtype=v.work_dtype(table.dtype))
     if rows.size:
         skip = _scratch_skip(rows, skip_row)
         _routes.scatter_add(
@@ -784,8 +781,8 @@ def fused_layer_backward(
     else:
         position_rows = np.empty(0, dtype=np.int64)
         position_inverse = np.empty(lead, dtype=np.int64)
-    token_scratch = np.zeros((token_rows.size, d), dtype=tokens.dtype)
-    position_scratch = np.zeros((position_rows.size, d), dtype=places.dtype)
+    token_scratch = np.zeros((token_rows.size, d), dtype=v.work_dtype(tokens.dtype))
+    position_scratch = np.zeros((position_rows.size, d), dtype=v.work_dtype(places.dtype))
     if ids.size:
         _routes.embed_backward(
             token_scratch,

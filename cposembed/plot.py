@@ -41,7 +41,7 @@ def _new_figure(figsize: tuple[float, float]) -> Any:
 def _as_table(pe_or_table: Any) -> np.ndarray:
     table = getattr(pe_or_table, "embeddings", pe_or_table)
     arr = np.asarray(table)
-    if arr.dtype.kind not in "biuf":
+    if not v.is_real(arr.dtype):
         raise TypeError(
             "expected a LearnedPositionEmbedding or a real (max_seq_len, embed_dim) "
             f"array; got {v.describe(pe_or_table)}"

@@ -47,10 +47,11 @@ class TokenPositionEmbedding:
         stream, ``RandomState(seed)`` (``seed=None``: the global legacy RNG,
         as the handbook's class does), position table first:
         ``randn(L, d) / sqrt(d)``, then ``randn(V, d) / sqrt(d)``, each cast
-        to ``dtype``. So the position table equals
-        ``LearnedPositionEmbedding(L, d, seed).embeddings``.
-    dtype : {numpy.float32, numpy.float64}, default float32
-        Dtype of both tables.
+        to ``dtype`` (``.astype(dtype)``). So the position table equals
+        ``LearnedPositionEmbedding(L, d, seed, dtype=dtype).embeddings``.
+    dtype : {float32, float64, float16, bfloat16}, default float32
+        Dtype of both tables, or its name (``"bfloat16"``). float16 and
+        bfloat16 tables keep float32 gradients (master gradients).
     padding_idx : int, optional
         A token id, as in ``torch.nn.Embedding``: its row starts at zero and
         never receives gradient; looking it up still returns it. Negative
@@ -63,7 +64,8 @@ class TokenPositionEmbedding:
     position_embeddings : ndarray of shape (max_seq_len, embed_dim)
         The live position table.
     token_grad, position_grad : ndarray or None
-        Accumulated gradients, ``None`` until the first :meth:`backward`.
+        Accumulated gradients, ``None`` until the first :meth:`backward`; in
+        the tables' dtype, float32 for float16 or bfloat16 tables.
 
     Examples
     --------
@@ -123,8 +125,9 @@ class TokenPositionEmbedding:
             requires grad (its values are copied).
         position_table : array_like of shape (L, d)
             The same, with the same ``d``.
-        dtype : {numpy.float32, numpy.float64}, default float32
-            Dtype of both tables.
+        dtype : {float32, float64, float16, bfloat16}, default float32
+            Dtype of both tables (a name such as ``"bfloat16"`` works too);
+            bfloat16 tables with ``dtype="bfloat16"`` are copied bit for bit.
         padding_idx : int, optional
             A token id whose row keeps its value (it is not zeroed, as in
             ``torch.nn.Embedding.from_pretrained``) and never receives gradient.
@@ -337,7 +340,8 @@ class TokenPositionEmbedding:
     def sgd_step(self, lr: float) -> None:
         """One plain SGD step on both tables, on the rows some backward touched.
 
-        Bitwise ``table -= lr * grad`` for each table (see
+        Bitwise ``table -= lr * grad`` for each table, computed in float32
+        and rounded once for float16 and bfloat16 tables (see
         :meth:`LearnedPositionEmbedding.sgd_step`); only rows touched since the
         last :meth:`zero_grad` are visited, so a step costs the batch's
         distinct tokens, not the vocabulary.

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -51,9 +52,16 @@ def tuned(**kw):
 
 
 def reference_scatter(grad, grad_output, positions):
-    """np.add.at: the unbuffered, in-order accumulation the kernel must equal bitwise."""
+    """np.add.at: the unbuffered, in-order accumulation the kernel must equal bitwise.
+
+    A float gradient (float16, bfloat16, float32, float64) is added as it is (np.add.at
+    adds in float64 if either side is float64, else in float32, and rounds each add);
+    another dtype (bool, integers) is converted to the table's first, as cposembed does.
+    """
     grad = grad.copy()
-    g = np.asarray(grad_output, dtype=grad.dtype)
+    g = np.asarray(grad_output)
+    if g.dtype.newbyteorder("=") not in FLOAT_TABLE_DTYPES:
+        g = g.astype(grad.dtype)
     idx = np.broadcast_to(positions, g.shape[:-1])
     np.add.at(grad, idx, g)
     return grad
@@ -246,6 +254,9 @@ def _deep(nd: int, last: int) -> tuple[int, ...]:
 
 
 DTYPES = [np.float32, np.float64]
+HALF_DTYPES = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+# Every table dtype: float32, float64 and the half-precision ones.
+FLOAT_TABLE_DTYPES = [np.dtype(np.float32), np.dtype(np.float64), *HALF_DTYPES]
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:

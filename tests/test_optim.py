@@ -11,6 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import FLOAT_TABLE_DTYPES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -232,7 +233,7 @@ def run_layer(kind, h, dtype, fused, steps, pad=None):
     return m, opt
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_TABLE_DTYPES)
 @pytest.mark.parametrize("kind, h", CONFIGS, ids=CONFIG_IDS)
 def test_fused_equals_unfused_bitwise_any_thread_count(kind, h, dtype, threads):
     rng = np.random.default_rng(7)
