@@ -143,5 +143,9 @@ def clear_pool() -> None: ...
 def fail_scratch(n: int, after: int = 0) -> int: ...  # tests: n requests of scratch fail
 
 # Zeroed tables handed out through DLPack (src_c/_zeros.pxi).
-def zeroed_dlpack(rows: int, cols: int, itemsize: int, bfloat16: bool = False) -> Any: ...  # a "dltensor" PyCapsule
+def set_f16c(on: bool) -> bool: ...  # tests: F16C or SSE2 float16 conversions (same bits)
+def f16c_available() -> bool: ...
+def zeroed_dlpack(
+    rows: int, cols: int, itemsize: int, bfloat16: bool = False
+) -> Any: ...  # a "dltensor" PyCapsule
 def zeroed_kept(keep: bool | None = None) -> int: ...

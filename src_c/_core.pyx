@@ -44,6 +44,19 @@ cdef int _NPY_BFLOAT16 = BFLOAT16.num
 cpe_set_bf16_from_f64_direct(
     int(np.array([1 + 2.0**-8 + 2.0**-30]).astype(BFLOAT16).view(np.uint16)[0]) == 0x3F81
 )
+# The F16C twins of the float16 primitives where the CPU has F16C.
+cpe_init_isa()
+
+
+def set_f16c(bint on):
+    """Use the F16C conversions of float16 (if the CPU has them) or the SSE2
+    ones, which give the same bits (for tests); whether F16C is now used."""
+    return bool(cpe_set_f16c(on))
+
+
+def f16c_available():
+    """Whether the CPU has F16C (and the build its twins)."""
+    return bool(cpe_f16c_available())
 
 
 cdef extern from "Python.h":

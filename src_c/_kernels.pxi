@@ -65,6 +65,9 @@ cdef extern from "_rows.h" nogil:
         Py_ssize_t gsize
     void cpe_row_ops_for(int t, int g, cpe_row_ops* ops)
     void cpe_set_bf16_from_f64_direct(int direct)
+    void cpe_init_isa()
+    int cpe_set_f16c(int on)
+    int cpe_f16c_available()
 
 
 # How the scatter-add assigns contributions to threads. Each table row is

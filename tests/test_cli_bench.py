@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -306,6 +307,13 @@ def test_the_busy_process_is_killed_when_the_block_fails():
         assert busy.poll() is None  # running
         raise KeyboardInterrupt
     assert busy.returncode is not None
+
+
+def test_the_busy_process_ends_when_its_parent_is_not_the_bench():
+    # A bench that died before its busy process started: the child, reparented
+    # already, must not take its new parent for the bench and spin forever.
+    not_its_parent = os.getpid() + 1 if os.getpid() > 1 else 2
+    subprocess.run([sys.executable, "-c", bench.BUSY_CODE, str(not_its_parent)], timeout=60)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process list in /proc")

@@ -6,8 +6,10 @@ definition: ``np.add.at`` into a zero table converts the source to the
 table's dtype after one add of 0 (which only turns -0.0 into +0.0 and quiets
 NaNs, in both), and ``a + b`` of two half arrays converts both to float32
 and the sum back. Rows of 8 or more elements take the SSE2 blocks, rows of
-fewer than 8 the scalar loops: both are checked. ``CPOSEMBED_EXHAUSTIVE=1``
-runs every float32 bit pattern instead of a sample (about a minute).
+fewer than 8 the scalar loops: both are checked, and the blocks both with
+F16C's conversions of float16 (where the CPU has them) and with SSE2's.
+``CPOSEMBED_EXHAUSTIVE=1`` runs every float32 bit pattern instead of a
+sample (about ten minutes).
 """
 
 from __future__ import annotations
@@ -19,11 +21,25 @@ import numpy as np
 import pytest
 
 import cposembed
+from cposembed import _core
 
 # NaN, inf and overflow are among the values on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture(
+    autouse=True,
+    params=[True, False] if _core.f16c_available() else [False],
+    ids=lambda on: "f16c" if on else "sse2-conversions",
+)
+def float16_isa(request):
+    assert _core.set_f16c(request.param) == request.param
+    yield
+    _core.set_f16c(True)
+
+
 HALVES = [np.dtype(np.float16), BF16]
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -105,7 +121,9 @@ def float64_sample(n, seed):
     """Doubles across the half formats' range, and halfway between neighbouring
     half values (plus and minus a few ulps of float64 and of float32)."""
     rng = np.random.default_rng(seed)
-    rand = rng.integers(0, 1 << 63, n, dtype=np.uint64) | (rng.integers(0, 2, n, dtype=np.uint64) << 63)
+    rand = rng.integers(0, 1 << 63, n, dtype=np.uint64) | (
+        rng.integers(0, 2, n, dtype=np.uint64) << 63
+    )
     scale = np.ldexp(rng.standard_normal(n), rng.integers(-30, 20, n))
     out = [rand.view(np.float64), scale, [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0]]
     for dtype in HALVES:

@@ -329,7 +329,9 @@ def test_scatter_add_mixes_dtypes_as_add_at_and_handles_layouts():
     expected = np.zeros((4, 4), np.float32)
     np.add.at(expected, np.broadcast_to(positions, (2, 5)), g64)
     assert grad.tobytes() == expected.tobytes()
-    first_rounded = reference_scatter(np.zeros((4, 4), np.float32), g64.astype(np.float32), positions)
+    first_rounded = reference_scatter(
+        np.zeros((4, 4), np.float32), g64.astype(np.float32), positions
+    )
     assert grad.tobytes() != first_rounded.tobytes()  # the data shows the difference
     # Fortran-ordered gradient table and non-contiguous grad_output.
     grad_f = np.asfortranarray(np.ones((4, 4)))

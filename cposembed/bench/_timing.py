@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import subprocess
 import sys
@@ -75,11 +76,13 @@ def measure(group: Group, repeats: int) -> None:
 
 
 # The busy process: pure Python arithmetic (no memory traffic to speak of).
-# It ends by itself within milliseconds when the bench is gone (its parent
-# changes), so even a bench killed by a signal leaves none behind.
+# It ends by itself within milliseconds when the bench is gone (its parent is
+# no longer the bench, whose pid it gets as its argument: read in the child,
+# the parent could already have died and left init as "the parent"), so even
+# a bench killed by a signal leaves none behind.
 BUSY_CODE = (
-    "import os\n"
-    "parent = os.getppid()\n"
+    "import os, sys\n"
+    "parent = int(sys.argv[1])\n"
     "while os.getppid() == parent:\n"
     "    for _ in range(100000):\n"
     "        pass\n"
@@ -91,7 +94,7 @@ def busy_process() -> Iterator[subprocess.Popen[bytes]]:
     """A CPU-bound child process for the block, killed at its end (also on an
     error or Ctrl-C)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", BUSY_CODE],
+        [sys.executable, "-c", BUSY_CODE, str(os.getpid())],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
