@@ -44,15 +44,39 @@ from cposembed import layer as _layer
 __all__ = ["KERNEL_DTYPES", "add_positions", "embed", "fresh_zeros", "lookup"]
 
 # Table dtypes the kernels take; other dtypes go to torch's own F.embedding.
-KERNEL_DTYPES = (torch.float32, torch.float64)
-ROW_DTYPES = (torch.float16, torch.float32, torch.float64)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+ROW_DTYPES = KERNEL_DTYPES
+_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
+# NumPy's bfloat16 is ml_dtypes' (torch has no NumPy view of a bfloat16 tensor).
+_BFLOAT16 = _core.BFLOAT16
+_NUMPY_DTYPES = {
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: _BFLOAT16,
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+}
+# float16 with bfloat16: NumPy has no common type (cposembed refuses the pair),
+# torch promotes both to float32.
+_HALF_PAIR = frozenset((torch.float16, torch.bfloat16))
 
 # ---- tensors <-> arrays ----------------------------------------------------------
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as an ndarray (no copy, any strides)."""
-    return t.detach().resolve_neg().resolve_conj().numpy()
+    """The tensor's memory as an ndarray (no copy, any strides); a bfloat16
+    tensor as an ``ml_dtypes.bfloat16`` array, through its int16 view."""
+    t = t.detach().resolve_neg().resolve_conj()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_BFLOAT16)
+    return t.numpy()
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """The array's memory as a tensor (no copy); ``ml_dtypes.bfloat16`` as
+    torch.bfloat16, through its int16 view."""
+    if a.dtype == _BFLOAT16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _maybe_array(t: torch.Tensor | None) -> np.ndarray | None:
@@ -73,7 +97,7 @@ def _skip_row(padding_idx: int | None, n_rows: int) -> int:
 
 def _check_table(t: torch.Tensor, name: str) -> None:
     if t.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{name} must have dtype float32 or float64; got {t.dtype}")
+        raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}; got {t.dtype}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D (rows, embed_dim); got shape {tuple(t.shape)}")
 
@@ -86,15 +110,15 @@ def _check_index(t: torch.Tensor | None, name: str) -> None:
 
 def _check_rows(t: torch.Tensor, d: int, name: str) -> None:
     if t.dtype not in ROW_DTYPES:
-        raise TypeError(f"{name} must have dtype float16, float32 or float64; got {t.dtype}")
+        raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}; got {t.dtype}")
     if t.dim() == 0 or t.shape[-1] != d:
         raise ValueError(f"{name} must have shape (..., {d}); got {tuple(t.shape)}")
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     if dtype not in KERNEL_DTYPES:
-        raise TypeError(f"gradient dtype must be float32 or float64; got {dtype}")
-    return np.dtype(np.float32 if dtype == torch.float32 else np.float64)
+        raise TypeError(f"gradient dtype must be {_DTYPE_NAMES}; got {dtype}")
+    return _NUMPY_DTYPES[dtype]
 
 
 # ---- gradient memory ----------------------------------------------------------------
@@ -113,12 +137,13 @@ def fresh_zeros(n_rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     using it, a C deleter (no GIL needed, so never waiting on Python while
     autograd holds its locks) keeps the block or gives it back to the OS.
     """
-    np_dtype = _numpy_dtype(dtype)
-    if n_rows * d * np_dtype.itemsize < _FRESH_MIN_BYTES:
+    itemsize = _numpy_dtype(dtype).itemsize
+    if n_rows * d * itemsize < _FRESH_MIN_BYTES:
         t = torch.zeros((n_rows, d), dtype=dtype)
     else:
-        t = torch.from_dlpack(_core.zeroed_dlpack(n_rows, d, np_dtype.itemsize))
-    return t, t.numpy()
+        block = _core.zeroed_dlpack(n_rows, d, itemsize, dtype == torch.bfloat16)
+        t = torch.from_dlpack(block)
+    return t, _array(t)
 
 
 # ---- the operators ----------------------------------------------------------------
@@ -168,7 +193,7 @@ def _lookup(
     _check_table(table, "table")
     _check_index(positions, "positions")
     _skip_row(padding_idx, table.shape[0])
-    return torch.from_numpy(_f.lookup(_array(table), _array(positions)))
+    return _tensor(_f.lookup(_array(table), _array(positions)))
 
 
 @_fake("lookup")
@@ -196,8 +221,11 @@ def _add_positions(
 ) -> torch.Tensor:
     _check_add(tok, table, positions)
     _skip_row(padding_idx, table.shape[0])
-    out = _f.add_positions(_array(tok), _array(table), _maybe_array(positions), offset=offset)
-    return torch.from_numpy(out)
+    tok_a = _array(tok)
+    if {tok.dtype, table.dtype} == _HALF_PAIR:
+        tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
+    out = _f.add_positions(tok_a, _array(table), _maybe_array(positions), offset=offset)
+    return _tensor(out)
 
 
 @_fake("add_positions")
@@ -240,14 +268,16 @@ def _embed(
 ) -> torch.Tensor:
     _check_embed(token_ids, token_table, position_table, positions)
     _skip_row(padding_idx, token_table.shape[0])
-    out = _layer.embed(
-        _array(token_ids),
-        _array(token_table),
-        _array(position_table),
-        _maybe_array(positions),
-        offset=offset,
-    )
-    return torch.from_numpy(out)
+    ids, pos = _array(token_ids), _maybe_array(positions)
+    if {token_table.dtype, position_table.dtype} == _HALF_PAIR:
+        # torch adds the pair in float32: the token rows converted (exactly), then
+        # added; ids and positions checked as embed checks them.
+        ids = _routes.checked_ids(ids, token_table.shape[0])
+        pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
+        rows = _f.lookup(_array(token_table), ids).astype(np.float32)
+        return _tensor(_f.add_positions(rows, _array(position_table), pos, offset=offset))
+    out = _layer.embed(ids, _array(token_table), _array(position_table), pos, offset=offset)
+    return _tensor(out)
 
 
 @_fake("embed")
@@ -476,7 +506,9 @@ def _add_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     if ctx.needs_input_grad[0]:
         g_tok = grad.to(ctx.tok_dtype)
     if ctx.needs_input_grad[1]:
-        g_table = table_grad(grad, positions, ctx.offset, ctx.num_rows, ctx.dtype, ctx.padding_idx)
+        g_table = table_grad(
+            grad.to(ctx.dtype), positions, ctx.offset, ctx.num_rows, ctx.dtype, ctx.padding_idx
+        )
     return g_tok, g_table, None, None, None
 
 
@@ -492,9 +524,9 @@ def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     token_ids, positions = ctx.saved_tensors
     need_tok, need_pos = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     g_tok = g_pos = None
-    if need_tok and need_pos:
+    if need_tok and need_pos and ctx.token_dtype == ctx.position_dtype:
         g_tok, g_pos = embed_backward(
-            grad,
+            grad.to(ctx.token_dtype),
             token_ids,
             positions,
             ctx.offset,
@@ -504,12 +536,19 @@ def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
             ctx.position_dtype,
             ctx.padding_idx,
         )
-    elif need_tok:
-        g_tok = table_grad(grad, token_ids, 0, ctx.vocab_size, ctx.token_dtype, ctx.padding_idx)
-    elif need_pos:
+        return None, g_tok, g_pos, None, None, None
+    # One table, or tables of two dtypes: each gets the gradient in its own
+    # dtype, as autograd hands it to each of two nn.Embedding outputs.
+    if need_tok:
+        g_tok = table_grad(
+            grad.to(ctx.token_dtype), token_ids, 0, ctx.vocab_size, ctx.token_dtype, ctx.padding_idx
+        )
+    if need_pos:
         if positions is None:
             positions = default_positions(ctx.offset, tuple(token_ids.shape))
-        g_pos = table_grad(grad, positions, 0, ctx.max_seq_len, ctx.position_dtype, None)
+        g_pos = table_grad(
+            grad.to(ctx.position_dtype), positions, 0, ctx.max_seq_len, ctx.position_dtype, None
+        )
     return None, g_tok, g_pos, None, None, None
 
 

@@ -17,12 +17,13 @@ and registers the operators ``torch.ops.cposembed.lookup``, ``add_positions``,
 ``embed``, ``table_grad`` and ``embed_backward`` (see
 :mod:`cposembed._torch_ops`).
 
-What the kernels do not cover goes to torch's own ``F.embedding``, with the
-same results: tensors on other devices (CUDA, MPS, meta), bfloat16 and
-float16 weights, ``scale_grad_by_freq=True``, ``sparse=True`` under
-``torch.compile``, and calls traced by ``torch.jit.trace`` (so traced graphs
-hold torch's operators; ``torch.jit.script`` compiles an :class:`Embedding`
-as the ``nn.Embedding`` it is).
+The kernels take float16, bfloat16, float32 and float64 weights. What they
+do not cover goes to torch's own ``F.embedding``, with the same results:
+tensors on other devices (CUDA, MPS, meta), ``scale_grad_by_freq=True``,
+``sparse=True`` under ``torch.compile``, and calls traced by
+``torch.jit.trace`` (so traced graphs hold torch's operators;
+``torch.jit.script`` compiles an :class:`Embedding` as the ``nn.Embedding``
+it is).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _index(x: Any) -> torch.Tensor:
 
 
 def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
-    """Whether the kernels take this call (CPU, float32/float64, strided, 2-D,
+    """Whether the kernels take this call (CPU, a float dtype, strided, 2-D,
     not being traced by ``torch.jit.trace``, which records torch's operators)."""
     if table.device.type != "cpu" or table.dtype not in _ops.KERNEL_DTYPES:
         return False
@@ -146,8 +147,9 @@ class Embedding(nn.Embedding):
     ``padding_idx``, ``max_norm``, ``norm_type``, ``scale_grad_by_freq``,
     ``sparse``), ``weight`` parameter and state dict. Its forward values and
     its gradients are bitwise ``nn.Embedding``'s: on CPU the gradient of a
-    float32 or float64 weight is ``np.add.at`` in the weight's dtype, which is
-    what cposembed's scatter-add computes, in parallel and deterministically.
+    weight is ``np.add.at`` in the weight's dtype (float16 and bfloat16: each
+    add in float32, rounded to the weight's dtype), which is what cposembed's
+    scatter-add computes, in parallel and deterministically.
 
     Parameters
     ----------
@@ -171,8 +173,9 @@ class Embedding(nn.Embedding):
     _freeze : bool, default False
         ``weight`` without ``requires_grad``.
     device, dtype : optional
-        Of ``weight``. The kernels take float32 and float64 on CPU; other
-        dtypes and devices are computed by ``torch.nn.functional.embedding``.
+        Of ``weight``. The kernels take float16, bfloat16, float32 and
+        float64 on CPU; other devices are computed by
+        ``torch.nn.functional.embedding``.
 
     See Also
     --------

@@ -239,31 +239,38 @@ def test_compiled_shared_table_and_l2_term_give_nn_embedding_gradients() -> None
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "sparse_adam"])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_training_matches_nn_embedding(optimizer, set_to_none) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_training_matches_nn_embedding(optimizer, set_to_none, dtype) -> None:
     sparse = optimizer == "sparse_adam"
-    m = ct.TokenPositionEmbedding(1024, 16, 512)  # 2 MiB token table: its gradient is mmap'ed
+    vocab = (1 << 21) // (512 * dtype.itemsize)  # 2 MiB token table: its gradient is mmap'ed
+    m = ct.TokenPositionEmbedding(vocab, 16, 512, dtype=dtype)
     m.tokens.sparse = sparse
-    e_tok = nn.Embedding(1024, 512, sparse=sparse)
-    e_pos = nn.Embedding(16, 512)
+    e_tok = nn.Embedding(vocab, 512, sparse=sparse, dtype=dtype)
+    e_pos = nn.Embedding(16, 512, dtype=dtype)
     with torch.no_grad():
         e_tok.weight.copy_(m.tokens.weight)
         e_pos.weight.copy_(m.positions.weight)
+    eps = 1e-8 if dtype == torch.float32 else 1e-4  # 1e-8 is 0 in float16
     make = {
         "sgd": lambda p: [torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01)],
-        "adam": lambda p: [torch.optim.Adam(p, lr=0.01)],
-        "sparse_adam": lambda p: [torch.optim.SparseAdam(p[:1], lr=0.01), torch.optim.Adam(p[1:])],
+        "adam": lambda p: [torch.optim.Adam(p, lr=0.01, eps=eps)],
+        "sparse_adam": lambda p: [
+            torch.optim.SparseAdam(p[:1], lr=0.01, eps=eps),
+            torch.optim.Adam(p[1:], eps=eps),
+        ],
     }[optimizer]
     opt_ours = make([m.tokens.weight, m.positions.weight])
     opt_ref = make([e_tok.weight, e_pos.weight])
-    target = torch.randn(16, 512)
+    target = torch.randn(16, 512).to(dtype)
     for _ in range(4):
-        ids = torch.randint(0, 1024, (4, 16))
+        ids = torch.randint(0, vocab, (4, 16))
         for o in (*opt_ours, *opt_ref):
             o.zero_grad(set_to_none=set_to_none)
         ((m(ids) - target) ** 2).mean().backward()
         ((e_tok(ids) + e_pos(torch.arange(16).expand(4, 16)) - target) ** 2).mean().backward()
         for o in (*opt_ours, *opt_ref):
             o.step()
+    assert torch.isfinite(m.tokens.weight).all()
     assert torch.equal(m.tokens.weight, e_tok.weight)
     assert torch.equal(m.positions.weight, e_pos.weight)
 
