@@ -4,8 +4,9 @@
 #
 # The consumer owns a block while any of its tensors uses it, and calls the
 # DLPack deleter (plain C, no GIL needed) when the last one is gone. Only
-# then is a block either returned to the OS or, if a slot is free, kept for
-# a later table of the same size: a block is never handed out twice at
+# then is a block either returned to the OS or kept for a later table of the
+# same size (in a free slot, or in place of a kept block of another size,
+# which is returned to the OS): a block is never handed out twice at
 # once. A kept block is zeroed whole before it is handed out again (its last
 # owner may have written anywhere), which on this kind of machine costs less
 # than the page faults of fresh memory. A new block is anonymous private
@@ -90,15 +91,31 @@ cdef extern from *:
         free(b);
     }
 
-    /* The DLPack deleter: keep the block in a free slot, else release it. */
+    /* The slot the next block replaces when every slot is full (a race
+       between two deleters only picks the same slot twice). */
+    static unsigned cpe_zero_next_evict = 0;
+
+    /* The DLPack deleter: keep the block in a free slot, else in place of
+       a kept block of another size (the oldest kept first, round robin:
+       a process whose table sizes change keeps the new sizes), else
+       release it. */
     static void cpe_zero_block_free(cpe_DLManagedTensor *self) {
-        cpe_ZeroBlock *b = (cpe_ZeroBlock *)self;
-        int i;
+        cpe_ZeroBlock *b = (cpe_ZeroBlock *)self, *old;
+        int i, k;
         if (cpe_zero_keep && b->mapped && b->nbytes <= CPE_ZERO_KEEP_MAX) {
             for (i = 0; i < CPE_ZERO_SLOTS; i++) {
                 if (cpe_zero_load(&cpe_zero_slots[i]) == NULL &&
                     cpe_zero_cas(&cpe_zero_slots[i], NULL, b))
                     return;
+            }
+            for (i = 0; i < CPE_ZERO_SLOTS; i++) {
+                k = (int)(cpe_zero_next_evict++ % CPE_ZERO_SLOTS);
+                old = cpe_zero_load(&cpe_zero_slots[k]);
+                if (old != NULL && old->nbytes != b->nbytes &&
+                        cpe_zero_cas(&cpe_zero_slots[k], old, b)) {
+                    cpe_zero_release(old);
+                    return;
+                }
             }
         }
         cpe_zero_release(b);

@@ -468,6 +468,30 @@ def test_hand_written_all_reduce_of_grad_equals_nn_embedding(tmp_path) -> None:
     assert run_on_two_ranks(_ALL_REDUCE, tmp_path) == {"worst": 0.0}
 
 
+def test_kept_blocks_make_room_for_a_new_size() -> None:
+    # Four slots full of one size, then a table of another size: the new size
+    # is kept in place of an old one (a process whose sizes change is not left
+    # with fresh memory for every new table).
+    from cposembed import _core
+
+    _core.zeroed_kept(False)
+    _core.zeroed_kept(True)
+    old = [torch.from_dlpack(_core.zeroed_dlpack(1024, 256, 4)) for _ in range(4)]
+    del old
+    assert _core.zeroed_kept() == 4
+    t = torch.from_dlpack(_core.zeroed_dlpack(512, 256, 2, bfloat16=True))
+    assert t.dtype == torch.bfloat16
+    ptr = t.data_ptr()
+    del t
+    assert _core.zeroed_kept() == 4
+    u = torch.from_dlpack(_core.zeroed_dlpack(512, 256, 2, bfloat16=True))
+    assert _core.zeroed_kept() == 3  # u is the kept block, taken out of its slot
+    assert u.data_ptr() == ptr and not u.any()
+    del u
+    assert _core.zeroed_kept(False) == 0
+    _core.zeroed_kept(True)
+
+
 def test_a_kept_block_is_zeroed_whole_before_it_is_handed_out_again() -> None:
     from cposembed import _core
 
