@@ -144,6 +144,7 @@ def fail_scratch(n: int, after: int = 0) -> int: ...  # tests: n requests of scr
 
 # Zeroed tables handed out through DLPack (src_c/_zeros.pxi).
 ISAS: tuple[str, ...]  # the half-precision primitives' variants: sse2, f16c, avx2
+
 def set_isa(name: str) -> str: ...  # tests: use a variant (same bits); the one used
 def isas() -> tuple[str, ...]: ...  # the variants this CPU has
 def zeroed_dlpack(
