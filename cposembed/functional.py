@@ -158,9 +158,9 @@ def scatter_add(
     Parameters
     ----------
     grad_table : ndarray of shape (L, d), writable
-        float16, bfloat16, float32 or float64; accumulated into in place.
+        Of dtype float16, bfloat16, float32 or float64; accumulated into in place.
     grad_output : array_like of shape (..., d)
-        float16, bfloat16, float32 or float64, whatever ``grad_table``'s dtype:
+        Of dtype float16, bfloat16, float32 or float64, whatever ``grad_table``'s:
         each add as ``np.add.at`` makes it (in float64 if either is float64,
         else in float32), rounded to ``grad_table``'s dtype after each add.
         Another real dtype (bool, integers) is converted to ``grad_table``'s

@@ -115,7 +115,7 @@ def embed_backward(
     Parameters
     ----------
     grad_token_table : ndarray of shape (V, d), writable, or None
-        float16, bfloat16, float32 or float64; accumulated into in place;
+        Of dtype float16, bfloat16, float32 or float64; accumulated into in place;
         ``None`` skips the token table.
     grad_position_table : ndarray of shape (L, d), writable, or None
         The same, for the position table.
