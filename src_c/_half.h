@@ -146,12 +146,25 @@ static inline uint16_t cpe_f64_to_bf16(double x) {
 
 /* Four float16 (the low or high half of x, zero-extended to 32-bit lanes)
  * to float32. */
+/* Four float16 (zero-extended into 32-bit lanes): their sign moved to
+ * float32's place, and their bits without it as a normal float32 (the
+ * exponent rebiased, the significand shifted into place). */
+static inline __m128i cpe_f16x4_sign(__m128i h) {
+    return _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
+}
+static inline __m128i cpe_f16x4_rebias(__m128i h) {
+    return _mm_add_epi32(_mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13),
+                         _mm_set1_epi32(0x38000000));
+}
+
+static inline __m128 cpe_f16x4_normal_to_f32(__m128i h) {
+    return _mm_castsi128_ps(_mm_or_si128(cpe_f16x4_rebias(h), cpe_f16x4_sign(h)));
+}
+
 static inline __m128 cpe_f16x4_to_f32(__m128i h) {
-    const __m128i sign = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
     const __m128i e = _mm_and_si128(h, _mm_set1_epi32(0x7c00));
     const __m128i m = _mm_and_si128(h, _mm_set1_epi32(0x03ff));
-    __m128i normal = _mm_add_epi32(_mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13),
-                                   _mm_set1_epi32(0x38000000));
+    __m128i normal = cpe_f16x4_rebias(h);
     __m128i infnan = _mm_add_epi32(normal, _mm_set1_epi32(0x38000000));
     __m128i sub = _mm_castps_si128(
         _mm_mul_ps(_mm_cvtepi32_ps(m), _mm_set1_ps(5.9604644775390625e-08f)));
@@ -159,17 +172,9 @@ static inline __m128 cpe_f16x4_to_f32(__m128i h) {
     __m128i is_inf = _mm_cmpeq_epi32(e, _mm_set1_epi32(0x7c00));
     __m128i r = _mm_or_si128(_mm_and_si128(is_sub, sub), _mm_andnot_si128(is_sub, normal));
     r = _mm_or_si128(_mm_and_si128(is_inf, infnan), _mm_andnot_si128(is_inf, r));
-    return _mm_castsi128_ps(_mm_or_si128(r, sign));
+    return _mm_castsi128_ps(_mm_or_si128(r, cpe_f16x4_sign(h)));
 }
 
-/* Four normal float16 (zero-extended into 32-bit lanes) to float32: the
- * exponent rebiased, the significand shifted into place. */
-static inline __m128 cpe_f16x4_normal_to_f32(__m128i h) {
-    __m128i sign = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
-    __m128i r = _mm_add_epi32(_mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13),
-                              _mm_set1_epi32(0x38000000));
-    return _mm_castsi128_ps(_mm_or_si128(r, sign));
-}
 
 static inline void cpe_ld8_f16(const uint16_t *p, __m128 *lo, __m128 *hi) {
     __m128i x = _mm_loadu_si128((const __m128i *)p), z = _mm_setzero_si128();
@@ -192,17 +197,25 @@ static inline void cpe_ld8_bf16(const uint16_t *p, __m128 *lo, __m128 *hi) {
     *hi = _mm_castsi128_ps(_mm_unpackhi_epi16(z, x));
 }
 
-/* Four float32 to float16, sign-extended into 32-bit lanes (for packs). */
-static inline __m128i cpe_f32x4_to_f16(__m128 f) {
-    const __m128i b = _mm_castps_si128(f);
-    const __m128i a = _mm_and_si128(b, _mm_set1_epi32(0x7fffffff));
-    const __m128i sign = _mm_srai_epi32(_mm_and_si128(b, _mm_set1_epi32((int)0x80000000u)), 16);
-    /* normal: round to nearest even at bit 13, rebias the exponent */
+/* float32's sign of four lanes, sign-extended from float16's bit 15 (for
+ * packs), and the float16 bits of |f| (`a`) in the normal range: rounded to
+ * nearest even at bit 13, the exponent rebiased (65520 and up carry to inf). */
+static inline __m128i cpe_f32x4_half_sign(__m128 f) {
+    return _mm_srai_epi32(
+        _mm_and_si128(_mm_castps_si128(f), _mm_set1_epi32((int)0x80000000u)), 16);
+}
+static inline __m128i cpe_f32x4_round_normal(__m128i a) {
     __m128i odd = _mm_and_si128(_mm_srli_epi32(a, 13), _mm_set1_epi32(1));
-    __m128i normal = _mm_srli_epi32(
+    return _mm_srli_epi32(
         _mm_sub_epi32(_mm_add_epi32(_mm_add_epi32(a, _mm_set1_epi32(0xfff)), odd),
                       _mm_set1_epi32(0x38000000)),
         13);
+}
+
+/* Four float32 to float16, sign-extended into 32-bit lanes (for packs). */
+static inline __m128i cpe_f32x4_to_f16(__m128 f) {
+    const __m128i a = _mm_and_si128(_mm_castps_si128(f), _mm_set1_epi32(0x7fffffff));
+    __m128i normal = cpe_f32x4_round_normal(a);
     /* subnormal: adding 0.5 (2^-1) leaves the rounded value m * 2^-24 in the
      * low bits of the sum's significand (the FPU rounds to nearest even) */
     __m128 magic = _mm_castsi128_ps(_mm_set1_epi32(0x3f000000));
@@ -219,7 +232,11 @@ static inline __m128i cpe_f32x4_to_f16(__m128 f) {
     __m128i special = _mm_or_si128(_mm_and_si128(is_nan, nan),
                                    _mm_andnot_si128(is_nan, _mm_set1_epi32(0x7c00)));
     r = _mm_or_si128(_mm_and_si128(big, special), _mm_andnot_si128(big, r));
-    return _mm_or_si128(r, sign);
+    return _mm_or_si128(r, cpe_f32x4_half_sign(f));
+}
+
+static inline __m128i cpe_f32x4_normal_to_f16(__m128 f, __m128i a) {
+    return _mm_or_si128(cpe_f32x4_round_normal(a), cpe_f32x4_half_sign(f));
 }
 
 /* |f| in [2^-14, 65536) in every lane (normal float16 results, or 65536
@@ -229,16 +246,6 @@ static inline __m128i cpe_f16x4_in_normal_range(__m128i a) {
                          _mm_cmpgt_epi32(_mm_set1_epi32(0x47800000), a));
 }
 
-static inline __m128i cpe_f32x4_normal_to_f16(__m128 f, __m128i a) {
-    const __m128i b = _mm_castps_si128(f);
-    __m128i sign = _mm_srai_epi32(_mm_and_si128(b, _mm_set1_epi32((int)0x80000000u)), 16);
-    __m128i odd = _mm_and_si128(_mm_srli_epi32(a, 13), _mm_set1_epi32(1));
-    __m128i r = _mm_srli_epi32(
-        _mm_sub_epi32(_mm_add_epi32(_mm_add_epi32(a, _mm_set1_epi32(0xfff)), odd),
-                      _mm_set1_epi32(0x38000000)),
-        13);
-    return _mm_or_si128(r, sign);
-}
 
 static inline __m128i cpe_pack8_f16(__m128 lo, __m128 hi) {
     const __m128i abs = _mm_set1_epi32(0x7fffffff);
