@@ -45,7 +45,6 @@ __all__ = ["KERNEL_DTYPES", "add_positions", "embed", "fresh_zeros", "lookup"]
 
 # Table dtypes the kernels take; other dtypes go to torch's own F.embedding.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-ROW_DTYPES = KERNEL_DTYPES
 _DTYPE_NAMES = "float16, bfloat16, float32 or float64"
 # NumPy's bfloat16 is ml_dtypes' (torch has no NumPy view of a bfloat16 tensor).
 _BFLOAT16 = _core.BFLOAT16
@@ -109,7 +108,7 @@ def _check_index(t: torch.Tensor | None, name: str) -> None:
 
 
 def _check_rows(t: torch.Tensor, d: int, name: str) -> None:
-    if t.dtype not in ROW_DTYPES:
+    if t.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}; got {t.dtype}")
     if t.dim() == 0 or t.shape[-1] != d:
         raise ValueError(f"{name} must have shape (..., {d}); got {tuple(t.shape)}")

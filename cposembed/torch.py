@@ -417,7 +417,7 @@ class LearnedPositionEmbedding(Embedding):
         fused = (
             _on_kernels(self.weight, pos)
             and tok.device.type == "cpu"
-            and tok.dtype in _ops.ROW_DTYPES
+            and tok.dtype in _ops.KERNEL_DTYPES
             and not self.scale_grad_by_freq
             and not self.sparse
         )
