@@ -281,6 +281,7 @@ EXTENSIONS = [
             "src_c/_index.pxi",
             "src_c/_team.pxi",
             "src_c/_zeros.pxi",
+            "src_c/_marks.pxi",
             "src_c/_contract.pxi",
         ],
         define_macros=[

@@ -10,7 +10,7 @@
 # values in [-L, L).
 
 import enum
-from typing import Any, TypeVar
+from typing import Any, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
@@ -61,14 +61,14 @@ def scatter_add(
     positions: Any,
     offset: Any,
     num_threads: Any,
-    touched: npt.NDArray[np.bool_] | None = None,  # (L,) rows marked True
+    touched: RowMarks | None = None,  # of L rows: the rows that got a contribution
     skip_row: int = -1,  # Py_ssize_t: a row that gets no gradient, or -1
     plan: int = ...,  # int: a ScatterPlan
 ) -> _A | None: ...
 def sgd_step(
     table: Any,  # plain writable (L, d)
     grad: Any,  # plain, same shape and dtype, apart from table
-    touched: Any,  # None (every row) or a plain (L,) bool array
+    touched: Any,  # None (every row) or a RowMarks of L rows
     lr: float,  # double, rounded once to the table's dtype
     skip_row: int,  # Py_ssize_t
     num_threads: Any = None,
@@ -90,9 +90,55 @@ def embed_backward(
     positions: Any,
     offset: Any,
     num_threads: Any,
-    token_touched: npt.NDArray[np.bool_] | None = None,  # (V,)
-    position_touched: npt.NDArray[np.bool_] | None = None,  # (L,)
+    token_touched: RowMarks | None = None,  # of V rows
+    position_touched: RowMarks | None = None,  # of L rows
     token_skip_row: int = -1,  # Py_ssize_t
+) -> bool | None: ...
+
+# Rows marked at a cost that grows with the call (src_c/_marks.pxi).
+@final
+class RowMarks:
+    def __new__(cls, n_rows: int, mask: npt.ArrayLike | None = None) -> RowMarks: ...
+    @property
+    def mask(self) -> npt.NDArray[np.bool_]: ...  # read-only, one flag per row
+    @property
+    def n_rows(self) -> int: ...
+    def __len__(self) -> int: ...
+    def rows(self) -> npt.NDArray[np.int64]: ...  # in marking order
+    def mark_all(self) -> None: ...
+    def unmark(self, row: int) -> None: ...
+    def clear(self) -> None: ...
+    def zero_rows(self, grad: np.ndarray) -> None: ...
+
+def distinct_rows(
+    rows: Any,  # plain int64, any shape, in [0, n_rows)
+    n_rows: int,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]] | None: ...
+
+# The optimizers' step (cposembed.optim): hyper is a 16-tuple (cpe_opt_hyper).
+def optimizer_step(
+    table: Any,  # plain writable (L, d)
+    grad: Any,  # plain, the state's dtype: (len(rows), d) if compact, else (L, d)
+    rows: Any,  # plain int64 (k,), distinct, in [0, L)
+    compact: bool,
+    state1: Any,  # None or plain writable (L, d), the state's dtype
+    state2: Any,
+    has: RowMarks | None,
+    hyper: tuple[Any, ...],
+    skip_row: int,
+    num_threads: Any = None,
+) -> bool | None: ...
+def fused_embed_step(
+    token_scratch: Any,  # plain writable (k, d), the state's dtype
+    position_scratch: Any,  # plain writable (kp, d), zeroed
+    grad_output: Any,
+    token_slots: Any,  # int64 in [0, k), grad_output.shape[:-1]
+    position_slots: Any,  # None or positions in [0, kp)
+    token_first: Any,  # plain int64 (k,)
+    token_step: tuple[Any, ...],  # (table, rows, state1, state2, has, skip_row)
+    position_step: tuple[Any, ...],
+    hyper: tuple[Any, ...],
+    num_threads: Any = None,
 ) -> bool | None: ...
 
 # What the entries take as it is (src_c/_contract.pxi).

@@ -21,16 +21,18 @@ class GradientState:
     """``grad`` (None until the first backward), the rows touched since the last
     zero, and the row that gets no gradient (``padding_idx``; -1: none).
 
-    ``touched`` describes ``touched_grad``, the array it was built for: if the
-    user assigns another array to ``grad``, the mask is not trusted and every
-    row counts as touched.
+    ``touched`` (a :class:`~cposembed._core.RowMarks`: a mask and the list of
+    the marked rows, so that zeroing and stepping cost the touched rows, not
+    the table) describes ``touched_grad``, the array it was built for: if the
+    user assigns another array to ``grad``, the marks are not trusted and
+    every row counts as touched.
     """
 
     __slots__ = ("grad", "touched", "touched_grad", "skip_row")
 
     def __init__(self, skip_row: int = -1) -> None:
         self.grad: np.ndarray | None = None
-        self.touched: np.ndarray | None = None
+        self.touched: _core.RowMarks | None = None
         self.touched_grad: np.ndarray | None = None
         self.skip_row = skip_row
 
@@ -47,22 +49,24 @@ class GradientState:
             grad[padding_idx] = 0
         self.skip_row = -1 if padding_idx is None else padding_idx
         if padding_idx is not None and self.touched is not None:
-            self.touched[padding_idx] = False
+            self.touched.unmark(padding_idx)
 
     def restore(self, grad: np.ndarray | None, touched: np.ndarray | None) -> None:
-        """The gradient and mask of a checked pickled state."""
+        """The gradient and touched-rows mask of a checked pickled state."""
         self.grad = grad
         if touched is not None:
-            self.touched = touched
+            self.touched = _core.RowMarks(touched.shape[0], touched)
             self.touched_grad = grad
 
     def kept_touched(self) -> np.ndarray | None:
-        """The mask, if it describes ``grad`` (what a pickle keeps)."""
-        return self.touched if self.touched_grad is self.grad else None
+        """A copy of the mask, if it describes ``grad`` (what a pickle keeps)."""
+        if self.touched_grad is not self.grad or self.touched is None:
+            return None
+        return np.array(self.touched.mask)
 
     # -- backward ------------------------------------------------------------
-    def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The gradient a backward adds into, and the touched-rows mask to mark.
+    def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, _core.RowMarks]:
+        """The gradient a backward adds into, and the touched rows to mark.
 
         A fresh gradient is zeros in :func:`~cposembed._validation.work_dtype`
         (the table's dtype; float32 for a float16 or bfloat16 table, a master
@@ -78,9 +82,12 @@ class GradientState:
         if grad is None:
             grad = np.zeros(table.shape, dtype=v.work_dtype(table.dtype))
         check_grad(grad, table)
-        return grad, np.full(table.shape[0], not fresh, dtype=bool)
+        touched = _core.RowMarks(table.shape[0])
+        if not fresh:
+            touched.mark_all()
+        return grad, touched
 
-    def keep(self, grad: np.ndarray, touched: np.ndarray) -> None:
+    def keep(self, grad: np.ndarray, touched: _core.RowMarks) -> None:
         self.grad = grad
         self.touched = touched
         self.touched_grad = grad
@@ -108,11 +115,16 @@ class GradientState:
         return grad
 
     def zero(self) -> None:
-        """Zeros in the gradient (its buffer kept), no row touched."""
-        if self.grad is not None:
-            self.grad.fill(0)
-        if self.touched is not None:
-            self.touched.fill(False)
+        """Zeros in the gradient (its buffer kept), no row touched: at the cost
+        of the touched rows when the marks describe the gradient."""
+        grad, touched = self.grad, self.touched
+        if grad is not None and touched is not None and grad is self.touched_grad:
+            touched.zero_rows(grad)
+            return
+        if grad is not None:
+            grad.fill(0)
+        if touched is not None:
+            touched.clear()
 
     # -- steps ---------------------------------------------------------------
     def for_step(self, table: np.ndarray) -> np.ndarray | None:
@@ -126,15 +138,16 @@ class GradientState:
             raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
         return grad
 
-    def step_mask(self, grad: np.ndarray) -> np.ndarray | None:
-        """The rows a step on ``grad`` visits, as a mask (None: every row)."""
+    def step_mask(self, grad: np.ndarray) -> _core.RowMarks | None:
+        """The rows a step on ``grad`` visits, as marks (None: every row)."""
         return self.touched if grad is self.touched_grad else None
 
     def step_rows(self, grad: np.ndarray, n_rows: int) -> np.ndarray:
-        """The rows a step on ``grad`` visits: the touched ones (every row of an
-        assigned gradient), the skip row left out."""
+        """The rows a step on ``grad`` visits: the touched ones in the order
+        they were first touched (every row of an assigned gradient), the skip
+        row left out."""
         touched = self.step_mask(grad)
-        rows = np.arange(n_rows) if touched is None else np.flatnonzero(touched)
+        rows = np.arange(n_rows) if touched is None else touched.rows()
         if self.skip_row >= 0:
             rows = rows[rows != self.skip_row]
         return rows

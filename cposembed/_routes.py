@@ -186,14 +186,14 @@ def scatter_add(
     *,
     offset: Any,
     num_threads: Any,
-    touched: np.ndarray | None,
+    touched: _core.RowMarks | None,
     skip_row: int,
 ) -> None:
     """:func:`cposembed.scatter_add` that also marks the rows it touched and skips one:
     the C entry, then the route for what it declined.
 
-    ``touched``: a C-contiguous bool array of length L (or None) whose rows
-    that received a contribution are set True; ``skip_row``: a row that gets
+    ``touched``: a :class:`~cposembed._core.RowMarks` of L rows (or None) in
+    which the rows that received a contribution are marked; ``skip_row``: a row that gets
     no gradient (zeroed after the sum; ``padding_idx``), or -1.
     """
     if (
@@ -230,7 +230,7 @@ def scatter_add_declined(
     *,
     offset: Any,
     num_threads: Any,
-    touched: np.ndarray | None,
+    touched: _core.RowMarks | None,
     skip_row: int,
 ) -> None:
     """The half of :func:`scatter_add` after its entry declined: the worded
@@ -332,12 +332,12 @@ def embed_backward(
     *,
     offset: Any,
     num_threads: Any,
-    token_touched: np.ndarray | None,
-    position_touched: np.ndarray | None,
+    token_touched: _core.RowMarks | None,
+    position_touched: _core.RowMarks | None,
     token_skip_row: int,
 ) -> None:
-    """:func:`cposembed.embed_backward` that also marks the rows it touched (bool
-    arrays of length V and L, or None) and gives token row ``token_skip_row``
+    """:func:`cposembed.embed_backward` that also marks the rows it touched
+    (:class:`~cposembed._core.RowMarks` of V and L rows, or None) and gives token row ``token_skip_row``
     (padding) no gradient (-1: none).
 
     It calls the entry first itself, as :func:`scatter_add` does: the entry

@@ -293,32 +293,6 @@ def _embed_fake(
     return token_table.new_empty((*token_ids.shape, token_table.shape[1]), dtype=dtype)
 
 
-def _marked_table_grad(
-    grad_output: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    num_rows: int,
-    dtype: torch.dtype,
-    padding_idx: int | None,
-) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """The dense table gradient, its memory as an array, and the rows written."""
-    skip = _skip_row(padding_idx, num_rows)
-    grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
-    touched = np.zeros(num_rows, dtype=bool)
-    _routes.scatter_add(
-        array,
-        _array(grad_output),
-        _maybe_array(positions),
-        offset=offset,
-        num_threads=None,
-        touched=touched,
-        skip_row=skip,
-    )
-    if skip >= 0:
-        touched[skip] = False
-    return grad, array, touched
-
-
 @_cpu("table_grad")
 def _table_grad(
     grad_output: torch.Tensor,
@@ -329,7 +303,17 @@ def _table_grad(
     padding_idx: int | None = None,
 ) -> torch.Tensor:
     _check_index(positions, "positions")
-    return _marked_table_grad(grad_output, positions, offset, num_rows, dtype, padding_idx)[0]
+    grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
+    _routes.scatter_add(
+        array,
+        _array(grad_output),
+        _maybe_array(positions),
+        offset=offset,
+        num_threads=None,
+        touched=None,
+        skip_row=_skip_row(padding_idx, num_rows),
+    )
+    return grad
 
 
 @_fake("table_grad")

@@ -8,15 +8,18 @@ rows it touched since the last ``zero_grad()``, in a fused
 follows PyTorch's update rule for that optimizer; the other rows and their
 state stay as they are (the semantics of ``torch.optim.SparseAdam``).
 
-The state lives per row, for the rows that ever got gradient only: a sorted
-index from table row to slot, and the moments in slot order, grown by
-doubling. A step costs its touched rows (plus the index insertion of rows
-seen for the first time), never the table's rows.
+The state of a table is one array per buffer with the table's shape, as
+PyTorch keeps it, allocated zeroed when the optimizer is made (its pages
+cost memory only where rows got gradient), and the marks of the rows that
+have state (:class:`~cposembed._core.RowMarks`). The update of a row is one
+C function (``_core.optimizer_step``) that both ``step()`` and the fused
+backward call, so a step costs its touched rows, never the table's rows.
 
-A fused backward sums the call's gradient into scratch rows (one per distinct
-row of the call, with the same scatter-add kernel and so the same summation
-order as ``layer.backward``) and hands them to the same update function
-``step()`` uses: fused and unfused give the same bits by construction.
+A fused backward finds the call's distinct rows (``_core.distinct_rows``, in
+time proportional to the positions), sums the gradient into one scratch row
+each (with the same scatter-add kernel and so the same summation order as
+``layer.backward``) and hands them to the same update: fused and unfused give
+the same bits by construction.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from . import _routes
+from . import _core, _routes
 from . import _validation as v
 
 if TYPE_CHECKING:
@@ -84,67 +87,40 @@ def _betas(betas: Any) -> tuple[float, float]:
 
 
 class _RowState:
-    """Per-row state of one table: for each row that ever got gradient, its buffers.
+    """The state of one table: a zeroed ``(L, d)`` array per buffer (``buffers``)
+    and the rows that have state (``has``, marked at their first step)."""
 
-    ``rows`` (sorted) and ``slots`` map a table row to a slot; ``buffers[name]``
-    holds slot ``s`` in its row ``s``. Capacity grows by doubling, so adding
-    rows costs in proportion to the rows added (plus the sorted insertion).
-    """
-
-    def __init__(self, names: tuple[str, ...], d: int, dtype: np.dtype) -> None:
+    def __init__(self, names: tuple[str, ...], shape: tuple[int, int], dtype: np.dtype) -> None:
         self.names = names
-        self.d = d
         self.dtype = dtype
-        self.rows = np.empty(0, dtype=np.int64)
-        self.slots = np.empty(0, dtype=np.int64)
-        self.count = 0
-        self.buffers = {name: np.empty((0, d), dtype=dtype) for name in names}
-
-    def find(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Slots of sorted unique ``rows`` (-1 where a row has none), and where each
-        missing row would go in the sorted index."""
-        at = np.searchsorted(self.rows, rows)
-        slots = np.full(rows.shape, -1, dtype=np.int64)
-        if self.rows.size:
-            clipped = np.minimum(at, self.rows.size - 1)
-            found = self.rows[clipped] == rows
-            slots[found] = self.slots[clipped[found]]
-        return slots, at
-
-    def add(self, rows: np.ndarray, at: np.ndarray) -> np.ndarray:
-        """New slots for ``rows`` (sorted, not yet present; ``at`` from :meth:`find`)."""
-        n_new = rows.size
-        new = np.arange(self.count, self.count + n_new, dtype=np.int64)
-        need = self.count + n_new
-        capacity = next(iter(self.buffers.values())).shape[0] if self.names else 0
-        if self.names and need > capacity:
-            grown = max(need, 2 * capacity, 16)
-            for name, buf in self.buffers.items():
-                bigger = np.empty((grown, self.d), dtype=self.dtype)
-                bigger[: self.count] = buf[: self.count]
-                self.buffers[name] = bigger
-        self.rows = np.insert(self.rows, at, rows)
-        self.slots = np.insert(self.slots, at, new)
-        self.count = need
-        return new
+        self.buffers = {name: np.zeros(shape, dtype=dtype) for name in names}
+        # Plain SGD keeps no state: no rows have any.
+        self.has = _core.RowMarks(shape[0] if names else 0)
 
     def export(self) -> dict[str, np.ndarray]:
         """Copies of the state in row order: ``rows`` and one ``(n, d)`` array per buffer."""
-        out = {"rows": self.rows.copy()}
+        rows = np.sort(self.has.rows())
+        out = {"rows": rows}
         for name, buf in self.buffers.items():
-            out[name] = buf[self.slots]
+            out[name] = buf[rows]
         return out
 
     @classmethod
     def restore(
-        cls, names: tuple[str, ...], d: int, dtype: np.dtype, data: dict[str, np.ndarray]
+        cls,
+        names: tuple[str, ...],
+        shape: tuple[int, int],
+        dtype: np.dtype,
+        data: dict[str, np.ndarray],
     ) -> _RowState:
-        state = cls(names, d, dtype)
+        state = cls(names, shape, dtype)
         rows = data["rows"]
-        state.rows = rows
-        state.slots = np.arange(rows.size, dtype=np.int64)
-        state.count = int(rows.size)
-        state.buffers = {name: data[name] for name in names}
+        if names:
+            for name in names:
+                state.buffers[name][rows] = data[name]
+            mask = np.zeros(shape[0], dtype=bool)
+            mask[rows] = True
+            state.has = _core.RowMarks(shape[0], mask)
         return state
 
 
@@ -169,8 +145,9 @@ class Optimizer:
         self._layer = layer
         self._tables = _tables_of(layer, type(self).__name__)
         self._step = 0
+        self._scratch: dict[str, np.ndarray] = {}
         self._states = {
-            name: _RowState(self._names_for(self._hyper), t.embed_dim, state_dtype(t.dtype))
+            name: _RowState(self._names_for(self._hyper), t.embeddings.shape, state_dtype(t.dtype))
             for name, t in self._tables.items()
         }
 
@@ -223,11 +200,15 @@ class Optimizer:
             grad = state.for_step(table.embeddings)
             if grad is None:
                 continue
-            work.append((name, state.step_rows(grad, table.max_seq_len), grad))
-        self._step += 1
-        for name, rows, grad in work:
+            rows = state.step_rows(grad, table.max_seq_len)
             dt = self._states[name].dtype
-            self._apply(name, rows, np.asarray(grad[rows], dtype=dt))
+            if grad.dtype == dt and grad.flags.c_contiguous and grad.flags.aligned:
+                work.append((name, rows, grad, False))
+            else:  # a gradient the user assigned, of another dtype or layout
+                work.append((name, rows, np.ascontiguousarray(grad[rows], dtype=dt), True))
+        self._step += 1
+        for name, rows, grad, compact in work:
+            self._apply(name, rows, grad, compact, -1)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state: hyper-parameters, step count and per-row moments.
@@ -313,7 +294,7 @@ class Optimizer:
         for name, table in self._tables.items():
             checked[name] = _RowState.restore(
                 names,
-                table.embed_dim,
+                table.embeddings.shape,
                 state_dtype(table.dtype),
                 _checked_rows(tables[name], names, table, f"{what}: state[{name!r}]"),
             )
@@ -335,6 +316,7 @@ class Optimizer:
             )
         self._layer = state["layer"]
         self._tables = _tables_of(self._layer, type(self).__name__)
+        self._scratch = {}
         self._hyper, self._step, self._states = self._checked(state["state"])
 
     def __repr__(self) -> str:
@@ -346,37 +328,37 @@ class Optimizer:
     def _check_hyper(cls, **hyper: Any) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _apply(self, name: str, rows: np.ndarray, grad: np.ndarray) -> None:
-        """Update the table ``name`` on sorted unique ``rows`` with their gradient
-        ``grad`` (``(len(rows), d)`` in the state's dtype), and their state."""
-        if rows.size == 0:
-            return
-        table = self._tables[name].embeddings
-        state = self._states[name]
-        if not state.names:  # plain SGD keeps no state
-            no_state = np.zeros(rows.size, dtype=bool)
-            table[rows] = self._update(
-                np.asarray(table[rows], dtype=state.dtype), grad, {}, no_state
-            )
-            return
-        slots, at = state.find(rows)
-        new = slots < 0
-        if new.any():
-            slots[new] = state.add(rows[new], at[new])
-        buffers = {n: state.buffers[n][slots] for n in state.names}
-        param = np.asarray(table[rows], dtype=state.dtype)
-        param = self._update(param, grad, buffers, new)
-        for n in state.names:
-            state.buffers[n][slots] = buffers[n]
-        table[rows] = param
+    def _apply(
+        self, name: str, rows: np.ndarray, grad: np.ndarray, compact: bool, skip_row: int
+    ) -> None:
+        """Update the table ``name`` on the distinct ``rows`` (but ``skip_row``)
+        and their state: ``grad`` in the state's dtype, row ``i`` that of
+        ``rows[i]`` if ``compact``, else of the table's shape."""
+        table, rows, state1, state2, has, skip = self._step_of(name, rows, skip_row)
+        done = _core.optimizer_step(
+            table, grad, rows, compact, state1, state2, has, self._hyper_tuple(), skip
+        )
+        if done is None:  # the optimizer's own arrays: the entry takes them all
+            raise RuntimeError("the optimizer step's kernel declined its arguments")
 
-    def _update(
-        self,
-        param: np.ndarray,
-        grad: np.ndarray,
-        buffers: dict[str, np.ndarray],
-        new: np.ndarray,
-    ) -> np.ndarray:
+    def _step_of(self, name: str, rows: np.ndarray, skip_row: int) -> tuple[Any, ...]:
+        """The step on table ``name`` as ``_core.fused_embed_step`` takes it."""
+        state = self._states[name]
+        buffers = [state.buffers.get(n) for n in self._buffer_slots]
+        return (
+            self._tables[name].embeddings,
+            np.ascontiguousarray(rows, dtype=np.int64),
+            buffers[0],
+            buffers[1],
+            state.has if state.names else None,
+            skip_row,
+        )
+
+    #: The buffers handed to the update kernel, in its order (a name may be absent).
+    _buffer_slots: ClassVar[tuple[str, str]] = ("", "")
+
+    def _hyper_tuple(self) -> tuple[Any, ...]:
+        """The hyper-parameters of this step as ``_core.optimizer_step`` takes them."""
         raise NotImplementedError
 
     # -- fused backward (called by the layers) ---------------------------------------
@@ -387,11 +369,12 @@ class Optimizer:
                 "pass the optimizer of this layer"
             )
 
-    def _fused(self, updates: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
-        """One step from a fused backward: ``(table, rows, gradient rows)`` each."""
+    def _fused(self, updates: list[tuple[str, np.ndarray, np.ndarray, int]]) -> None:
+        """One step from a fused backward: ``(table, rows, gradient rows, skip row)``
+        each, the gradient rows compact (row ``i`` that of ``rows[i]``)."""
         self._step += 1
-        for name, rows, grad in updates:
-            self._apply(name, rows, np.asarray(grad, dtype=self._states[name].dtype))
+        for name, rows, grad, skip_row in updates:
+            self._apply(name, rows, grad, True, skip_row)
 
 
 def _tables_of(layer: Any, who: str) -> dict[str, LearnedPositionEmbedding]:
@@ -535,24 +518,21 @@ class SGD(Optimizer):
         # As torch: no momentum, no buffer.
         return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
 
-    def _update(
-        self,
-        param: np.ndarray,
-        grad: np.ndarray,
-        buffers: dict[str, np.ndarray],
-        new: np.ndarray,
-    ) -> np.ndarray:
+    _buffer_slots = ("momentum_buffer", "")
+
+    def _hyper_tuple(self) -> tuple[Any, ...]:
         h = self._hyper
-        if h["weight_decay"] != 0:
-            grad = grad + h["weight_decay"] * param
-        if h["momentum"] != 0:
-            buf = buffers["momentum_buffer"]
-            buf[new] = 0  # fresh slots hold whatever the allocation held
-            buf = buf * h["momentum"] + (1 - h["dampening"]) * grad
-            buf[new] = grad[new]
-            buffers["momentum_buffer"] = buf
-            grad = grad + h["momentum"] * buf if h["nesterov"] else buf
-        return param + -h["lr"] * grad
+        wd, momentum = h["weight_decay"], h["momentum"]
+        return (0, wd != 0, False, momentum != 0, h["nesterov"], -h["lr"], wd, momentum) + (
+            1 - h["dampening"],
+            1.0,
+            0.0,
+            0.0,
+            0.0,
+            1.0,
+            0.0,
+            0.0,
+        )
 
 
 class Adam(Optimizer):
@@ -625,42 +605,26 @@ class Adam(Optimizer):
         )
         return {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
 
-    def _update(
-        self,
-        param: np.ndarray,
-        grad: np.ndarray,
-        buffers: dict[str, np.ndarray],
-        new: np.ndarray,
-    ) -> np.ndarray:
+    _buffer_slots = ("exp_avg", "exp_avg_sq")
+
+    def _hyper_tuple(self) -> tuple[Any, ...]:
+        # torch.optim.Adam's scalars, in Python floats as it computes them.
         h = self._hyper
         lr, wd, eps = h["lr"], h["weight_decay"], h["eps"]
         beta1, beta2 = h["betas"]
-        dt = param.dtype.type
-        exp_avg = buffers["exp_avg"]
-        exp_avg_sq = buffers["exp_avg_sq"]
-        exp_avg[new] = 0
-        exp_avg_sq[new] = 0
-        if wd != 0:
-            if self._decoupled:
-                param = param * (1 - lr * wd)
-            else:
-                grad = grad + wd * param
-        # torch's lerp(m, g, w): m + w * (g - m) for |w| < 0.5, else g - (g - m) * (1 - w),
-        # with w in the state's dtype.
-        w = dt(1 - beta1)
-        if abs(w) < 0.5:
-            exp_avg = exp_avg + w * (grad - exp_avg)
-        else:
-            exp_avg = grad - (grad - exp_avg) * (dt(1) - w)
-        exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * grad * grad
         t = self._step
-        bias_correction1 = 1 - beta1**t
-        bias_correction2 = 1 - beta2**t
-        step_size = lr / bias_correction1
-        denom = np.sqrt(exp_avg_sq) / bias_correction2**0.5 + eps
-        buffers["exp_avg"] = exp_avg
-        buffers["exp_avg_sq"] = exp_avg_sq
-        return param + -step_size * exp_avg / denom
+        step_size = lr / (1 - beta1**t)
+        bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+        decoupled = self._decoupled and wd != 0
+        l2 = not self._decoupled and wd != 0
+        return (1, l2, decoupled, False, False, 0.0, wd, 0.0, 0.0, 1 - lr * wd) + (
+            1 - beta1,
+            beta2,
+            1 - beta2,
+            bias_correction2_sqrt,
+            eps,
+            -step_size,
+        )
 
 
 class AdamW(Adam):
@@ -706,25 +670,48 @@ class AdamW(Adam):
 
 
 # -- fused backward: the layers' backward(..., optimizer=opt) --------------------------
-def _flat_rows(pos: np.ndarray | None, off: int, lead: tuple[int, ...], n_rows: int) -> np.ndarray:
-    """The rows a backward adds into, flat, in ``[0, n_rows)``."""
-    full = v.default_positions(off, lead[-1]) if pos is None else pos
-    flat = np.broadcast_to(full, lead).reshape(-1).astype(np.int64)
+def _wrapped(rows: np.ndarray, n_rows: int) -> np.ndarray:
+    """Rows in ``[-n_rows, n_rows)`` as a flat int64 array in ``[0, n_rows)``."""
+    flat = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
     return np.where(flat < 0, flat + n_rows, flat)
 
 
-def _distinct(flat: np.ndarray, lead: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct rows, and each entry's index among them (shaped ``lead``)."""
-    rows, inverse = np.unique(flat, return_inverse=True)
-    return rows, inverse.reshape(lead)
+def _call_rows(
+    pos: np.ndarray | None, off: int, lead: tuple[int, ...], n_rows: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The distinct rows a backward of rows shaped ``lead`` adds into, and the
+    positions into a compact scratch of them (None: ``arange(T)`` over the last
+    axis, for ``positions=None``, whose rows ``off .. off + T - 1`` are distinct)."""
+    if int(np.prod(lead)) == 0:
+        return np.empty(0, dtype=np.int64), np.zeros(lead, dtype=np.int64)
+    if pos is None:
+        return np.arange(off, off + lead[-1], dtype=np.int64), None
+    rows, slots, _ = _distinct(_wrapped(np.broadcast_to(pos, lead), n_rows), n_rows)
+    return rows, slots.reshape(lead)
 
 
-def _scratch_skip(rows: np.ndarray, skip_row: int) -> int:
-    """The scratch row of the table's padding row (-1: not among ``rows``)."""
-    if skip_row < 0:
-        return -1
-    at = int(np.searchsorted(rows, skip_row))
-    return at if at < rows.size and rows[at] == skip_row else -1
+def _distinct(flat: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_core.distinct_rows`` of rows already wrapped into ``[0, n_rows)``."""
+    found = _core.distinct_rows(flat, n_rows)
+    if found is None:  # int64 rows in range: the entry takes them
+        raise RuntimeError("distinct_rows declined its rows")
+    return found
+
+
+def _scratch(opt: Optimizer, name: str, n: int, d: int, zeroed: bool = True) -> np.ndarray:
+    """``n`` rows of the optimizer's scratch for table ``name``, zeroed unless
+    ``zeroed`` is False (kept between calls: fresh memory would cost a page
+    fault per 4 KiB each time)."""
+    dt = opt._states[name].dtype
+    kept = opt._scratch.get(name)
+    if kept is None or kept.shape[0] < n:
+        kept = np.zeros((max(n, 2 * (0 if kept is None else kept.shape[0])), d), dtype=dt)
+        opt._scratch[name] = kept
+        return kept[:n]
+    rows = kept[:n]
+    if zeroed:
+        rows.fill(0)
+    return rows
 
 
 def fused_position_backward(
@@ -735,20 +722,17 @@ def fused_position_backward(
         raise TypeError(f"optimizer must be a cposembed optimizer; got {v.describe(opt)}")
     opt._check_layer(layer)
     table = layer.embeddings
-    skip_row = layer._grad.skip_row
     n_rows, d = table.shape
     g = v.as_rows(grad_output, d, "grad_output")
     lead = g.shape[:-1]
     pos, off = _routes.row_positions(positions, offset, lead, n_rows, "grad_output")
-    rows, inverse = _distinct(_flat_rows(pos, off, lead, n_rows), lead)
-    scratch = np.zeros((rows.size, d), dtype=v.work_dtype(table.dtype))
+    rows, slots = _call_rows(pos, off, lead, n_rows)
+    scratch = _scratch(opt, "embeddings", rows.size, d)
     if rows.size:
-        skip = _scratch_skip(rows, skip_row)
         _routes.scatter_add(
-            scratch, g, inverse, offset=0, num_threads=None, touched=None, skip_row=skip
+            scratch, g, slots, offset=0, num_threads=None, touched=None, skip_row=-1
         )
-    keep = rows != skip_row
-    opt._fused([("embeddings", rows[keep], scratch[keep])])
+    opt._fused([("embeddings", rows, scratch, layer._grad.skip_row)])
 
 
 def fused_layer_backward(
@@ -760,7 +744,6 @@ def fused_layer_backward(
         raise TypeError(f"optimizer must be a cposembed optimizer; got {v.describe(opt)}")
     opt._check_layer(layer)
     tokens, places = layer._tokens, layer._positions
-    skip_row = tokens._grad.skip_row
     d = tokens.embed_dim
     ids = _routes.checked_ids(token_ids, tokens.max_seq_len)
     g = v.as_rows(grad_output, d, "grad_output")
@@ -771,35 +754,34 @@ def fused_layer_backward(
         )
     pos, off = _routes.id_positions(ids, positions, offset, places.max_seq_len)
     lead = ids.shape
-    flat_ids = ids.reshape(-1).astype(np.int64)
-    flat_ids = np.where(flat_ids < 0, flat_ids + tokens.max_seq_len, flat_ids)
-    token_rows, token_inverse = _distinct(flat_ids, lead)
-    if ids.size:
-        position_rows, position_inverse = _distinct(
-            _flat_rows(pos, off, lead, places.max_seq_len), lead
-        )
-    else:
-        position_rows = np.empty(0, dtype=np.int64)
-        position_inverse = np.empty(lead, dtype=np.int64)
-    token_scratch = np.zeros((token_rows.size, d), dtype=v.work_dtype(tokens.dtype))
-    position_scratch = np.zeros((position_rows.size, d), dtype=v.work_dtype(places.dtype))
-    if ids.size:
-        _routes.embed_backward(
-            token_scratch,
-            position_scratch,
-            g,
-            token_inverse,
-            position_inverse,
-            offset=0,
-            num_threads=None,
-            token_touched=None,
-            position_touched=None,
-            token_skip_row=_scratch_skip(token_rows, skip_row),
-        )
-    keep = token_rows != skip_row
-    opt._fused(
-        [
-            ("token_embeddings", token_rows[keep], token_scratch[keep]),
-            ("position_embeddings", position_rows, position_scratch),
-        ]
+    if not ids.size:  # no rows got gradient: a step that moves nothing
+        opt._step += 1
+        return
+    token_rows, token_slots, token_first = _distinct(
+        _wrapped(ids, tokens.max_seq_len), tokens.max_seq_len
     )
+    position_rows, position_slots = _call_rows(pos, off, lead, places.max_seq_len)
+    dt = opt._states["token_embeddings"].dtype
+    # The token scratch is zeroed row by row by the kernel (at each row's first
+    # contribution), the position scratch here.
+    token_scratch = _scratch(opt, "token_embeddings", token_rows.size, d, zeroed=False)
+    position_scratch = _scratch(opt, "position_embeddings", position_rows.size, d)
+    g_c = v.plain_copy(g, _routes.grad_output_dtype(g.dtype, dt))
+    if v.overlaps(g_c, tokens.embeddings) or v.overlaps(g_c, places.embeddings):
+        g_c = g_c.copy()  # the kernel updates rows while it still reads the gradient
+    opt._step += 1
+    hyper = opt._hyper_tuple()
+    done = _core.fused_embed_step(
+        token_scratch,
+        position_scratch,
+        g_c,
+        token_slots.reshape(lead),
+        position_slots,
+        token_first,
+        opt._step_of("token_embeddings", token_rows, tokens._grad.skip_row),
+        opt._step_of("position_embeddings", position_rows, -1),
+        hyper,
+    )
+    if done is None:
+        opt._step -= 1
+        raise RuntimeError("the fused step's kernel declined its arguments")

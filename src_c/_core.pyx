@@ -18,13 +18,13 @@
 
 cimport cython
 cimport numpy as cnp
-from libc.string cimport memset
 
 include "_kernels.pxi"
 include "_pool.pxi"
 include "_index.pxi"
 include "_team.pxi"
 include "_zeros.pxi"
+include "_marks.pxi"
 
 cnp.import_array()
 
@@ -131,6 +131,16 @@ cdef struct KernelCall:
     double lr            # the SGD step, rounded to the compute type by the row primitive
     int64_t* scratch
     int src_type
+    # The sparse plan (_marks.pxi): `out` (and `out2`) is a compact copy of
+    # rows compact_rows[:L] (compact_rows2[:L] of out2) of the table
+    # compact_of (compact_of2), gathered before the kernel and written back
+    # after it; NULL: `out` is the table itself.
+    void* compact_of
+    const int64_t* compact_rows
+    void* compact_of2
+    const int64_t* compact_rows2
+    # The optimizer step fused into the pair's sums (FusedStep), or NULL.
+    const FusedStep* fused
 
 
 cdef inline void _kernel_call(KernelCall* c, Kernel kernel, void* out, const void* src,
@@ -192,8 +202,12 @@ cdef void _kernel(const KernelCall* c, const cpe_row_ops* ops) noexcept nogil:
         _add(<const char*>c.src, <const char*>c.table, c.rows, <char*>c.out, c.n, c.m, c.d,
              ops, c.n_threads, c.stream, c.in_place)
     elif c.kernel == K_SCATTER_ADD:
+        _gather_rows(<char*>c.out, <const char*>c.compact_of, c.compact_rows, c.L,
+                     c.d * ops.tsize)
         _scatter_add(<char*>c.out, <const char*>c.src, c.rows, c.L, c.d, c.m, c.n // c.m,
                      ops, c.n_threads, c.plan, c.scratch)
+        _put_rows(<char*>c.compact_of, <const char*>c.out, c.compact_rows, c.L,
+                  c.d * ops.tsize)
     elif c.kernel == K_SGD:
         _sgd_rows(<char*>c.out, <const char*>c.src, c.rows, c.n, c.d, ops, c.lr,
                   c.n_threads)
@@ -201,8 +215,16 @@ cdef void _kernel(const KernelCall* c, const cpe_row_ops* ops) noexcept nogil:
         _embed(<const char*>c.src, c.ids, c.V, <const char*>c.table, c.rows, <char*>c.out,
                c.n, c.m, c.d, ops, c.n_threads, c.stream)
     else:
+        _gather_rows(<char*>c.out, <const char*>c.compact_of, c.compact_rows, c.V,
+                     c.d * ops.tsize)
+        _gather_rows(<char*>c.out2, <const char*>c.compact_of2, c.compact_rows2, c.L,
+                     c.d * ops.tsize)
         _scatter_pair(<char*>c.out, c.V, c.ids, <char*>c.out2, c.L, c.rows, c.m,
-                      <const char*>c.src, c.n, c.d, ops, c.n_threads, c.scratch)
+                      <const char*>c.src, c.n, c.d, ops, c.n_threads, c.scratch, c.fused)
+        _put_rows(<char*>c.compact_of, <const char*>c.out, c.compact_rows, c.V,
+                  c.d * ops.tsize)
+        _put_rows(<char*>c.compact_of2, <const char*>c.out2, c.compact_rows2, c.L,
+                  c.d * ops.tsize)
 
 
 cdef bint _plain_as(object obj, int typenum) noexcept:
@@ -352,19 +374,25 @@ cdef inline Py_ssize_t _lead_size(cnp.ndarray a) noexcept:
     return n
 
 
+cdef int _reserve_marks(object touched, Py_ssize_t m) except -1:
+    # Room in `touched` (a RowMarks, or None) for m more rows, before the
+    # kernel writes anything (MemoryError).
+    if touched is not None:
+        (<RowMarks>touched)._reserve(m)
+    return 0
+
+
 cdef void _mark_rows(object touched, const int64_t* rows, Py_ssize_t n,
                      Py_ssize_t skip_row) noexcept:
-    # The tail of a scatter-add, first half: touched[rows[:n]] = True, then
-    # touched[skip_row] = False (skip_row -1: none); touched None: nothing.
-    cdef uint8_t* mark
-    cdef Py_ssize_t i
+    # The tail of a scatter-add, first half: marks rows[:n] in `touched` (a
+    # RowMarks with room reserved, or None), but skip_row (-1: none), which
+    # ends unmarked.
     if touched is None:
         return
-    mark = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>touched)
-    for i in range(n):
-        mark[rows[i]] = 1
-    if skip_row >= 0:
-        mark[skip_row] = 0
+    cdef RowMarks marks = <RowMarks>touched
+    marks._mark(rows, n, skip_row)
+    if skip_row >= 0 and marks.flags[skip_row]:
+        marks.unmark(skip_row)
 
 
 cdef void _zero_row(cnp.ndarray table, Py_ssize_t row) noexcept:
@@ -535,18 +563,52 @@ def add(tokens, table, positions, offset, out, num_threads):
         _index_free(&ix)
 
 
-cdef bint _mask_ok(object mask, Py_ssize_t L) noexcept:
-    # None, or a plain writable 1-D bool array of length L.
-    if mask is None:
-        return True
-    if not _plain_as(mask, cnp.NPY_BOOL):
-        return False
-    cdef cnp.ndarray a = <cnp.ndarray>mask
-    return (
-        cnp.PyArray_NDIM(a) == 1
-        and cnp.PyArray_DIMS(a)[0] == L
-        and cnp.PyArray_ISWRITEABLE(a)
-    )
+cdef bint _marks_ok(object marks, Py_ssize_t L) noexcept:
+    # None, or a RowMarks of L rows.
+    return marks is None or (type(marks) is RowMarks and (<RowMarks>marks).n_rows == L)
+
+
+cdef struct Sparse:
+    # The sparse plan of a scatter-add into a table of L rows from m
+    # positions (_sparse_table): slot[:m] and uniq[:k] of _distinct, in one
+    # block of scratch; rows: k rows of the table's dtype, the compact copy
+    # the kernel sums into. All NULL when the table is not sparse.
+    int64_t* slot
+    int64_t* uniq
+    Py_ssize_t k
+    void* rows
+    size_t block_capacity, rows_capacity
+
+
+cdef int _sparse_plan(Sparse* sp, const int64_t* rows, Py_ssize_t m, Py_ssize_t L,
+                      Py_ssize_t row_bytes) except -1:
+    """Fills `sp` (give it back with _sparse_give): the distinct rows of
+    rows[:m] and a compact buffer for them, if the table is sparse for m
+    positions; MemoryError with nothing held."""
+    memset(sp, 0, sizeof(Sparse))
+    if not _sparse_table(L, m):
+        return 0
+    cdef int64_t* block = <int64_t*>_scratch_or_raise(
+        2 * m * sizeof(int64_t) + _distinct_scratch_bytes(m, L), &sp.block_capacity,
+        "the sparse plan's scratch")
+    sp.slot = block
+    sp.uniq = block + m
+    sp.k = _distinct(rows, m, L, sp.slot, sp.uniq, NULL, block + 2 * m)
+    try:
+        sp.rows = _scratch_or_raise(max(sp.k * row_bytes, 1), &sp.rows_capacity,
+                                    "the sparse plan's rows")
+    except MemoryError:
+        _scratch_give(block, sp.block_capacity)
+        sp.slot = NULL
+        raise
+    return 0
+
+
+cdef void _sparse_give(Sparse* sp) noexcept:
+    if sp.slot != NULL:
+        _scratch_give(sp.rows, sp.rows_capacity)
+        _scratch_give(sp.slot, sp.block_capacity)
+        sp.slot = NULL
 
 
 def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
@@ -557,12 +619,14 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     grad: a plain writable (L, d) table; grad_output: a plain array of shape
     (..., d) of any dtype with kernels, apart from grad (each add as
     np.add.at's: in float64 if either dtype is, else in float32, rounded to
-    grad's dtype); positions and offset as for
-    add. touched: None or a plain writable bool array of length L, apart from
-    grad, whose rows that received a contribution are set True. skip_row: a
-    row in [0, L) that gets no gradient (zeroed after the sum, and unmarked:
-    padding_idx, whose row is zero before every call), or -1. plan: a
-    ScatterPlan (PLAN_AUTO: chosen per call; the others force one, for tests).
+    grad's dtype); positions and offset as for add. touched: None or a
+    RowMarks of L rows, in which the rows that received a contribution are
+    marked. skip_row: a row in [0, L) that gets no gradient (zeroed after
+    the sum, and unmarked: padding_idx, whose row is zero before every
+    call), or -1. plan: a ScatterPlan (PLAN_AUTO: chosen per call; the
+    others force one, for tests). A table far larger than the call is summed
+    in a compact copy of the rows it touches (_marks.pxi), at the cost of
+    the call, not the table.
     """
     cdef int typenum = _rows_type(grad, grad_output, True)
     if typenum < 0:
@@ -574,8 +638,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     if (
         not cnp.PyArray_ISWRITEABLE(G)
         or not _apart(g, G)
-        or not _mask_ok(touched, L)
-        or (touched is not None and not _apart(<cnp.ndarray>touched, G))
+        or not _marks_ok(touched, L)
         or not -1 <= skip_row < L
         or not <int>PLAN_AUTO <= plan <= <int>PLAN_SORT
     ):
@@ -584,9 +647,11 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     cdef Py_ssize_t m, N, T
     cdef size_t capacity
     cdef KernelCall c
+    cdef Sparse sp
     cdef int nt
     if not _row_positions(positions, offset, g, L, &ix, &m):
         return None
+    sp.slot = NULL
     try:
         N = _lead_size(g)
         # (B, T) positions that repeat every sequence (arange expanded,
@@ -598,13 +663,21 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
         nt = _threads_for(num_threads, N * d, min(L, m))
         if not nt:
             return None
+        _reserve_marks(touched, min(m, L))
         if N and d and m:
             _kernel_call(&c, K_SCATTER_ADD, cnp.PyArray_DATA(G), cnp.PyArray_DATA(g),
                          ix.rows, N, m, d, nt)
             c.L = L
             c.src_type = cnp.PyArray_TYPE(g)
             c.plan = <ScatterPlan>plan
-            c.scratch = <int64_t*>_scratch_or_raise(_scatter_scratch_bytes(L, m, nt),
+            _sparse_plan(&sp, ix.rows, m, L, d * cnp.PyArray_ITEMSIZE(G))
+            if sp.slot != NULL:
+                c.out = sp.rows
+                c.rows = sp.slot
+                c.L = sp.k
+                c.compact_of = cnp.PyArray_DATA(G)
+                c.compact_rows = sp.uniq
+            c.scratch = <int64_t*>_scratch_or_raise(_scatter_scratch_bytes(c.L, m, nt),
                                                     &capacity, "the scatter-add's scratch")
             _run_kernel(&c, typenum)
             _scratch_give(c.scratch, capacity)
@@ -612,6 +685,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
         _zero_row(G, skip_row)
         return grad
     finally:
+        _sparse_give(&sp)
         _index_free(&ix)
 
 
@@ -623,8 +697,9 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
 
     table: a plain writable (L, d) table; grad: a plain array of the same
     shape, apart from it, of the table's dtype, or float32 for a float16 or
-    bfloat16 table (the master gradient); touched: None or a plain bool array
-    of length L; skip_row: a row in [0, L), or -1.
+    bfloat16 table (the master gradient); touched: None or a RowMarks of L
+    rows (the step then costs its marked rows); skip_row: a row in [0, L),
+    or -1.
     """
     cdef int typenum = _table_type(table)
     cdef bint half = typenum == NPY_HALF or typenum == _NPY_BFLOAT16
@@ -639,20 +714,16 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
         or cnp.PyArray_DIMS(G)[1] != d
         or not cnp.PyArray_ISWRITEABLE(t)
         or not _apart(t, G)
-        or (touched is not None and not _plain_as(touched, cnp.NPY_BOOL))
-        or (touched is not None and (cnp.PyArray_NDIM(<cnp.ndarray>touched) != 1
-                                     or cnp.PyArray_DIMS(<cnp.ndarray>touched)[0] != L))
+        or not _marks_ok(touched, L)
         or not -1 <= skip_row < L
     ):
         return None
-    cdef const uint8_t* mark = NULL
-    if touched is not None:
-        mark = <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>touched)
     cdef size_t capacity
     cdef KernelCall c
-    cdef int64_t* rows = <int64_t*>_scratch_or_raise((L if L > 0 else 1) * sizeof(int64_t),
+    cdef Py_ssize_t n = L if touched is None else (<RowMarks>touched).n
+    cdef int64_t* rows = <int64_t*>_scratch_or_raise((n if n > 0 else 1) * sizeof(int64_t),
                                                      &capacity, "the SGD step's row list")
-    cdef Py_ssize_t n = _marked_rows(mark, L, skip_row, rows)
+    n = _step_rows(touched, L, skip_row, rows)
     cdef int nt = _threads_for(num_threads, n * d, n)
     if nt:
         _kernel_call(&c, K_SGD, cnp.PyArray_DATA(t), cnp.PyArray_DATA(G), rows, n, n, d, nt)
@@ -661,6 +732,24 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
         _run_kernel(&c, typenum)
     _scratch_give(rows, capacity)
     return True if nt else None
+
+
+cdef Py_ssize_t _step_rows(object touched, Py_ssize_t L, Py_ssize_t skip_row,
+                           int64_t* rows) noexcept:
+    # rows[:n] = the rows `touched` marks (every row if None) but skip_row;
+    # returns n.
+    cdef Py_ssize_t i, n = 0
+    cdef RowMarks marks
+    if touched is None:
+        for i in range(L):
+            rows[n] = i
+            n += i != skip_row
+        return n
+    marks = <RowMarks>touched
+    for i in range(marks.n):
+        rows[n] = marks.marked[i]
+        n += marks.marked[i] != skip_row
+    return n
 
 
 cdef int _pair_type(object token_table, object position_table) noexcept:
@@ -752,8 +841,8 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
     array of shape token_ids.shape + (d,) of any dtype with kernels (each add
     as scatter_add's), apart from both; token_ids and positions as for embed.
     token_touched / position_touched:
-    None or plain writable bool arrays of length V / L whose rows that
-    received a contribution are set True; token_skip_row: a token row that
+    None or two RowMarks of V / L rows in which the rows that received a
+    contribution are marked; token_skip_row: a token row that
     gets no gradient (padding_idx, zeroed after the sum), or -1.
     """
     cdef int typenum = _pair_type(grad_token_table, grad_position_table)
@@ -771,23 +860,22 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
         or not _apart(gt, gp)
         or not _apart(g, gt)
         or not _apart(g, gp)
-        or not _mask_ok(token_touched, V)
-        or not _mask_ok(position_touched, L)
-        or (token_touched is not None and not _apart(<cnp.ndarray>token_touched, gt))
-        or (position_touched is not None and not _apart(<cnp.ndarray>position_touched, gp))
-        or (token_touched is not None and not _apart(<cnp.ndarray>token_touched, gp))
-        or (position_touched is not None and not _apart(<cnp.ndarray>position_touched, gt))
-        or (token_touched is not None and position_touched is not None
-            and not _apart(<cnp.ndarray>token_touched, <cnp.ndarray>position_touched))
+        or not _marks_ok(token_touched, V)
+        or not _marks_ok(position_touched, L)
+        or (token_touched is not None and token_touched is position_touched)
         or not -1 <= token_skip_row < V
     ):
         return None
     cdef Index ids, ix
     cdef size_t nbytes, capacity = 0
     cdef KernelCall c
+    cdef Sparse tok, pos
     cdef int nt
+    cdef Py_ssize_t rb = d * cnp.PyArray_ITEMSIZE(gt)
     if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
         return None
+    tok.slot = NULL
+    pos.slot = NULL
     try:
         if nd != ids.nd + 1 or cnp.PyArray_DIMS(g)[nd - 1] != d:
             return None
@@ -797,6 +885,8 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
         nt = _threads_for(num_threads, ids.n * d, ids.n)
         if not nt:
             return None
+        _reserve_marks(token_touched, min(ids.n, V))
+        _reserve_marks(position_touched, min(m, L))
         if ids.n and d and m:
             _kernel_call(&c, K_SCATTER_PAIR, cnp.PyArray_DATA(gt), cnp.PyArray_DATA(g),
                          ix.rows, ids.n, m, d, nt)
@@ -805,7 +895,23 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
             c.ids = ids.rows
             c.V = V
             c.L = L
-            nbytes = _pair_scratch_bytes(V, L, ids.n, nt)
+            # Tables far larger than the call: compact copies of their
+            # touched rows (the sparse plan, as scatter_add's).
+            _sparse_plan(&tok, ids.rows, ids.n, V, rb)
+            if tok.slot != NULL:
+                c.out = tok.rows
+                c.ids = tok.slot
+                c.V = tok.k
+                c.compact_of = cnp.PyArray_DATA(gt)
+                c.compact_rows = tok.uniq
+            _sparse_plan(&pos, ix.rows, m, L, rb)
+            if pos.slot != NULL:
+                c.out2 = pos.rows
+                c.rows = pos.slot
+                c.L = pos.k
+                c.compact_of2 = cnp.PyArray_DATA(gp)
+                c.compact_rows2 = pos.uniq
+            nbytes = _pair_scratch_bytes(c.V, c.L, ids.n, nt)
             if nbytes:
                 c.scratch = <int64_t*>_scratch_or_raise(nbytes, &capacity,
                                                         "the backward pass's scratch")
@@ -814,6 +920,270 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
         _mark_rows(token_touched, ids.rows, ids.n, token_skip_row)
         _mark_rows(position_touched, ix.rows, m if ids.n else 0, -1)
         _zero_row(gt, token_skip_row)
+        return True
+    finally:
+        _sparse_give(&pos)
+        _sparse_give(&tok)
+        _index_free(&ix)
+        _index_free(&ids)
+
+
+# ---- the optimizers (cposembed.optim) ------------------------------------------
+
+
+def distinct_rows(rows, Py_ssize_t n_rows):
+    """``(uniq, slots, first)`` of a plain int64 array of rows in [0,
+    n_rows): the distinct rows in order of first appearance, shaped as
+    `rows` the index of each entry's row in `uniq` (``uniq[slots] ==
+    rows``), and the flat index where each of `uniq` first appears, in time
+    proportional to the rows, not the table (_distinct); None if declined."""
+    if not _plain_as(rows, cnp.NPY_INT64) or n_rows < 0:
+        return None
+    cdef cnp.ndarray r = <cnp.ndarray>rows
+    cdef Py_ssize_t m = cnp.PyArray_SIZE(r), j, k
+    cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(r)
+    for j in range(m):
+        if not 0 <= p[j] < n_rows:
+            return None
+    slots = cnp.PyArray_SimpleNew(cnp.PyArray_NDIM(r), cnp.PyArray_DIMS(r), cnp.NPY_INT64)
+    cdef cnp.npy_intp dims = m
+    uniq = cnp.PyArray_SimpleNew(1, &dims, cnp.NPY_INT64)
+    first = cnp.PyArray_SimpleNew(1, &dims, cnp.NPY_INT64)
+    cdef size_t capacity
+    cdef int64_t* scratch = <int64_t*>_scratch_or_raise(_distinct_scratch_bytes(m, n_rows),
+                                                        &capacity, "the distinct rows' scratch")
+    k = _distinct(p, m, n_rows, <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>slots),
+                  <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>uniq),
+                  <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>first), scratch)
+    _scratch_give(scratch, capacity)
+    return uniq[:k].copy(), slots, first[:k].copy()
+
+
+cdef bint _state_ok(object buf, int typenum, Py_ssize_t L, Py_ssize_t d, cnp.ndarray table,
+                    cnp.ndarray grad) noexcept:
+    # None, or a plain writable (L, d) array of dtype typenum apart from the
+    # table and the gradient.
+    if buf is None:
+        return True
+    if not _plain_as(buf, typenum):
+        return False
+    cdef cnp.ndarray b = <cnp.ndarray>buf
+    return (
+        cnp.PyArray_ISWRITEABLE(b)
+        and cnp.PyArray_NDIM(b) == 2
+        and cnp.PyArray_DIMS(b)[0] == L
+        and cnp.PyArray_DIMS(b)[1] == d
+        and _apart(b, table)
+        and _apart(b, grad)
+    )
+
+
+cdef bint _read_hyper(object hyper, cpe_opt_hyper* h) noexcept:
+    # hyper: (kind, l2, decoupled, momentum_on, nesterov, neg_lr,
+    # weight_decay, momentum, damp1, decay, w1, beta2, omb2, bc2_sqrt, eps,
+    # neg_step), as cpe_opt_hyper; False if it is not.
+    if type(hyper) is not tuple or len(<tuple>hyper) != 16:
+        return False
+    try:
+        h.kind, h.l2, h.decoupled, h.momentum_on, h.nesterov = [int(x) for x in hyper[:5]]
+        (h.neg_lr, h.weight_decay, h.momentum, h.damp1, h.decay, h.w1, h.beta2, h.omb2,
+         h.bc2_sqrt, h.eps, h.neg_step) = [float(x) for x in hyper[5:]]
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return h.kind == CPE_OPT_SGD or h.kind == CPE_OPT_ADAM
+
+
+cdef bint _opt_job(OptJob* job, const cpe_opt_hyper* h, object table, object grad,
+                   object rows, bint compact, object state1, object state2,
+                   object has, Py_ssize_t skip_row) noexcept:
+    # Fills `job` for optimizer_step's arguments (see there); False: declined.
+    memset(job, 0, sizeof(OptJob))
+    cdef int typenum = _table_type(table)
+    if typenum < 0:
+        return False
+    cdef int ktype = cnp.NPY_DOUBLE if typenum == cnp.NPY_DOUBLE else cnp.NPY_FLOAT
+    cdef cnp.ndarray t = <cnp.ndarray>table
+    cdef Py_ssize_t L = cnp.PyArray_DIMS(t)[0], d = cnp.PyArray_DIMS(t)[1], n, i
+    if not _plain_as(grad, ktype) or not _plain_as(rows, cnp.NPY_INT64):
+        return False
+    cdef cnp.ndarray G = <cnp.ndarray>grad
+    cdef cnp.ndarray R = <cnp.ndarray>rows
+    n = cnp.PyArray_SIZE(R)
+    if (
+        not cnp.PyArray_ISWRITEABLE(t)
+        or cnp.PyArray_NDIM(R) != 1
+        or cnp.PyArray_NDIM(G) != 2
+        or cnp.PyArray_DIMS(G)[1] != d
+        or cnp.PyArray_DIMS(G)[0] != (n if compact else L)
+        or not _apart(t, G)
+        or not _state_ok(state1, ktype, L, d, t, G)
+        or not _state_ok(state2, ktype, L, d, t, G)
+        or (state1 is not None and state2 is not None
+            and not _apart(<cnp.ndarray>state1, <cnp.ndarray>state2))
+        or not _marks_ok(has, L)
+        or not -1 <= skip_row < L
+        or (h.kind == CPE_OPT_ADAM and (state1 is None or state2 is None))
+        or (h.kind == CPE_OPT_SGD and h.momentum_on and state1 is None)
+    ):
+        return False
+    cdef const int64_t* rp = <const int64_t*>cnp.PyArray_DATA(R)
+    for i in range(n):
+        if not 0 <= rp[i] < L:
+            return False
+    job.table = cnp.PyArray_BYTES(t)
+    job.grad = cnp.PyArray_BYTES(G)
+    job.rows = rp
+    job.state1 = cnp.PyArray_BYTES(<cnp.ndarray>state1) if state1 is not None else NULL
+    job.state2 = cnp.PyArray_BYTES(<cnp.ndarray>state2) if state2 is not None else NULL
+    job.has = (<RowMarks>has).flags if has is not None else NULL
+    job.n = n
+    job.d = d
+    job.skip_row = skip_row
+    job.tsize = cnp.PyArray_ITEMSIZE(t)
+    job.ssize = cnp.PyArray_ITEMSIZE(G)
+    job.compact = compact
+    job.update = cpe_opt_of[_type_code(typenum)]
+    job.hyper = h
+    return True
+
+
+def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
+                   Py_ssize_t skip_row, num_threads=None):
+    """One optimizer step on the distinct table rows `rows` but skip_row
+    (cpe_opt_T of _rows.h.tp); True, or None if declined.
+
+    table: a plain writable (L, d) table. The state's dtype K is float64
+    for a float64 table, else float32. grad: a plain K array of d columns,
+    apart from the table: row i is the gradient of rows[i] if compact, else
+    grad is (L, d) and row r is row r's. rows: a plain 1-D int64 array of
+    distinct rows in [0, L) (repeated rows would race). state1, state2: None
+    or plain writable (L, d) K arrays, apart from the table and grad (SGD's
+    momentum buffer; Adam's two moments). has: None or a RowMarks of L
+    rows: the rows that have state; a row it does not mark is fresh (SGD's
+    momentum starts at its gradient), and every updated row is marked
+    after the step. hyper: (kind, l2, decoupled, momentum_on, nesterov,
+    neg_lr, weight_decay, momentum, damp1, decay, w1, beta2, omb2,
+    bc2_sqrt, eps, neg_step), as cpe_opt_hyper. skip_row: a row in [0, L)
+    never updated, or -1.
+    """
+    cdef cpe_opt_hyper h
+    cdef OptJob job
+    if not _read_hyper(hyper, &h) or not _opt_job(&job, &h, table, grad, rows, compact,
+                                                  state1, state2, has, skip_row):
+        return None
+    cdef int nt = _threads_for(num_threads, job.n * job.d, job.n)
+    if not nt:
+        return None
+    _reserve_marks(has, job.n)
+    cdef PyThreadState* gil
+    if job.n and job.d:
+        gil = _release_gil(job.n * job.d)
+        _opt_rows(&job, nt)
+        _take_gil(gil)
+    _mark_rows(has, job.rows, job.n, skip_row)
+    return True
+
+
+cdef bint _apart_tables(tuple a, tuple b) noexcept:
+    # The tables and state arrays of two steps share no memory.
+    cdef int i, j
+    for i in (0, 2, 3):
+        for j in (0, 2, 3):
+            if a[i] is not None and b[j] is not None and not _apart(a[i], b[j]):
+                return False
+    return True
+
+
+def fused_embed_step(token_scratch, position_scratch, grad_output, token_slots,
+                     position_slots, token_first, token_step, position_step, hyper,
+                     num_threads=None):
+    """The layer's backward summed into compact scratch rows and an optimizer
+    step on them, in one pass (FusedStep); True, or None if declined.
+
+    token_scratch (k, d) and position_scratch (kp, d): plain writable arrays
+    of the state's dtype, apart from each other and from grad_output; the
+    position scratch zeroed, the token scratch not (each of its rows is
+    zeroed at its first contribution). grad_output: as for embed_backward.
+    token_slots: a plain int64 array of grad_output.shape[:-1] in [0, k)
+    whose slot s first appears at flat index token_first[s] (a plain int64
+    array of k such indices, as _distinct gives); position_slots: None
+    (arange(T) over the last axis) or positions as for embed_backward, in
+    [0, kp). token_step / position_step: (table, rows, state1, state2, has,
+    skip_row) as optimizer_step takes them, rows[s] being the table row of
+    scratch row s (k and kp rows). hyper: as optimizer_step's.
+    """
+    cdef cpe_opt_hyper h
+    cdef FusedStep fs
+    if (
+        not _read_hyper(hyper, &h)
+        or type(token_step) is not tuple or len(<tuple>token_step) != 6
+        or type(position_step) is not tuple or len(<tuple>position_step) != 6
+        or not _opt_job(&fs.tok, &h, token_step[0], token_scratch, token_step[1], True,
+                        token_step[2], token_step[3], token_step[4], token_step[5])
+        or not _opt_job(&fs.pos, &h, position_step[0], position_scratch, position_step[1],
+                        True, position_step[2], position_step[3], position_step[4],
+                        position_step[5])
+        or not _apart_tables(token_step, position_step)
+        or not _plain_as(token_first, cnp.NPY_INT64)
+        or cnp.PyArray_SIZE(<cnp.ndarray>token_first) != fs.tok.n
+        or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>position_scratch)
+        or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>token_scratch)
+        or not _apart(<cnp.ndarray>token_scratch, <cnp.ndarray>position_scratch)
+        or not _plain_as(grad_output, _source_type(grad_output))
+        or not _apart(<cnp.ndarray>grad_output, <cnp.ndarray>token_scratch)
+        or not _apart(<cnp.ndarray>grad_output, <cnp.ndarray>position_scratch)
+    ):
+        return None
+    cdef cnp.ndarray g = <cnp.ndarray>grad_output
+    cdef Py_ssize_t k = fs.tok.n, kp = fs.pos.n, d = fs.tok.d, m, i, N
+    cdef int nd = cnp.PyArray_NDIM(g)
+    cdef int typenum = _table_type(token_scratch)
+    if fs.pos.d != d or _table_type(position_scratch) != typenum:
+        return None
+    cdef Index ids, ix
+    cdef size_t nbytes, capacity = 0
+    cdef KernelCall c
+    cdef int nt
+    cdef const int64_t* first = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>token_first)
+    if not _ids_positions(token_slots, k, position_slots, 0, kp, &ids, &ix, &m):
+        return None
+    try:
+        N = ids.n
+        if nd != ids.nd + 1 or cnp.PyArray_DIMS(g)[nd - 1] != d:
+            return None
+        for i in range(ids.nd):
+            if cnp.PyArray_DIMS(g)[i] != ids.shape[i]:
+                return None
+        # Each slot's first contribution is where the slots say it is.
+        for i in range(k):
+            if not 0 <= first[i] < N or ids.rows[first[i]] != i:
+                return None
+        for i in range(N):
+            if first[ids.rows[i]] > i:
+                return None
+        nt = _threads_for(num_threads, N * d, N)
+        if not nt:
+            return None
+        _reserve_marks(token_step[4], k)
+        _reserve_marks(position_step[4], kp)
+        fs.tok_first = first
+        if N and d and m:
+            _kernel_call(&c, K_SCATTER_PAIR, cnp.PyArray_DATA(<cnp.ndarray>token_scratch),
+                         cnp.PyArray_DATA(g), ix.rows, N, m, d, nt)
+            c.out2 = cnp.PyArray_DATA(<cnp.ndarray>position_scratch)
+            c.src_type = cnp.PyArray_TYPE(g)
+            c.ids = ids.rows
+            c.V = k
+            c.L = kp
+            c.fused = &fs
+            nbytes = _pair_scratch_bytes(k, kp, N, nt)
+            if nbytes:
+                c.scratch = <int64_t*>_scratch_or_raise(nbytes, &capacity,
+                                                        "the backward pass's scratch")
+            _run_kernel(&c, typenum)
+            _scratch_give(c.scratch, capacity)
+            _mark_rows(token_step[4], fs.tok.rows, k, fs.tok.skip_row)
+            _mark_rows(position_step[4], fs.pos.rows, kp, fs.pos.skip_row)
         return True
     finally:
         _index_free(&ix)

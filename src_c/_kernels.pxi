@@ -29,8 +29,8 @@
 # bytes in; row i of a source (a gradient) i * d * ops.gsize bytes in.
 
 from libc.stdint cimport int64_t, uint8_t, uint64_t
-from libc.stdlib cimport abort, calloc, free, malloc
-from libc.string cimport memcpy
+from libc.stdlib cimport abort, calloc, free, malloc, realloc
+from libc.string cimport memcpy, memset
 
 from _openmp cimport CPOSEMBED_OPENMP_ENABLED, omp_get_max_threads
 
@@ -64,6 +64,29 @@ cdef extern from "_rows.h" nogil:
         Py_ssize_t tsize
         Py_ssize_t gsize
     void cpe_row_ops_for(int t, int g, cpe_row_ops* ops)
+    enum:
+        CPE_OPT_SGD
+        CPE_OPT_ADAM
+    ctypedef struct cpe_opt_hyper:
+        int kind
+        int l2
+        int decoupled
+        int momentum_on
+        int nesterov
+        double neg_lr
+        double weight_decay
+        double momentum
+        double damp1
+        double decay
+        double w1
+        double beta2
+        double omb2
+        double bc2_sqrt
+        double eps
+        double neg_step
+    ctypedef void (*cpe_opt_fn)(void*, const void*, void*, void*, int, const cpe_opt_hyper*,
+                                Py_ssize_t)
+    cpe_opt_fn cpe_opt_of[4]
     void cpe_set_bf16_from_f64_direct(int direct)
     enum:
         CPE_ISA_SSE2
@@ -715,34 +738,28 @@ cdef void _scatter_add(char* grad, const char* g, const int64_t* rows,
     cpe_crew_run(&crew, _scatter_chunk, &job, n_chunks)
 
 
+# ---- the sparse plan's compact rows ------------------------------------------
+
+
+cdef void _gather_rows(char* compact, const char* table, const int64_t* rows, Py_ssize_t k,
+                       Py_ssize_t row_bytes) noexcept nogil:
+    # compact[s] = table[rows[s]] for s < k; nothing if table is NULL.
+    cdef Py_ssize_t s
+    if table != NULL:
+        for s in range(k):
+            memcpy(compact + s * row_bytes, table + rows[s] * row_bytes, row_bytes)
+
+
+cdef void _put_rows(char* table, const char* compact, const int64_t* rows, Py_ssize_t k,
+                    Py_ssize_t row_bytes) noexcept nogil:
+    # table[rows[s]] = compact[s] for s < k; nothing if table is NULL.
+    cdef Py_ssize_t s
+    if table != NULL:
+        for s in range(k):
+            memcpy(table + rows[s] * row_bytes, compact + s * row_bytes, row_bytes)
+
+
 # ---- SGD ---------------------------------------------------------------------
-
-
-cdef Py_ssize_t _marked_rows(const uint8_t* mark, Py_ssize_t L, Py_ssize_t skip_row,
-                             int64_t* rows) noexcept nogil:
-    # rows[:n] = the r < L, ascending, whose mark is set (every r if `mark`
-    # is NULL), but skip_row; returns n. Eight marks at a time: a backward
-    # touches few of a big table's rows.
-    cdef Py_ssize_t r, r0 = 0, r1, n = 0
-    cdef uint64_t w = 1
-    if mark == NULL:
-        for r in range(L):
-            rows[n] = r
-            n += r != skip_row
-        return n
-    while r0 < L:
-        r1 = r0 + 8
-        if r1 <= L:
-            memcpy(&w, mark + r0, 8)
-        else:
-            r1 = L
-            w = 1
-        if w:
-            for r in range(r0, r1):
-                rows[n] = r
-                n += (mark[r] != 0) & (r != skip_row)
-        r0 = r1
-    return n
 
 
 cdef void _sgd_rows(char* table, const char* grad, const int64_t* rows, Py_ssize_t n,
@@ -792,6 +809,60 @@ cdef void _sgd_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     cdef SgdJob* j = <SgdJob*>arg
     cdef Py_ssize_t lo = c * j.per, hi = min(j.n, lo + j.per)
     _sgd_block(<char*>j.table, <const char*>j.grad, j.rows, lo, hi, j.d, &j.ops, j.step)
+
+
+# ---- the optimizers' step ------------------------------------------------------
+
+
+cdef struct OptJob:
+    # An optimizer's step on the team: chunk c updates rows[c * per : (c + 1)
+    # * per] (distinct table rows; skip_row is left alone). Row i's gradient
+    # is grad row i (compact) or grad row rows[i]; its state rows are those
+    # of the table row in state1 / state2 (NULL: none); it is fresh (SGD's
+    # momentum starts at it) where `has` (NULL: never) does not mark it.
+    char* table
+    const char* grad
+    const int64_t* rows
+    char* state1
+    char* state2
+    const uint8_t* has
+    Py_ssize_t n, d, per, skip_row, tsize, ssize
+    bint compact
+    cpe_opt_fn update
+    const cpe_opt_hyper* hyper
+
+
+cdef void _opt_block(const OptJob* j, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
+    cdef Py_ssize_t i, r, tb = j.d * j.tsize, sb = j.d * j.ssize
+    cdef bint fresh
+    for i in range(lo, hi):
+        r = j.rows[i]
+        if r == j.skip_row:
+            continue
+        fresh = j.has != NULL and not j.has[r]
+        j.update(j.table + r * tb, j.grad + (i if j.compact else r) * sb,
+                 j.state1 + r * sb if j.state1 != NULL else NULL,
+                 j.state2 + r * sb if j.state2 != NULL else NULL, fresh, j.hyper, j.d)
+
+
+cdef void _opt_chunk(void* arg, Py_ssize_t c) noexcept nogil:
+    cdef OptJob* j = <OptJob*>arg
+    cdef Py_ssize_t lo = c * j.per
+    _opt_block(j, lo, min(j.n, lo + j.per))
+
+
+cdef void _opt_rows(OptJob* job, int n_threads) noexcept nogil:
+    # The step of job.rows[:job.n], each row by one chunk.
+    cdef cpe_crew crew
+    cdef Py_ssize_t n_chunks
+    job.per = _per_chunk(job.d, _chunk_elems)
+    n_chunks = _chunks_of(job.n, job.per)
+    if n_threads > 1:
+        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
+    if n_threads <= 1:
+        _opt_block(job, 0, job.n)
+        return
+    cpe_crew_run(&crew, _opt_chunk, job, n_chunks)
 
 
 # ---- the token + position layer ------------------------------------------------
@@ -883,10 +954,20 @@ cdef Py_ssize_t _collect_pair(const int64_t* ids, const int64_t* tok_owner,
     return n
 
 
+cdef inline void _first_zero(char* gtok, const int64_t* ids, const int64_t* tok_first,
+                             Py_ssize_t i, Py_ssize_t tb) noexcept nogil:
+    # A fused step's token scratch is not zeroed beforehand: its row is
+    # zeroed at the row's first contribution, just before it is added (the
+    # line is in cache then), tok_first[row] being that contribution.
+    if tok_first != NULL and tok_first[ids[i]] == i:
+        memset(gtok + ids[i] * tb, 0, tb)
+
+
 cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* rows,
                     const int64_t* pos_owner, int64_t t, const char* g,
                     const int64_t* work, Py_ssize_t n, Py_ssize_t m,
-                    Py_ssize_t d, const cpe_row_ops* ops) noexcept nogil:
+                    Py_ssize_t d, const cpe_row_ops* ops,
+                    const int64_t* tok_first) noexcept nogil:
     # For each listed contribution i, ascending: gtok[ids[i]] += g[i] if this
     # thread owns the token row, gpos[rows[i % m]] += g[i] if it owns the
     # position row; one read of g[i] serves both. As it goes it asks for the
@@ -914,7 +995,9 @@ cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* r
         p = rows[i % m]
         if not work[q] & 1:
             ops.acc(gpos + p * tb, src, nxt, far, NULL, NULL, d)
-        elif pos_owner[p] == t:
+            continue
+        _first_zero(gtok, ids, tok_first, i, tb)
+        if pos_owner[p] == t:
             ops.acc2(gtok + ids[i] * tb, gpos + p * tb, src, nxt, far, far_acc, d)
         else:
             ops.acc(gtok + ids[i] * tb, src, nxt, far, NULL, far_acc, d)
@@ -926,13 +1009,27 @@ cdef size_t _pair_scratch_bytes(Py_ssize_t V, Py_ssize_t L, Py_ssize_t N,
     cdef Py_ssize_t c = _PAIR_CHUNKS_PER_THREAD * n_threads
     if n_threads <= 1:
         return 0
-    return (V + L + 2 + c + 1 + c * N) * sizeof(int64_t)
+    return (V + L + 2 + 2 * (c + 1) + c * N) * sizeof(int64_t)
+
+
+cdef struct FusedStep:
+    # An optimizer's step fused into the layer's backward (_scatter_pair):
+    # the gradients are compact scratch rows, one per distinct row of the
+    # call; the token scratch is zeroed row by row at each row's first
+    # contribution (tok_first, _first_zero); once a chunk has summed its
+    # rows it updates them (tok, pos: the steps of both tables, rows i of
+    # their scratch being those of tok.rows[i] and pos.rows[i]).
+    const int64_t* tok_first
+    OptJob tok
+    OptJob pos
 
 
 cdef struct PairJob:
     # The layer's backward on the team: chunk c owns the token rows and the
-    # position rows marked c in tok_owner and pos_owner, and lists its
-    # contributions in work[c * N : (c + 1) * N].
+    # position rows marked c in tok_owner and pos_owner (the ranges
+    # tok_bounds[c]..tok_bounds[c + 1] - 1 and the same in pos_bounds), and
+    # lists its contributions in work[c * N : (c + 1) * N]. fused: NULL, or
+    # the optimizer step that follows each chunk's sums.
     void* gtok
     void* gpos
     const void* g
@@ -940,9 +1037,12 @@ cdef struct PairJob:
     const int64_t* rows
     const int64_t* tok_owner
     const int64_t* pos_owner
+    const int64_t* tok_bounds
+    const int64_t* pos_bounds
     int64_t* work
     Py_ssize_t N, m, d
     cpe_row_ops ops
+    const FusedStep* fused
 
 
 cdef void _pair_chunk(void* arg, Py_ssize_t c) noexcept nogil:
@@ -951,43 +1051,54 @@ cdef void _pair_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     cdef Py_ssize_t n = _collect_pair(j.ids, j.tok_owner, j.rows, j.pos_owner, j.N, j.m, c,
                                       work)
     _sum_pair(<char*>j.gtok, j.ids, <char*>j.gpos, j.rows, j.pos_owner, c,
-              <const char*>j.g, work, n, j.m, j.d, &j.ops)
+              <const char*>j.g, work, n, j.m, j.d, &j.ops,
+              j.fused.tok_first if j.fused != NULL else NULL)
+    if j.fused != NULL:
+        _opt_block(&j.fused.tok, j.tok_bounds[c], j.tok_bounds[c + 1])
+        _opt_block(&j.fused.pos, j.pos_bounds[c], j.pos_bounds[c + 1])
 
 
 cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos,
                         Py_ssize_t L, const int64_t* rows, Py_ssize_t m, const char* g,
                         Py_ssize_t N, Py_ssize_t d, const cpe_row_ops* ops, int n_threads,
-                        int64_t* scratch) noexcept nogil:
+                        int64_t* scratch, const FusedStep* fused) noexcept nogil:
     # Both gradients of the token + position layer from one pass over g:
     # gtok[ids[i]] += g[i] and gpos[rows[i % m]] += g[i] for i < N, each
     # table row summed in input order by one chunk (bitwise np.add.at on
     # each table). Chunk c owns a range of token rows and one of position
     # rows, each about 1/n of its table's cost (_owner_bounds), and reads, in
     # order, every g[i] that either of its rows needs: with two chunks about
-    # 1.5 reads of g in all. `scratch`: _pair_scratch_bytes of it.
+    # 1.5 reads of g in all. `scratch`: _pair_scratch_bytes of it. fused:
+    # NULL, or an optimizer step on the rows summed (FusedStep).
     cdef Py_ssize_t i
     cdef int c
     cdef PairJob job
     cdef cpe_crew crew
-    cdef int64_t* bounds
     cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, n_threads)
     if n_threads <= 1:
         for i in range(N):
+            if fused != NULL:
+                _first_zero(gtok, ids, fused.tok_first, i, tb)
             ops.acc2(gtok + ids[i] * tb, gpos + rows[i % m] * tb, g + i * gb,
                      g + (i + 1) * gb if i + 1 < N else NULL, NULL,
                      gtok + ids[i + _AHEAD] * tb if i + _AHEAD < N else NULL, d)
+        if fused != NULL:
+            _opt_block(&fused.tok, 0, fused.tok.n)
+            _opt_block(&fused.pos, 0, fused.pos.n)
         return
     # The chunks for the threads the call has (the scratch holds those of
     # the threads it asked for).
     c = _PAIR_CHUNKS_PER_THREAD * n_threads
     job.tok_owner = scratch
     job.pos_owner = scratch + (V + 1)
-    bounds = scratch + (V + 1) + (L + 1)
-    job.work = bounds + (c + 1)
-    _count_owned(ids, N, V, c, <int64_t*>job.tok_owner, bounds)
-    _count_owned(rows, m, L, c, <int64_t*>job.pos_owner, bounds)
+    job.tok_bounds = scratch + (V + 1) + (L + 1)
+    job.pos_bounds = job.tok_bounds + (c + 1)
+    job.work = <int64_t*>job.pos_bounds + (c + 1)
+    _count_owned(ids, N, V, c, <int64_t*>job.tok_owner, <int64_t*>job.tok_bounds)
+    _count_owned(rows, m, L, c, <int64_t*>job.pos_owner, <int64_t*>job.pos_bounds)
+    job.fused = fused
     job.gtok = gtok
     job.gpos = gpos
     job.g = g

@@ -329,8 +329,9 @@ def _array_form(a, kind):
 
 
 def _table_variant(draw, base, plain=False):
-    """`base` as a table argument: plain (mostly) or in a form to be declined."""
-    rare = ["swapped", "fortran", "strided", "subclass", "float16", "int", "1d", "3d"]
+    """`base` as a table argument: plain (mostly) or in a form to be declined
+    (float16 is no such form: half tables are plain, tests/test_half_*.py)."""
+    rare = ["swapped", "fortran", "strided", "subclass", "int", "1d", "3d"]
     kind = _pick(draw, ["plain"], rare + ["unaligned", "list", "readonly"], plain=plain)
     if kind == "fortran":
         return np.asfortranarray(base)
@@ -409,7 +410,8 @@ def _scatter_expect(grad, g, rows, touched, skip_row):
     grad = grad.copy()
     idx = np.broadcast_to(rows, g.shape[:-1])
     np.add.at(grad, idx, g)
-    marks = None if touched is None else touched.copy()
+    # touched: None or a RowMarks (its mask is what the call must leave)
+    marks = None if touched is None else np.array(touched.mask)
     if marks is not None and idx.size:
         marks[idx.reshape(-1) % grad.shape[0]] = True
     if skip_row >= 0:

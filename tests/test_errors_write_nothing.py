@@ -340,10 +340,10 @@ def _scratch_failure_calls():
     tokens = rng.standard_normal((1, 600, 4)).astype(np.float32)
     grad = np.zeros((1000, 4), np.float32)
     g = rng.standard_normal((3, 4)).astype(np.float32)
-    touched = np.zeros(1000, bool)
+    touched = _core.RowMarks(1000)
     ids = rng.integers(0, 1000, (1, 600))
     pair = (np.zeros((1000, 4), np.float32), np.zeros((1000, 4), np.float32))
-    marks = (np.zeros(1000, bool), np.zeros(1000, bool))
+    marks = (_core.RowMarks(1000), _core.RowMarks(1000))
     out = np.full((600, 4), 7.0, np.float32)
     return [
         ("lookup", lambda: _core.lookup(table, many, out, None), 0, _NO_POSITIONS, [out]),
@@ -363,17 +363,32 @@ def _scratch_failure_calls():
             _NO_POSITIONS,
             [tokens],
         ),
+        # Three positions into 1000 rows: the sparse plan's two blocks come first.
         (
             "scatter_add",
             lambda: _core.scatter_add(grad, g, [1, 2, 1], 0, None, touched, 2),
-            0,
+            2,
             "cannot allocate the scatter-add's scratch",
-            [grad, touched],
+            [grad, touched.mask],
+        ),
+        (
+            "scatter_add sparse plan",
+            lambda: _core.scatter_add(grad, g, [1, 2, 1], 0, None, touched, 2),
+            0,
+            "cannot allocate the sparse plan's scratch",
+            [grad, touched.mask],
+        ),
+        (
+            "scatter_add sparse rows",
+            lambda: _core.scatter_add(grad, g, [1, 2, 1], 0, None, touched, 2),
+            1,
+            "cannot allocate the sparse plan's rows",
+            [grad, touched.mask],
         ),
         (
             "public scatter_add",
             lambda: cposembed.scatter_add(grad, g, [1, 2, 1]),
-            0,
+            2,
             "cannot allocate the scatter-add's scratch",
             [grad],
         ),
@@ -403,14 +418,14 @@ def _scratch_failure_calls():
             lambda: _core.embed_backward(*pair, tokens, ids, None, 0, 2, *marks, 3),
             2,
             "cannot allocate the backward pass's scratch",
-            [*pair, *marks],
+            [*pair, marks[0].mask, marks[1].mask],
         ),
         (
             "embed_backward positions",
             lambda: _core.embed_backward(*pair, tokens, ids, None, 0, 2, *marks, 3),
             1,
             _NO_POSITIONS,
-            [*pair, *marks],
+            [*pair, marks[0].mask, marks[1].mask],
         ),
     ]
 

@@ -390,15 +390,15 @@ def test_scatter_marks_touched_rows_and_skips_one(tuning, dtype, threads):
         grad = rng.standard_normal((L, d)).astype(dtype)
         expect = reference_scatter(grad, g, pos)
         expect[skip] = 0
-        touched = np.zeros(L, bool)
-        touched[L - 1] = True  # marks accumulate
+        touched = _core.RowMarks(L, np.arange(L) == L - 1)  # marks accumulate
         assert _core.scatter_add(grad, g, pos, 0, threads, touched, skip, plan) is grad
         _same_bits(grad, expect)
         want = np.zeros(L, bool)
         want[pos.reshape(-1) % L] = True
         want[L - 1] = True
         want[skip] = False
-        _same_bits(touched, want)
+        _same_bits(touched.mask, want)
+        assert sorted(touched.rows()) == list(np.flatnonzero(want))
 
 
 # ---------------------------------------------------------------- sgd_step
@@ -412,16 +412,16 @@ def test_sgd_step_is_numpys_update_on_touched_rows(tuning, dtype, threads, touch
     L, d = 30, 13
     table = rng.standard_normal((L, d)).astype(dtype)
     grad = rng.standard_normal((L, d)).astype(dtype)
-    touched = {
+    mask = {
         "all": None,
         "some": rng.random(L) < 0.4,
-        # (marks are read eight at a time: rows 8-15 have none, 24-29 are the tail)
         "sparse": np.isin(np.arange(L), [0, 7, 17, L - 1]),
         "none_marked": np.zeros(L, bool),
     }[touched_kind]
+    touched = None if mask is None else _core.RowMarks(L, mask)
     for lr in (0.1, -3.7, 1e-3, 0.0):
         expect = table.copy()
-        rows = np.arange(L) if touched is None else np.flatnonzero(touched)
+        rows = np.arange(L) if mask is None else np.flatnonzero(mask)
         rows = rows[rows != skip_row]
         expect[rows] -= lr * grad[rows]  # NumPy: lr rounded to the table's dtype once
         assert _core.sgd_step(table, grad, touched, lr, skip_row, threads) is True

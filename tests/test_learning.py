@@ -82,19 +82,14 @@ def test_sgd_entry_accepts_exactly_the_plain_case(data):
         grad = table[...]
     else:
         grad = _array_form(grad, grad_kind)  # read only is fine: the step reads it
-    touched_kind = _pick(
-        data.draw, ["none", "plain"], ["length", "int8", "strided", "readonly"], plain=plain
-    )
+    touched_kind = _pick(data.draw, ["none", "plain"], ["length", "mask"], plain=plain)
     touched = None
-    if touched_kind in ("plain", "readonly"):
-        touched = rng.random(L) < 0.5
-        touched.flags.writeable = touched_kind == "plain"
+    if touched_kind == "plain":
+        touched = _core.RowMarks(L, rng.random(L) < 0.5)
     elif touched_kind == "length":
-        touched = np.ones(L + 1, bool)
-    elif touched_kind == "int8":
-        touched = np.ones(L, np.int8)
-    elif touched_kind == "strided":
-        touched = np.ones(2 * L, bool)[::2]
+        touched = _core.RowMarks(L + 1, np.ones(L + 1, bool))
+    elif touched_kind == "mask":
+        touched = np.ones(L, bool)  # a bare mask, not RowMarks
     lr = data.draw(st.floats(-10, 10, allow_nan=False), label="lr")
     skip_row = _pick(data.draw, [-1, 0, L - 1], [-2, L], 0.1, plain=plain)
     num_threads = data.draw(PLAIN_THREADS if plain else THREADS, label="num_threads")
@@ -106,13 +101,13 @@ def test_sgd_entry_accepts_exactly_the_plain_case(data):
         and _plain(grad, table.dtype)
         and grad.shape == table.shape
         and _apart(grad, table)
-        and (touched is None or (_plain(touched, np.bool_) and touched.shape == (L,)))
+        and (touched is None or (isinstance(touched, _core.RowMarks) and touched.n_rows == L))
         and -1 <= skip_row < L
         and _threads_ok(num_threads)
     )
     expect = None
     if accept:
-        rows = np.flatnonzero(touched) if touched is not None else np.arange(L)
+        rows = np.flatnonzero(touched.mask) if touched is not None else np.arange(L)
         rows = rows[rows != skip_row]
         expect = table.copy()
         step = dtype.type(lr)
@@ -265,7 +260,8 @@ def test_zero_grad_resets_touched_rows():
     pe.backward(np.ones((2, 3)), [0, 1])
     pe.zero_grad()
     pe.backward(np.ones((1, 3)), [5])
-    assert list(np.flatnonzero(pe._grad.touched)) == [5]
+    assert list(np.flatnonzero(pe._grad.touched.mask)) == [5]
+    assert list(pe._grad.touched.rows()) == [5]
     table = pe.embeddings.copy()
     pe.sgd_step(0.25)
     assert same_bits(pe.embeddings, table - 0.25 * pe.grad)
@@ -277,7 +273,8 @@ def test_sgd_step_with_offset_and_broadcast_positions():
     pe = LearnedPositionEmbedding(20, 4, seed=0, dtype=np.float64)
     pe.backward(rng.standard_normal((3, 5, 4)), offset=7)
     pe.backward(rng.standard_normal((2, 3, 4)), np.array([[15, -1, 0]]))
-    assert list(np.flatnonzero(pe._grad.touched)) == [0, 7, 8, 9, 10, 11, 15, 19]
+    assert list(np.flatnonzero(pe._grad.touched.mask)) == [0, 7, 8, 9, 10, 11, 15, 19]
+    assert sorted(pe._grad.touched.rows()) == [0, 7, 8, 9, 10, 11, 15, 19]
     table, grad = pe.embeddings.copy(), pe.grad.copy()
     pe.sgd_step(-3.5)  # a negative rate ascends, still the same arithmetic
     assert same_bits(pe.embeddings, table - (-3.5) * grad)

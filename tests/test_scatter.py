@@ -130,25 +130,18 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
     touched_kind = _pick(
         data.draw,
         ["none", "plain"],
-        ["length", "int8", "strided", "readonly", "on_grad", "2d"],
+        ["length", "mask", "other"],
         plain=plain,
     )
     touched = None
     if touched_kind == "plain":
-        touched = rng.random(L) < 0.3
+        touched = _core.RowMarks(L, rng.random(L) < 0.3)
     elif touched_kind == "length":
-        touched = np.zeros(L + 1, bool)
-    elif touched_kind == "int8":
-        touched = np.zeros(L, np.int8)
-    elif touched_kind == "strided":
-        touched = np.zeros(2 * L, bool)[::2]
-    elif touched_kind == "readonly":
-        touched = np.zeros(L, bool)
-        touched.flags.writeable = False
-    elif touched_kind == "on_grad" and _plain_table(grad) and grad.nbytes >= L:
-        touched = grad.reshape(-1).view(np.uint8)[:L].view(bool)
-    elif touched_kind == "2d":
-        touched = np.zeros((L, 1), bool)
+        touched = _core.RowMarks(L + 1)
+    elif touched_kind == "mask":
+        touched = np.zeros(L, bool)  # a bare mask, not RowMarks
+    elif touched_kind == "other":
+        touched = [False] * L
     skip_row = _pick(data.draw, [-1, 0, L - 1], [-2, L], 0.1, plain=plain)
     plan = _pick(
         data.draw, PLANS, [4, 2**31 - 1], 0.1, plain=plain
@@ -170,16 +163,7 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
         and g.ndim >= 1
         and g.shape[-1] == d
         and _apart(g, grad)
-        and (
-            touched is None
-            or (
-                _plain(touched, np.bool_)
-                and touched.ndim == 1
-                and touched.shape == (L,)
-                and touched.flags.writeable
-                and _apart(touched, grad)
-            )
-        )
+        and (touched is None or (isinstance(touched, _core.RowMarks) and touched.n_rows == L))
         and -1 <= skip_row < L
         and 0 <= plan <= 3
         and _threads_ok(num_threads)
@@ -188,9 +172,12 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
     if accept:
         expect, marks = _scatter_expect(grad, g, rows, touched, skip_row)
     event("accepted" if accept else "declined")
+    marks_before = touched.mask.copy() if isinstance(touched, _core.RowMarks) else None
     snap = Snapshot(grad, g, positions, touched)
     with tuned(serial_below=serial_below, scan_block_bytes=scan_block):
         result = _core.scatter_add(grad, g, positions, offset, num_threads, touched, skip_row, plan)
+        if not accept and marks_before is not None:
+            assert np.array_equal(touched.mask, marks_before)
         if not accept:
             _declined(result, snap)
             return
@@ -205,7 +192,8 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
     assert np.array_equal(grad, expect, equal_nan=True)
     _same_bits(grad[~np.isnan(expect)], expect[~np.isnan(expect)])
     if touched is not None:
-        _same_bits(touched, marks)
+        _same_bits(touched.mask, marks)
+        assert sorted(touched.rows()) == list(np.flatnonzero(marks))
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

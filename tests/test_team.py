@@ -36,8 +36,7 @@ def _results(num_threads, table, tokens, pos, ids, vocab, plan):
     gtok, gpos = np.zeros_like(vocab), np.zeros_like(table)
     cposembed.embed_backward(gtok, gpos, tokens, ids, pos, num_threads=num_threads)
     stepped = table.copy()
-    touched = np.zeros(L, dtype=bool)
-    touched[pos.reshape(-1)] = True
+    touched = _core.RowMarks(L, np.isin(np.arange(L), pos))
     assert _core.sgd_step(stepped, grad, touched, 0.25, -1, num_threads)
     return [
         cposembed.lookup(table, pos, num_threads=num_threads),

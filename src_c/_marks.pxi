@@ -1,0 +1,237 @@
+# The rows a call touches, at a cost that grows with the call, not the table.
+#
+# RowMarks: the rows of a table that a gradient has received since it was
+# last zeroed (or that an optimizer keeps state for): a mask with one flag
+# per table row, for the test "is this row marked", and the list of the
+# marked rows, so that zeroing them, stepping them or listing them costs the
+# marked rows only. The mask is allocated zeroed (calloc: untouched pages
+# of a table of millions of rows cost nothing) and written only at marked
+# rows.
+#
+# _distinct: the distinct rows of a call and, for each of its positions,
+# the slot of its row among them, in O(positions): a hash table for a table
+# far larger than the call, a direct map of the table's rows otherwise.
+
+
+cdef extern from *:
+    """
+    /* Slot of a row in _distinct's hash table: Fibonacci hashing. */
+    static inline size_t cpe_row_hash(int64_t row, int bits) {
+        return (size_t)(((uint64_t)row * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+    }
+    """
+    size_t cpe_row_hash(int64_t row, int bits) nogil
+
+
+# A table of more rows than this many times the call's positions is mapped
+# by a hash table (_distinct) and summed in a compact copy of its touched
+# rows: its scratch and its passes then grow with the call, not the table.
+cdef enum:
+    _SPARSE_ROWS_PER_POSITION = 4
+
+
+cdef inline bint _sparse_table(Py_ssize_t L, Py_ssize_t m) noexcept nogil:
+    return L > _SPARSE_ROWS_PER_POSITION * m
+
+
+cdef inline int _hash_bits(Py_ssize_t m) noexcept nogil:
+    # log2 of the hash table's size: at least twice the positions.
+    cdef int bits = 4
+    while (<Py_ssize_t>1 << bits) < 2 * m:
+        bits += 1
+    return bits
+
+
+cdef size_t _distinct_scratch_bytes(Py_ssize_t m, Py_ssize_t L) noexcept nogil:
+    # _distinct's scratch: the hash table, or the direct map of the table.
+    if _sparse_table(L, m):
+        return (<size_t>1 << _hash_bits(m)) * sizeof(int64_t)
+    return (L if L > 0 else 1) * sizeof(int64_t)
+
+
+cdef Py_ssize_t _distinct(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int64_t* slot,
+                          int64_t* uniq, int64_t* first, int64_t* scratch) noexcept nogil:
+    # uniq[:k] = the distinct values of rows[:m] (each in [0, L)) in order
+    # of first appearance, first[:k] (unless NULL) where each first
+    # appears, slot[j] = the s with uniq[s] == rows[j]; returns k. scratch:
+    # _distinct_scratch_bytes(m, L) of it.
+    cdef Py_ssize_t j, k = 0, n_map
+    cdef int64_t r, s
+    cdef size_t h, mask
+    cdef int bits
+    if not _sparse_table(L, m):
+        for j in range(L):
+            scratch[j] = -1
+        for j in range(m):
+            r = rows[j]
+            s = scratch[r]
+            if s < 0:
+                s = k
+                scratch[r] = s
+                uniq[k] = r
+                if first != NULL:
+                    first[k] = j
+                k += 1
+            slot[j] = s
+        return k
+    bits = _hash_bits(m)
+    n_map = <Py_ssize_t>1 << bits
+    mask = <size_t>(n_map - 1)
+    for j in range(n_map):
+        scratch[j] = -1
+    for j in range(m):
+        r = rows[j]
+        h = cpe_row_hash(r, bits)
+        while True:
+            s = scratch[h]
+            if s < 0:
+                s = k
+                scratch[h] = s
+                uniq[k] = r
+                if first != NULL:
+                    first[k] = j
+                k += 1
+                break
+            if uniq[s] == r:
+                break
+            h = (h + 1) & mask
+        slot[j] = s
+    return k
+
+
+@cython.final
+cdef class RowMarks:
+    """RowMarks(n_rows, mask=None)
+
+    The rows of a table marked since the last :meth:`clear`: a flag per
+    row (:attr:`mask`, read-only) and the list of marked rows
+    (:meth:`rows`), so that clearing, listing or zeroing them costs the
+    marked rows, not the table. ``mask``: a bool array of length
+    ``n_rows`` whose rows start marked (a pickled gradient's)."""
+
+    cdef readonly object mask
+    cdef uint8_t* flags
+    cdef int64_t* marked
+    cdef Py_ssize_t n, capacity, n_rows
+
+    def __cinit__(self, Py_ssize_t n_rows, mask=None):
+        cdef cnp.npy_intp dims = n_rows
+        cdef Py_ssize_t r
+        if n_rows < 0:
+            raise ValueError(f"n_rows must be >= 0; got {n_rows}")
+        self.n_rows = n_rows
+        arr = cnp.PyArray_ZEROS(1, &dims, cnp.NPY_BOOL, 0)
+        self.flags = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
+        self.mask = arr
+        if mask is not None:
+            given = np.asarray(mask, dtype=bool)
+            if given.shape != (n_rows,):
+                raise ValueError(f"mask must have shape ({n_rows},); got {given.shape}")
+            listed = np.flatnonzero(given)
+            self._reserve(listed.size)
+            for r in listed:
+                self.flags[r] = 1
+                self.marked[self.n] = r
+                self.n += 1
+        arr.flags.writeable = False
+
+    def __dealloc__(self):
+        free(self.marked)
+
+    cdef int _reserve(self, Py_ssize_t extra) except -1:
+        # Room for `extra` more rows in the list (MemoryError before
+        # anything changes).
+        cdef Py_ssize_t need = self.n + extra, grown
+        cdef int64_t* p
+        if need <= self.capacity:
+            return 0
+        grown = max(need, 2 * self.capacity, 16)
+        p = <int64_t*>realloc(self.marked, grown * sizeof(int64_t))
+        if p == NULL:
+            raise MemoryError("cannot allocate the list of touched rows")
+        self.marked = p
+        self.capacity = grown
+        return 0
+
+    cdef void _mark(self, const int64_t* rows, Py_ssize_t m, Py_ssize_t skip_row) noexcept:
+        # Marks rows[:m] (in [0, n_rows)) but skip_row; room for m more
+        # rows reserved first (_reserve).
+        cdef Py_ssize_t j
+        cdef int64_t r
+        for j in range(m):
+            r = rows[j]
+            if not self.flags[r] and r != skip_row:
+                self.flags[r] = 1
+                self.marked[self.n] = r
+                self.n += 1
+
+    def __len__(self):
+        return self.n
+
+    @property
+    def n_rows(self):
+        """The table's rows (the length of :attr:`mask`)."""
+        return self.n_rows
+
+    def rows(self):
+        """The marked rows, in the order they were marked (a new int64 array)."""
+        cdef cnp.npy_intp dims = self.n
+        out = cnp.PyArray_SimpleNew(1, &dims, cnp.NPY_INT64)
+        if self.n:
+            memcpy(cnp.PyArray_DATA(<cnp.ndarray>out), self.marked, self.n * sizeof(int64_t))
+        return out
+
+    def mark_all(self):
+        """Mark every row."""
+        self._reserve(self.n_rows - self.n)
+        cdef Py_ssize_t r
+        for r in range(self.n_rows):
+            if not self.flags[r]:
+                self.flags[r] = 1
+                self.marked[self.n] = r
+                self.n += 1
+
+    def unmark(self, Py_ssize_t row):
+        """Unmark one row (in [0, n_rows))."""
+        cdef Py_ssize_t i
+        if not 0 <= row < self.n_rows:
+            raise IndexError(f"row {row} is out of bounds for {self.n_rows} rows")
+        if not self.flags[row]:
+            return
+        self.flags[row] = 0
+        for i in range(self.n):
+            if self.marked[i] == row:
+                self.marked[i] = self.marked[self.n - 1]
+                self.n -= 1
+                return
+
+    def clear(self):
+        """Unmark every row (at the cost of the marked ones)."""
+        cdef Py_ssize_t i
+        for i in range(self.n):
+            self.flags[self.marked[i]] = 0
+        self.n = 0
+
+    def zero_rows(self, grad):
+        """``grad[rows] = 0`` for the marked rows, then :meth:`clear`: at the
+        cost of the marked rows (a whole ``fill`` when most are marked).
+        grad: a plain writable (n_rows, d) array of a dtype with kernels."""
+        if _table_type(grad) < 0 or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>grad) or (
+                cnp.PyArray_DIMS(<cnp.ndarray>grad)[0] != self.n_rows):
+            raise ValueError(
+                f"grad must be a plain writable ({self.n_rows}, d) float array; "
+                f"got {type(grad).__name__}"
+            )
+        cdef char* base = cnp.PyArray_BYTES(<cnp.ndarray>grad)
+        cdef Py_ssize_t rb = (cnp.PyArray_DIMS(<cnp.ndarray>grad)[1]
+                              * cnp.PyArray_ITEMSIZE(<cnp.ndarray>grad))
+        cdef Py_ssize_t i
+        if 2 * self.n >= self.n_rows:
+            memset(base, 0, self.n_rows * rb)
+        else:
+            for i in range(self.n):
+                memset(base + self.marked[i] * rb, 0, rb)
+        self.clear()
+
+    def __reduce__(self):
+        return (RowMarks, (self.n_rows, np.array(self.mask)))
