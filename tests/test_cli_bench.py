@@ -118,6 +118,17 @@ def test_class_comparisons_run_check_equal_outputs_and_have_targets(tmp_path, na
         assert any((op, r["contender"]) in bench.TARGETS for r in peers), f"no target for {op!r}"
 
 
+def _quick_rows(tmp_path, *options: str) -> list[dict]:
+    """The JSON rows of a --quick run of one round with ``options``."""
+    path = tmp_path / "b.json"
+    assert bench.main(["--quick", "--repeats", "1", *options, "--json", str(path)]) == 0
+    return json.loads(path.read_text())["results"]
+
+
+def _targets_of(rows: list[dict]) -> dict[tuple[str, str], float]:
+    return {(r["op"], r["contender"]): r["target"] for r in rows if r["target"] is not None}
+
+
 HALF_TARGETS = {
     ("lookup(out=) bfloat16", "limit: streaming fill"): 1.15,
     ("lookup(out=) float16", "limit: streaming fill"): 1.15,
@@ -132,18 +143,48 @@ HALF_TARGETS = {
 def test_the_half_rows_have_the_issues_targets_and_equal_checks(tmp_path, dtype):
     """The half group runs in a float32 or float64 run alike: its peers' outputs
     are checked equal (the limits and the float32 layer have no output to check)."""
-    path = tmp_path / "b.json"
-    code = bench.main(
-        ["--quick", "--no-torch", "--repeats", "1", "--only", "half", "--dtype", dtype,
-         "--json", str(path)]
-    )  # fmt: skip
-    assert code == 0
-    rows = json.loads(path.read_text())["results"]
-    targets = {(r["op"], r["contender"]): r["target"] for r in rows if r["target"] is not None}
-    assert targets == HALF_TARGETS
+    rows = _quick_rows(tmp_path, "--no-torch", "--only", "half", "--dtype", dtype)
+    assert _targets_of(rows) == HALF_TARGETS
     checked = [r for r in rows if r["contender"] != bench.OURS and r["check"]]
     assert len(checked) == 7 and all(r["check"] == "equal" for r in checked), checked
     assert {(op, c) for (op, c) in HALF_TARGETS} <= set(bench.TARGETS)
+
+
+OPTIM_TARGETS = {
+    ("optim: fused SGD step", "cposembed, embed_backward alone"): 1.15,
+    ("optim: fused Adam step", "cposembed, embed_backward alone"): 1.8,
+    ("optim: fwd + fused SGD step", "torch 2 x nn.Embedding(sparse=True) + SGD"): 0.15,
+    ("huge table: scatter_add", "numpy np.add.at"): 1.0,
+    ("huge table: fused SGD step", "numpy np.add.at"): 2.0,
+}
+
+
+def test_the_optim_rows_have_the_issues_targets_and_pass_their_checks(tmp_path):
+    """Fused against unfused and scatter_add against np.add.at are bitwise; the
+    fused steps equal the optimizers' rules applied to embed_backward's gradient
+    and np.add.at's; without torch the forward + step has no peer."""
+    rows = _quick_rows(tmp_path, "--no-torch", "--only", "optim_steps", "optim_huge")
+    no_torch = {k: t for k, t in OPTIM_TARGETS.items() if not k[1].startswith("torch")}
+    assert _targets_of(rows) == no_torch
+    assert no_torch.items() <= bench.TARGETS.items()
+    checks = {(r["op"], r["contender"]): r["check"] for r in rows if r["contender"] != bench.OURS}
+    assert checks[("optim: fused SGD step", "cposembed, unfused zero_grad + backward + step")] == (
+        "equal"
+    )
+    assert checks[("huge table: scatter_add", "numpy np.add.at")] == "equal"
+    assert all(c == "equal" or c.startswith("close") for c in checks.values()), checks
+    assert "optim: fwd + fused SGD step" not in {r["op"] for r in rows}
+
+
+def test_the_optim_rows_against_pytorch_check_the_tables_after_one_step(tmp_path):
+    pytest.importorskip("torch")
+    rows = _quick_rows(tmp_path, "--only", "optim_steps")
+    peer = next(
+        r for r in rows if r["op"] == "optim: fwd + fused SGD step" and r["contender"] != bench.OURS
+    )
+    key = (peer["op"], peer["contender"])
+    assert peer["target"] == OPTIM_TARGETS[key] == bench.TARGETS[key]
+    assert peer["check"].startswith(("equal", "close")), peer
 
 
 def test_every_target_names_a_comparison_that_exists(tmp_path):

@@ -31,10 +31,10 @@ Layout: ``_timing`` (alternating runs, medians, the busy process),
 ``_report`` (the table, its rules, the summary, JSON rows, Markdown),
 ``_common`` (contenders, groups, the run's shared arrays), one module per
 kind of comparison (``lookup``, ``add``, ``scatter``, ``backward``,
-``threads``, ``tiny``, ``layer``, ``half``, ``torch``, ``contention``), each
-comparison a function of the shared Fixture returning its groups, with each
-target on its contender; ``_groups.GROUPS`` lists them once, in the order
-they run; ``_cli`` is the command line.
+``threads``, ``tiny``, ``layer``, ``half``, ``torch``, ``optim``,
+``contention``), each comparison a function of the shared Fixture returning
+its groups, with each target on its contender; ``_groups.GROUPS`` lists
+them once, in the order they run; ``_cli`` is the command line.
 """
 
 from __future__ import annotations

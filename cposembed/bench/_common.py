@@ -105,6 +105,8 @@ class Fixture:
         self.L, self.d = args.table
         self.B, self.T = args.batch
         self.nt: int = args.threads
+        # --quick: the comparisons whose sizes are not the run's options shrink too.
+        self.quick: bool = args.quick
         self.vocab: int = args.vocab
         self.dt = np.dtype(args.dtype)
         self.rng = np.random.default_rng(0)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import add, backward, contention, half, layer, lookup, scatter, threads, tiny
+from . import add, backward, contention, half, layer, lookup, optim, scatter, threads, tiny
 from . import torch as torch_layers
 from ._common import Fixture, Group
 
@@ -41,6 +41,8 @@ GROUPS = (
     Entry("embed_backward", layer.embed_backward),
     Entry("half", half.half),
     Entry("torch_layer", torch_layers.torch_layer),
+    Entry("optim_steps", optim.optim_steps),
+    Entry("optim_huge", optim.optim_huge),
     Entry("contention", contention.contention),
 )
 GROUP_NAMES = tuple(entry.name for entry in GROUPS)
@@ -69,7 +71,9 @@ def targets() -> dict[tuple[str, str], float]:
         import torch
     except Exception:  # not installed or broken: no torch rows
         pass
-    args = argparse.Namespace(table=[16, 4], batch=[2, 8], threads=2, vocab=32, dtype="float32")
+    args = argparse.Namespace(
+        table=[16, 4], batch=[2, 8], threads=2, vocab=32, dtype="float32", quick=True
+    )
     fixture = Fixture(args, torch)
     return {
         (group.op, c.name): c.target
