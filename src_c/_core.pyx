@@ -140,7 +140,7 @@ cdef struct KernelCall:
     void* compact_of2
     const int64_t* compact_rows2
     # The optimizer step fused into the pair's sums (FusedStep), or NULL.
-    const FusedStep* fused
+    FusedStep* fused
 
 
 cdef inline void _kernel_call(KernelCall* c, Kernel kernel, void* out, const void* src,
@@ -1042,7 +1042,7 @@ cdef bint _opt_job(OptJob* job, const cpe_opt_hyper* h, object table, object gra
     job.tsize = cnp.PyArray_ITEMSIZE(t)
     job.ssize = cnp.PyArray_ITEMSIZE(G)
     job.compact = compact
-    job.update = cpe_opt_of[_type_code(typenum)]
+    job.update = cpe_opt_for(_type_code(typenum))
     job.hyper = h
     return True
 
@@ -1145,6 +1145,10 @@ def fused_embed_step(token_scratch, position_scratch, grad_output, token_slots,
     cdef KernelCall c
     cdef int nt
     cdef const int64_t* first = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>token_first)
+    cdef int64_t* lists = NULL
+    cdef uint8_t* single
+    cdef size_t lists_capacity = 0
+    cdef Py_ssize_t n_multi
     if not _ids_positions(token_slots, k, position_slots, 0, kp, &ids, &ix, &m):
         return None
     try:
@@ -1167,7 +1171,32 @@ def fused_embed_step(token_scratch, position_scratch, grad_output, token_slots,
         _reserve_marks(token_step[4], k)
         _reserve_marks(position_step[4], kp)
         fs.tok_first = first
+        fs.tok_single = NULL
         if N and d and m:
+            # Rows with one contribution are updated from the gradient row
+            # itself (FusedStep) when its dtype is the state's; the others,
+            # listed in fs.tok.order, from their scratch rows.
+            lists = <int64_t*>_scratch_or_raise(k * (sizeof(int64_t) + 1), &lists_capacity,
+                                                "the fused step's row lists")
+            single = <uint8_t*>(lists + k)
+            memset(single, 0, k)
+            for i in range(N):
+                if single[ids.rows[i]] < 2:
+                    single[ids.rows[i]] += 1
+            n_multi = 0
+            for i in range(k):
+                single[i] = single[i] == 1 and cnp.PyArray_TYPE(g) == cnp.PyArray_TYPE(
+                    <cnp.ndarray>token_scratch)
+                if not single[i]:
+                    lists[n_multi] = i
+                    n_multi += 1
+            fs.tok_single = single
+            # A single's update moves its table row (and state rows) in and
+            # out: about what two contributions (each a row read) cost per
+            # row moved.
+            fs.single_cost = 2 * (1 + (fs.tok.state1 != NULL) + (fs.tok.state2 != NULL))
+            fs.tok.order = lists
+            fs.tok.n = n_multi
             _kernel_call(&c, K_SCATTER_PAIR, cnp.PyArray_DATA(<cnp.ndarray>token_scratch),
                          cnp.PyArray_DATA(g), ix.rows, N, m, d, nt)
             c.out2 = cnp.PyArray_DATA(<cnp.ndarray>position_scratch)
@@ -1182,10 +1211,13 @@ def fused_embed_step(token_scratch, position_scratch, grad_output, token_slots,
                                                         "the backward pass's scratch")
             _run_kernel(&c, typenum)
             _scratch_give(c.scratch, capacity)
+            _scratch_give(lists, lists_capacity)
+            lists = NULL
             _mark_rows(token_step[4], fs.tok.rows, k, fs.tok.skip_row)
             _mark_rows(position_step[4], fs.pos.rows, kp, fs.pos.skip_row)
         return True
     finally:
+        _scratch_give(lists, lists_capacity)
         _index_free(&ix)
         _index_free(&ids)
 

@@ -67,6 +67,8 @@ cdef extern from "_rows.h" nogil:
     enum:
         CPE_OPT_SGD
         CPE_OPT_ADAM
+        CPE_OPT_FRESH
+        CPE_OPT_ADD_ZERO
     ctypedef struct cpe_opt_hyper:
         int kind
         int l2
@@ -86,7 +88,7 @@ cdef extern from "_rows.h" nogil:
         double neg_step
     ctypedef void (*cpe_opt_fn)(void*, const void*, void*, void*, int, const cpe_opt_hyper*,
                                 Py_ssize_t)
-    cpe_opt_fn cpe_opt_of[4]
+    cpe_opt_fn cpe_opt_for(int t)
     void cpe_set_bf16_from_f64_direct(int direct)
     enum:
         CPE_ISA_SSE2
@@ -521,7 +523,7 @@ cdef enum:
 
 
 cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, int n_threads,
-                        int64_t* bounds) noexcept nogil:
+                        int64_t* bounds, int64_t single_cost=0) noexcept nogil:
     # Thread t owns rows bounds[t]..bounds[t+1]-1 (row_start: prefixed
     # counts): ranges of about 1/n of the cost each, a row costing its
     # contributions plus _ROW_COST if it has any. The token ids of a
@@ -530,11 +532,14 @@ cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, int n_threads,
     # trip to memory. Ranges, not rows dealt out one by one: a table row need
     # not start on a cache line, so two threads' neighbouring rows would
     # share one.
+    # single_cost: what a row with one contribution costs besides (a fused
+    # step updates it there and then, FusedStep).
     cdef Py_ssize_t r
     cdef int64_t c, total = row_start[L], acc = 0
     cdef int t = 1
     for r in range(L):
-        total += _ROW_COST * (row_start[r] < row_start[r + 1])
+        c = row_start[r + 1] - row_start[r]
+        total += _ROW_COST * (c > 0) + single_cost * (c == 1)
     bounds[0] = 0
     for r in range(L):
         while t < n_threads and acc * n_threads >= t * total:
@@ -542,7 +547,7 @@ cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, int n_threads,
             t += 1
         c = row_start[r + 1] - row_start[r]
         if c:
-            acc += c + _ROW_COST
+            acc += c + _ROW_COST + single_cost * (c == 1)
     while t <= n_threads:
         bounds[t] = L
         t += 1
@@ -815,14 +820,16 @@ cdef void _sgd_chunk(void* arg, Py_ssize_t c) noexcept nogil:
 
 
 cdef struct OptJob:
-    # An optimizer's step on the team: chunk c updates rows[c * per : (c + 1)
-    # * per] (distinct table rows; skip_row is left alone). Row i's gradient
-    # is grad row i (compact) or grad row rows[i]; its state rows are those
-    # of the table row in state1 / state2 (NULL: none); it is fresh (SGD's
+    # An optimizer's step on the team: chunk c updates the rows rows[i] for
+    # i = order[q] (i = q if order is NULL), q in c * per .. (c + 1) * per - 1
+    # (q < n): distinct table rows, skip_row left alone. Row i's gradient is
+    # grad row i (compact) or grad row rows[i]; its state rows are those of
+    # the table row in state1 / state2 (NULL: none); it is fresh (SGD's
     # momentum starts at it) where `has` (NULL: never) does not mark it.
     char* table
     const char* grad
     const int64_t* rows
+    const int64_t* order
     char* state1
     char* state2
     const uint8_t* has
@@ -832,17 +839,25 @@ cdef struct OptJob:
     const cpe_opt_hyper* hyper
 
 
+cdef inline void _opt_row(const OptJob* j, Py_ssize_t i, const char* grad,
+                          int flags) noexcept nogil:
+    # The step of row rows[i] with the gradient row `grad` (flags: 0, or
+    # CPE_OPT_ADD_ZERO).
+    cdef Py_ssize_t r = j.rows[i], sb = j.d * j.ssize
+    if r == j.skip_row:
+        return
+    if j.has != NULL and not j.has[r]:
+        flags |= CPE_OPT_FRESH
+    j.update(j.table + r * j.d * j.tsize, grad,
+             j.state1 + r * sb if j.state1 != NULL else NULL,
+             j.state2 + r * sb if j.state2 != NULL else NULL, flags, j.hyper, j.d)
+
+
 cdef void _opt_block(const OptJob* j, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
-    cdef Py_ssize_t i, r, tb = j.d * j.tsize, sb = j.d * j.ssize
-    cdef bint fresh
-    for i in range(lo, hi):
-        r = j.rows[i]
-        if r == j.skip_row:
-            continue
-        fresh = j.has != NULL and not j.has[r]
-        j.update(j.table + r * tb, j.grad + (i if j.compact else r) * sb,
-                 j.state1 + r * sb if j.state1 != NULL else NULL,
-                 j.state2 + r * sb if j.state2 != NULL else NULL, fresh, j.hyper, j.d)
+    cdef Py_ssize_t q, i, sb = j.d * j.ssize
+    for q in range(lo, hi):
+        i = j.order[q] if j.order != NULL else q
+        _opt_row(j, i, j.grad + (i if j.compact else j.rows[i]) * sb, 0)
 
 
 cdef void _opt_chunk(void* arg, Py_ssize_t c) noexcept nogil:
@@ -926,12 +941,12 @@ cdef void _embed_chunk(void* arg, Py_ssize_t c) noexcept nogil:
 
 
 cdef void _count_owned(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int n_threads,
-                       int64_t* owner, int64_t* bounds) noexcept nogil:
+                       int64_t* owner, int64_t* bounds, int64_t single_cost=0) noexcept nogil:
     # owner[r] (r < L; owner needs L + 1) = the thread that owns table row r,
     # by the ranges of _owner_bounds.
     _count_rows(rows, m, L, owner)
     _prefix_rows(L, owner)
-    _owner_bounds(owner, L, n_threads, bounds)
+    _owner_bounds(owner, L, n_threads, bounds, single_cost)
     _set_owners(owner, n_threads, bounds)
 
 
@@ -963,11 +978,17 @@ cdef inline void _first_zero(char* gtok, const int64_t* ids, const int64_t* tok_
         memset(gtok + ids[i] * tb, 0, tb)
 
 
+cdef inline bint _single(const FusedStep* fused, int64_t slot) noexcept nogil:
+    # Whether the fused step updates token row `slot` at its one
+    # contribution, from the gradient row itself (FusedStep).
+    return fused != NULL and fused.tok_single != NULL and fused.tok_single[slot]
+
+
 cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* rows,
                     const int64_t* pos_owner, int64_t t, const char* g,
                     const int64_t* work, Py_ssize_t n, Py_ssize_t m,
                     Py_ssize_t d, const cpe_row_ops* ops,
-                    const int64_t* tok_first) noexcept nogil:
+                    const FusedStep* fused) noexcept nogil:
     # For each listed contribution i, ascending: gtok[ids[i]] += g[i] if this
     # thread owns the token row, gpos[rows[i % m]] += g[i] if it owns the
     # position row; one read of g[i] serves both. As it goes it asks for the
@@ -991,12 +1012,18 @@ cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* r
         if q + _AHEAD < n:
             w = work[q + _AHEAD]
             if w & 1:
-                far_acc = gtok + ids[w >> 1] * tb
+                far_acc = _token_dest(fused, gtok, ids[w >> 1], tb)
         p = rows[i % m]
         if not work[q] & 1:
             ops.acc(gpos + p * tb, src, nxt, far, NULL, NULL, d)
             continue
-        _first_zero(gtok, ids, tok_first, i, tb)
+        if _single(fused, ids[i]):
+            if pos_owner[p] == t:
+                ops.acc(gpos + p * tb, src, nxt, far, NULL, far_acc, d)
+            _opt_row(&fused.tok, ids[i], src, CPE_OPT_ADD_ZERO)
+            continue
+        if fused != NULL:
+            _first_zero(gtok, ids, fused.tok_first, i, tb)
         if pos_owner[p] == t:
             ops.acc2(gtok + ids[i] * tb, gpos + p * tb, src, nxt, far, far_acc, d)
         else:
@@ -1013,15 +1040,36 @@ cdef size_t _pair_scratch_bytes(Py_ssize_t V, Py_ssize_t L, Py_ssize_t N,
 
 
 cdef struct FusedStep:
-    # An optimizer's step fused into the layer's backward (_scatter_pair):
-    # the gradients are compact scratch rows, one per distinct row of the
-    # call; the token scratch is zeroed row by row at each row's first
-    # contribution (tok_first, _first_zero); once a chunk has summed its
-    # rows it updates them (tok, pos: the steps of both tables, rows i of
-    # their scratch being those of tok.rows[i] and pos.rows[i]).
+    # An optimizer's step fused into the layer's backward (_scatter_pair).
+    # tok, pos: the steps of both tables, scratch row i (a compact gradient,
+    # one row per distinct row of the call) being that of tok.rows[i] and
+    # pos.rows[i]. A token row with one contribution (tok_single[slot]; the
+    # gradient's dtype is the state's) is updated by the thread that owns it
+    # when it reads that contribution, from the gradient row itself, in
+    # cache; the others are summed into their scratch rows, each zeroed at
+    # its first contribution (tok_first, _first_zero), and updated once all
+    # chunks are done (tok.order lists them), as are all position rows.
     const int64_t* tok_first
+    const uint8_t* tok_single
+    int64_t single_cost   # a single's update, in contributions (_owner_bounds)
     OptJob tok
     OptJob pos
+
+
+cdef inline const char* _token_dest(const FusedStep* fused, const char* gtok, int64_t slot,
+                                    Py_ssize_t tb) noexcept nogil:
+    # The row a token contribution writes: its scratch row, or, for a
+    # single, its table row (whose state rows are asked for here, into L2).
+    cdef Py_ssize_t r, sb
+    if _single(fused, slot):
+        r = fused.tok.rows[slot]
+        sb = fused.tok.d * fused.tok.ssize
+        if fused.tok.state1 != NULL:
+            _prefetch_row(fused.tok.state1 + r * sb, sb, _TO_L2)
+        if fused.tok.state2 != NULL:
+            _prefetch_row(fused.tok.state2 + r * sb, sb, _TO_L2)
+        return fused.tok.table + r * tb
+    return gtok + slot * tb
 
 
 cdef struct PairJob:
@@ -1042,7 +1090,7 @@ cdef struct PairJob:
     int64_t* work
     Py_ssize_t N, m, d
     cpe_row_ops ops
-    const FusedStep* fused
+    FusedStep* fused
 
 
 cdef void _pair_chunk(void* arg, Py_ssize_t c) noexcept nogil:
@@ -1051,17 +1099,13 @@ cdef void _pair_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     cdef Py_ssize_t n = _collect_pair(j.ids, j.tok_owner, j.rows, j.pos_owner, j.N, j.m, c,
                                       work)
     _sum_pair(<char*>j.gtok, j.ids, <char*>j.gpos, j.rows, j.pos_owner, c,
-              <const char*>j.g, work, n, j.m, j.d, &j.ops,
-              j.fused.tok_first if j.fused != NULL else NULL)
-    if j.fused != NULL:
-        _opt_block(&j.fused.tok, j.tok_bounds[c], j.tok_bounds[c + 1])
-        _opt_block(&j.fused.pos, j.pos_bounds[c], j.pos_bounds[c + 1])
+              <const char*>j.g, work, n, j.m, j.d, &j.ops, j.fused)
 
 
 cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos,
                         Py_ssize_t L, const int64_t* rows, Py_ssize_t m, const char* g,
                         Py_ssize_t N, Py_ssize_t d, const cpe_row_ops* ops, int n_threads,
-                        int64_t* scratch, const FusedStep* fused) noexcept nogil:
+                        int64_t* scratch, FusedStep* fused) noexcept nogil:
     # Both gradients of the token + position layer from one pass over g:
     # gtok[ids[i]] += g[i] and gpos[rows[i % m]] += g[i] for i < N, each
     # table row summed in input order by one chunk (bitwise np.add.at on
@@ -1075,15 +1119,22 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     cdef PairJob job
     cdef cpe_crew crew
     cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
+    cdef const char* nxt
+    cdef const char* far_acc
     if n_threads > 1:
         n_threads = cpe_crew_borrow(&crew, n_threads)
     if n_threads <= 1:
         for i in range(N):
+            nxt = g + (i + 1) * gb if i + 1 < N else NULL
+            far_acc = _token_dest(fused, gtok, ids[i + _AHEAD], tb) if i + _AHEAD < N else NULL
+            if _single(fused, ids[i]):
+                ops.acc(gpos + rows[i % m] * tb, g + i * gb, nxt, NULL, NULL, far_acc, d)
+                _opt_row(&fused.tok, ids[i], g + i * gb, CPE_OPT_ADD_ZERO)
+                continue
             if fused != NULL:
                 _first_zero(gtok, ids, fused.tok_first, i, tb)
-            ops.acc2(gtok + ids[i] * tb, gpos + rows[i % m] * tb, g + i * gb,
-                     g + (i + 1) * gb if i + 1 < N else NULL, NULL,
-                     gtok + ids[i + _AHEAD] * tb if i + _AHEAD < N else NULL, d)
+            ops.acc2(gtok + ids[i] * tb, gpos + rows[i % m] * tb, g + i * gb, nxt, NULL,
+                     far_acc, d)
         if fused != NULL:
             _opt_block(&fused.tok, 0, fused.tok.n)
             _opt_block(&fused.pos, 0, fused.pos.n)
@@ -1096,7 +1147,8 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     job.tok_bounds = scratch + (V + 1) + (L + 1)
     job.pos_bounds = job.tok_bounds + (c + 1)
     job.work = <int64_t*>job.pos_bounds + (c + 1)
-    _count_owned(ids, N, V, c, <int64_t*>job.tok_owner, <int64_t*>job.tok_bounds)
+    _count_owned(ids, N, V, c, <int64_t*>job.tok_owner, <int64_t*>job.tok_bounds,
+                 fused.single_cost if fused != NULL and fused.tok_single != NULL else 0)
     _count_owned(rows, m, L, c, <int64_t*>job.pos_owner, <int64_t*>job.pos_bounds)
     job.fused = fused
     job.gtok = gtok
@@ -1109,3 +1161,7 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     job.d = d
     job.ops = ops[0]
     cpe_crew_run(&crew, _pair_chunk, &job, c)
+    if fused != NULL:
+        # The summed rows, once every chunk is done with them.
+        _opt_rows(&fused.tok, n_threads)
+        _opt_rows(&fused.pos, n_threads)
