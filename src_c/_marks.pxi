@@ -15,12 +15,23 @@
 
 cdef extern from *:
     """
-    /* Slot of a row in _distinct's hash table: Fibonacci hashing. */
+    /* Slot of a row in _distinct's hash table: multiply-shift hashing by an
+     * odd key drawn when the module is imported (cpe_set_row_hash_key), so
+     * that no fixed set of rows collides in every process; the slots a call
+     * gets do not depend on it (they number rows by first appearance). */
+    static uint64_t cpe_row_hash_key = 0x9E3779B97F4A7C15ull;
+    static inline void cpe_set_row_hash_key(uint64_t key) { cpe_row_hash_key = key | 1; }
     static inline size_t cpe_row_hash(int64_t row, int bits) {
-        return (size_t)(((uint64_t)row * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+        return (size_t)(((uint64_t)row * cpe_row_hash_key) >> (64 - bits));
     }
     """
     size_t cpe_row_hash(int64_t row, int bits) nogil
+    void cpe_set_row_hash_key(uint64_t key)
+
+
+import os as _os
+
+cpe_set_row_hash_key(int.from_bytes(_os.urandom(8), "little"))
 
 
 # A table of more rows than this many times the call's positions is mapped
