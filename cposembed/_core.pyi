@@ -129,14 +129,12 @@ def optimizer_step(
     num_threads: Any = None,
 ) -> bool | None: ...
 def fused_embed_step(
-    token_scratch: Any,  # plain writable (k, d), the state's dtype
-    position_scratch: Any,  # plain writable (kp, d), zeroed
-    grad_output: Any,
-    token_slots: Any,  # int64 in [0, k), grad_output.shape[:-1]
-    position_slots: Any,  # None or positions in [0, kp)
-    token_first: Any,  # plain int64 (k,)
-    token_step: tuple[Any, ...],  # (table, rows, state1, state2, has, skip_row)
-    position_step: tuple[Any, ...],
+    token_step: tuple[Any, ...],  # (table, state1, state2, has, skip_row) of the tokens
+    position_step: tuple[Any, ...],  # the same for the positions
+    grad_output: Any,  # as embed_backward's, apart from both tables and their state
+    token_ids: Any,
+    positions: Any,
+    offset: Any,
     hyper: tuple[Any, ...],
     num_threads: Any = None,
 ) -> bool | None: ...

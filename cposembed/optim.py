@@ -334,20 +334,22 @@ class Optimizer:
         """Update the table ``name`` on the distinct ``rows`` (but ``skip_row``)
         and their state: ``grad`` in the state's dtype, row ``i`` that of
         ``rows[i]`` if ``compact``, else of the table's shape."""
-        table, rows, state1, state2, has, skip = self._step_of(name, rows, skip_row)
+        table, state1, state2, has, skip = self._target_of(name, skip_row)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
         done = _core.optimizer_step(
             table, grad, rows, compact, state1, state2, has, self._hyper_tuple(), skip
         )
         if done is None:  # the optimizer's own arrays: the entry takes them all
             raise RuntimeError("the optimizer step's kernel declined its arguments")
 
-    def _step_of(self, name: str, rows: np.ndarray, skip_row: int) -> tuple[Any, ...]:
-        """The step on table ``name`` as ``_core.fused_embed_step`` takes it."""
+    def _target_of(self, name: str, skip_row: int) -> tuple[Any, ...]:
+        """Table ``name``, its state arrays (None where this optimizer keeps
+        none), the marks of the rows with state and the row never to update,
+        as the C steps take them."""
         state = self._states[name]
         buffers = [state.buffers.get(n) for n in self._buffer_slots]
         return (
             self._tables[name].embeddings,
-            np.ascontiguousarray(rows, dtype=np.int64),
             buffers[0],
             buffers[1],
             state.has if state.names else None,
@@ -698,10 +700,9 @@ def _distinct(flat: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, np
     return found
 
 
-def _scratch(opt: Optimizer, name: str, n: int, d: int, zeroed: bool = True) -> np.ndarray:
-    """``n`` rows of the optimizer's scratch for table ``name``, zeroed unless
-    ``zeroed`` is False (kept between calls: fresh memory would cost a page
-    fault per 4 KiB each time)."""
+def _scratch(opt: Optimizer, name: str, n: int, d: int) -> np.ndarray:
+    """``n`` zeroed rows of the optimizer's scratch for table ``name`` (kept
+    between calls: fresh memory would cost a page fault per 4 KiB each time)."""
     dt = opt._states[name].dtype
     kept = opt._scratch.get(name)
     if kept is None or kept.shape[0] < n:
@@ -709,8 +710,7 @@ def _scratch(opt: Optimizer, name: str, n: int, d: int, zeroed: bool = True) -> 
         opt._scratch[name] = kept
         return kept[:n]
     rows = kept[:n]
-    if zeroed:
-        rows.fill(0)
+    rows.fill(0)
     return rows
 
 
@@ -743,6 +743,10 @@ def fused_layer_backward(
     if not isinstance(opt, Optimizer):
         raise TypeError(f"optimizer must be a cposembed optimizer; got {v.describe(opt)}")
     opt._check_layer(layer)
+    # The entry first, as the other operations call theirs; what it declines
+    # is normalised (or refused with the worded error) and handed to it again.
+    if _fused_layer_step(opt, layer, grad_output, token_ids, positions, offset):
+        return
     tokens, places = layer._tokens, layer._positions
     d = tokens.embed_dim
     ids = _routes.checked_ids(token_ids, tokens.max_seq_len)
@@ -753,35 +757,39 @@ def fused_layer_backward(
             f"got {g.shape}"
         )
     pos, off = _routes.id_positions(ids, positions, offset, places.max_seq_len)
-    lead = ids.shape
-    if not ids.size:  # no rows got gradient: a step that moves nothing
-        opt._step += 1
-        return
-    token_rows, token_slots, token_first = _distinct(
-        _wrapped(ids, tokens.max_seq_len), tokens.max_seq_len
-    )
-    position_rows, position_slots = _call_rows(pos, off, lead, places.max_seq_len)
-    dt = opt._states["token_embeddings"].dtype
-    # The token scratch is zeroed row by row by the kernel (at each row's first
-    # contribution), the position scratch here.
-    token_scratch = _scratch(opt, "token_embeddings", token_rows.size, d, zeroed=False)
-    position_scratch = _scratch(opt, "position_embeddings", position_rows.size, d)
-    g_c = v.plain_copy(g, _routes.grad_output_dtype(g.dtype, dt))
-    if v.overlaps(g_c, tokens.embeddings) or v.overlaps(g_c, places.embeddings):
-        g_c = g_c.copy()  # the kernel updates rows while it still reads the gradient
+    work = opt._states["token_embeddings"].dtype
+    g_c = v.plain_copy(g, _routes.grad_output_dtype(g.dtype, work))
+    if any(v.overlaps(g_c, a) for a in _arrays_of(opt)):
+        g_c = g_c.copy()  # the step writes rows while it still reads the gradient
+    if not _fused_layer_step(opt, layer, g_c, ids, pos, off):
+        raise RuntimeError("the fused step's kernel declined its arguments")
+
+
+def _arrays_of(opt: Optimizer) -> list[np.ndarray]:
+    """The tables and state arrays an optimizer writes."""
+    out = []
+    for name, table in opt._tables.items():
+        out.append(table.embeddings)
+        out.extend(opt._states[name].buffers.values())
+    return out
+
+
+def _fused_layer_step(
+    opt: Optimizer, layer: Any, grad_output: Any, token_ids: Any, positions: Any, offset: Any
+) -> bool:
+    """The entry of a layer's fused step (one step counted if it ran); False:
+    declined, nothing written, no step counted."""
     opt._step += 1
-    hyper = opt._hyper_tuple()
     done = _core.fused_embed_step(
-        token_scratch,
-        position_scratch,
-        g_c,
-        token_slots.reshape(lead),
-        position_slots,
-        token_first,
-        opt._step_of("token_embeddings", token_rows, tokens._grad.skip_row),
-        opt._step_of("position_embeddings", position_rows, -1),
-        hyper,
+        opt._target_of("token_embeddings", layer._tokens._grad.skip_row),
+        opt._target_of("position_embeddings", -1),
+        grad_output,
+        token_ids,
+        positions,
+        offset,
+        opt._hyper_tuple(),
     )
     if done is None:
         opt._step -= 1
-        raise RuntimeError("the fused step's kernel declined its arguments")
+        return False
+    return True

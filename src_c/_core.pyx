@@ -959,10 +959,10 @@ def distinct_rows(rows, Py_ssize_t n_rows):
     return uniq[:k].copy(), slots, first[:k].copy()
 
 
-cdef bint _state_ok(object buf, int typenum, Py_ssize_t L, Py_ssize_t d, cnp.ndarray table,
-                    cnp.ndarray grad) noexcept:
+cdef bint _state_ok(object buf, int typenum, Py_ssize_t L, Py_ssize_t d,
+                    cnp.ndarray table) noexcept:
     # None, or a plain writable (L, d) array of dtype typenum apart from the
-    # table and the gradient.
+    # table.
     if buf is None:
         return True
     if not _plain_as(buf, typenum):
@@ -974,7 +974,6 @@ cdef bint _state_ok(object buf, int typenum, Py_ssize_t L, Py_ssize_t d, cnp.nda
         and cnp.PyArray_DIMS(b)[0] == L
         and cnp.PyArray_DIMS(b)[1] == d
         and _apart(b, table)
-        and _apart(b, grad)
     )
 
 
@@ -993,31 +992,25 @@ cdef bint _read_hyper(object hyper, cpe_opt_hyper* h) noexcept:
     return h.kind == CPE_OPT_SGD or h.kind == CPE_OPT_ADAM
 
 
-cdef bint _opt_job(OptJob* job, const cpe_opt_hyper* h, object table, object grad,
-                   object rows, bint compact, object state1, object state2,
-                   object has, Py_ssize_t skip_row) noexcept:
-    # Fills `job` for optimizer_step's arguments (see there); False: declined.
+cdef bint _opt_target(OptJob* job, const cpe_opt_hyper* h, object table, object state1,
+                      object state2, object has, Py_ssize_t skip_row) noexcept:
+    # Fills the table and state of `job` (zeroed first) for a step with
+    # hyper-parameters h: table a plain writable (L, d) table; state1,
+    # state2 None or plain writable (L, d) arrays of the state's dtype (the
+    # table's for float64, else float32), apart from the table and each
+    # other, as the kind of step needs them; has None or a RowMarks of L
+    # rows; skip_row in [-1, L). False: declined.
     memset(job, 0, sizeof(OptJob))
     cdef int typenum = _table_type(table)
     if typenum < 0:
         return False
     cdef int ktype = cnp.NPY_DOUBLE if typenum == cnp.NPY_DOUBLE else cnp.NPY_FLOAT
     cdef cnp.ndarray t = <cnp.ndarray>table
-    cdef Py_ssize_t L = cnp.PyArray_DIMS(t)[0], d = cnp.PyArray_DIMS(t)[1], n, i
-    if not _plain_as(grad, ktype) or not _plain_as(rows, cnp.NPY_INT64):
-        return False
-    cdef cnp.ndarray G = <cnp.ndarray>grad
-    cdef cnp.ndarray R = <cnp.ndarray>rows
-    n = cnp.PyArray_SIZE(R)
+    cdef Py_ssize_t L = cnp.PyArray_DIMS(t)[0], d = cnp.PyArray_DIMS(t)[1]
     if (
         not cnp.PyArray_ISWRITEABLE(t)
-        or cnp.PyArray_NDIM(R) != 1
-        or cnp.PyArray_NDIM(G) != 2
-        or cnp.PyArray_DIMS(G)[1] != d
-        or cnp.PyArray_DIMS(G)[0] != (n if compact else L)
-        or not _apart(t, G)
-        or not _state_ok(state1, ktype, L, d, t, G)
-        or not _state_ok(state2, ktype, L, d, t, G)
+        or not _state_ok(state1, ktype, L, d, t)
+        or not _state_ok(state2, ktype, L, d, t)
         or (state1 is not None and state2 is not None
             and not _apart(<cnp.ndarray>state1, <cnp.ndarray>state2))
         or not _marks_ok(has, L)
@@ -1026,25 +1019,25 @@ cdef bint _opt_job(OptJob* job, const cpe_opt_hyper* h, object table, object gra
         or (h.kind == CPE_OPT_SGD and h.momentum_on and state1 is None)
     ):
         return False
-    cdef const int64_t* rp = <const int64_t*>cnp.PyArray_DATA(R)
-    for i in range(n):
-        if not 0 <= rp[i] < L:
-            return False
     job.table = cnp.PyArray_BYTES(t)
-    job.grad = cnp.PyArray_BYTES(G)
-    job.rows = rp
     job.state1 = cnp.PyArray_BYTES(<cnp.ndarray>state1) if state1 is not None else NULL
     job.state2 = cnp.PyArray_BYTES(<cnp.ndarray>state2) if state2 is not None else NULL
     job.has = (<RowMarks>has).flags if has is not None else NULL
-    job.n = n
     job.d = d
     job.skip_row = skip_row
     job.tsize = cnp.PyArray_ITEMSIZE(t)
-    job.ssize = cnp.PyArray_ITEMSIZE(G)
-    job.compact = compact
+    job.ssize = 8 if ktype == cnp.NPY_DOUBLE else 4
     job.update = cpe_opt_for(_type_code(typenum))
     job.hyper = h
     return True
+
+
+cdef bint _apart_from_target(cnp.ndarray a, object table, object state1,
+                             object state2) noexcept:
+    # `a` shares no memory with a step's table and state arrays.
+    return _apart(a, <cnp.ndarray>table) and (
+        state1 is None or _apart(a, <cnp.ndarray>state1)) and (
+        state2 is None or _apart(a, <cnp.ndarray>state2))
 
 
 def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
@@ -1068,9 +1061,32 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
     """
     cdef cpe_opt_hyper h
     cdef OptJob job
-    if not _read_hyper(hyper, &h) or not _opt_job(&job, &h, table, grad, rows, compact,
-                                                  state1, state2, has, skip_row):
+    if not _read_hyper(hyper, &h) or not _opt_target(&job, &h, table, state1, state2, has,
+                                                     skip_row):
         return None
+    cdef Py_ssize_t L = cnp.PyArray_DIMS(<cnp.ndarray>table)[0], n, i
+    if not _plain_as(grad, cnp.NPY_DOUBLE if job.ssize == 8 else cnp.NPY_FLOAT) or (
+            not _plain_as(rows, cnp.NPY_INT64)):
+        return None
+    cdef cnp.ndarray G = <cnp.ndarray>grad
+    cdef cnp.ndarray R = <cnp.ndarray>rows
+    n = cnp.PyArray_SIZE(R)
+    if (
+        cnp.PyArray_NDIM(R) != 1
+        or cnp.PyArray_NDIM(G) != 2
+        or cnp.PyArray_DIMS(G)[1] != job.d
+        or cnp.PyArray_DIMS(G)[0] != (n if compact else L)
+        or not _apart_from_target(G, table, state1, state2)
+    ):
+        return None
+    cdef const int64_t* rp = <const int64_t*>cnp.PyArray_DATA(R)
+    for i in range(n):
+        if not 0 <= rp[i] < L:
+            return None
+    job.grad = cnp.PyArray_BYTES(G)
+    job.rows = rp
+    job.n = n
+    job.compact = compact
     cdef int nt = _threads_for(num_threads, job.n * job.d, job.n)
     if not nt:
         return None
@@ -1084,72 +1100,103 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
     return True
 
 
-cdef bint _apart_tables(tuple a, tuple b) noexcept:
-    # The tables and state arrays of two steps share no memory.
-    cdef int i, j
-    for i in (0, 2, 3):
-        for j in (0, 2, 3):
-            if a[i] is not None and b[j] is not None and not _apart(a[i], b[j]):
-                return False
-    return True
+cdef struct Compact:
+    # The distinct rows of a call's m row numbers (_distinct), in one block
+    # of scratch: slot[:m] (the row numbers' own buffer, rewritten in
+    # place), uniq[:k], first[:k]; then `rows`: k scratch rows of the state's
+    # dtype, not zeroed.
+    int64_t* slot
+    int64_t* uniq
+    int64_t* first
+    Py_ssize_t k
+    void* rows
+    void* block
+    size_t block_capacity, rows_capacity
 
 
-def fused_embed_step(token_scratch, position_scratch, grad_output, token_slots,
-                     position_slots, token_first, token_step, position_step, hyper,
-                     num_threads=None):
-    """The layer's backward summed into compact scratch rows and an optimizer
-    step on them, in one pass (FusedStep); True, or None if declined.
+cdef int _compact(Compact* cp, int64_t* rows, Py_ssize_t m, Py_ssize_t L,
+                  Py_ssize_t row_bytes) except -1:
+    """The distinct rows of rows[:m] (rewritten into their slots) and their
+    scratch rows; MemoryError, with what is held in `cp` for _compact_give."""
+    cdef int64_t* block = <int64_t*>_scratch_or_raise(
+        2 * m * sizeof(int64_t) + _distinct_scratch_bytes(m, L), &cp.block_capacity,
+        "the fused step's scratch")
+    cp.block = block
+    cp.slot = rows
+    cp.uniq = block
+    cp.first = block + m
+    cp.k = _distinct(rows, m, L, rows, cp.uniq, cp.first, block + 2 * m)
+    cp.rows = _scratch_or_raise(max(cp.k * row_bytes, 1), &cp.rows_capacity,
+                                "the fused step's rows")
+    return 0
 
-    token_scratch (k, d) and position_scratch (kp, d): plain writable arrays
-    of the state's dtype, apart from each other and from grad_output; the
-    position scratch zeroed, the token scratch not (each of its rows is
-    zeroed at its first contribution). grad_output: as for embed_backward.
-    token_slots: a plain int64 array of grad_output.shape[:-1] in [0, k)
-    whose slot s first appears at flat index token_first[s] (a plain int64
-    array of k such indices, as _distinct gives); position_slots: None
-    (arange(T) over the last axis) or positions as for embed_backward, in
-    [0, kp). token_step / position_step: (table, rows, state1, state2, has,
-    skip_row) as optimizer_step takes them, rows[s] being the table row of
-    scratch row s (k and kp rows). hyper: as optimizer_step's.
+
+cdef void _compact_give(Compact* cp) noexcept:
+    if cp.rows != NULL:
+        _scratch_give(cp.rows, cp.rows_capacity)
+        cp.rows = NULL
+    if cp.block != NULL:
+        _scratch_give(cp.block, cp.block_capacity)
+        cp.block = NULL
+
+
+def fused_embed_step(token_step, position_step, grad_output, token_ids, positions, offset,
+                     hyper, num_threads=None):
+    """The layer's backward and an optimizer step on the rows it touches, in
+    one pass (FusedStep): no gradient table; True, or None if declined.
+
+    token_step / position_step: (table, state1, state2, has, skip_row), as
+    optimizer_step takes them, for the token table (V, d) and the position
+    table (L, d), one dtype; no table or state array of one shares memory
+    with the other's. grad_output, token_ids, positions, offset: as
+    embed_backward takes them; grad_output apart from both tables and their
+    state (the step writes rows while other rows are still being read).
+    hyper: as optimizer_step's. Each distinct row of the call is summed into
+    a scratch row of the state's dtype by the thread that owns it, in input
+    order (as embed_backward sums it), and updated once all its
+    contributions are in; the rows the step updates are marked in `has`.
     """
     cdef cpe_opt_hyper h
     cdef FusedStep fs
     if (
         not _read_hyper(hyper, &h)
-        or type(token_step) is not tuple or len(<tuple>token_step) != 6
-        or type(position_step) is not tuple or len(<tuple>position_step) != 6
-        or not _opt_job(&fs.tok, &h, token_step[0], token_scratch, token_step[1], True,
-                        token_step[2], token_step[3], token_step[4], token_step[5])
-        or not _opt_job(&fs.pos, &h, position_step[0], position_scratch, position_step[1],
-                        True, position_step[2], position_step[3], position_step[4],
-                        position_step[5])
-        or not _apart_tables(token_step, position_step)
-        or not _plain_as(token_first, cnp.NPY_INT64)
-        or cnp.PyArray_SIZE(<cnp.ndarray>token_first) != fs.tok.n
-        or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>position_scratch)
-        or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>token_scratch)
-        or not _apart(<cnp.ndarray>token_scratch, <cnp.ndarray>position_scratch)
+        or type(token_step) is not tuple or len(<tuple>token_step) != 5
+        or type(position_step) is not tuple or len(<tuple>position_step) != 5
+        or not _opt_target(&fs.tok, &h, token_step[0], token_step[1], token_step[2],
+                           token_step[3], token_step[4])
+        or not _opt_target(&fs.pos, &h, position_step[0], position_step[1], position_step[2],
+                           position_step[3], position_step[4])
+        or _table_type(token_step[0]) != _table_type(position_step[0])
+        or fs.tok.d != fs.pos.d
         or not _plain_as(grad_output, _source_type(grad_output))
-        or not _apart(<cnp.ndarray>grad_output, <cnp.ndarray>token_scratch)
-        or not _apart(<cnp.ndarray>grad_output, <cnp.ndarray>position_scratch)
     ):
         return None
     cdef cnp.ndarray g = <cnp.ndarray>grad_output
-    cdef Py_ssize_t k = fs.tok.n, kp = fs.pos.n, d = fs.tok.d, m, i, N
-    cdef int nd = cnp.PyArray_NDIM(g)
-    cdef int typenum = _table_type(token_scratch)
-    if fs.pos.d != d or _table_type(position_scratch) != typenum:
+    cdef int i_arr
+    for i_arr in (0, 1, 2):
+        if token_step[i_arr] is not None and not _apart_from_target(
+                <cnp.ndarray>token_step[i_arr], position_step[0], position_step[1],
+                position_step[2]):
+            return None
+    if not _apart_from_target(g, token_step[0], token_step[1], token_step[2]) or (
+            not _apart_from_target(g, position_step[0], position_step[1], position_step[2])):
         return None
+    cdef Py_ssize_t V = cnp.PyArray_DIMS(<cnp.ndarray>token_step[0])[0]
+    cdef Py_ssize_t L = cnp.PyArray_DIMS(<cnp.ndarray>position_step[0])[0]
+    cdef Py_ssize_t d = fs.tok.d, m, i, N, k, n_multi
+    cdef Py_ssize_t rb = d * fs.tok.ssize
+    cdef int nd = cnp.PyArray_NDIM(g)
+    cdef int ktype = cnp.NPY_DOUBLE if fs.tok.ssize == 8 else cnp.NPY_FLOAT
     cdef Index ids, ix
-    cdef size_t nbytes, capacity = 0
+    cdef Compact tok, pos
+    cdef size_t nbytes, capacity = 0, lists_capacity = 0
     cdef KernelCall c
     cdef int nt
-    cdef const int64_t* first = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>token_first)
     cdef int64_t* lists = NULL
     cdef uint8_t* single
-    cdef size_t lists_capacity = 0
-    cdef Py_ssize_t n_multi
-    if not _ids_positions(token_slots, k, position_slots, 0, kp, &ids, &ix, &m):
+    memset(&tok, 0, sizeof(Compact))
+    memset(&pos, 0, sizeof(Compact))
+    if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
         return None
     try:
         N = ids.n
@@ -1158,66 +1205,69 @@ def fused_embed_step(token_scratch, position_scratch, grad_output, token_slots,
         for i in range(ids.nd):
             if cnp.PyArray_DIMS(g)[i] != ids.shape[i]:
                 return None
-        # Each slot's first contribution is where the slots say it is.
-        for i in range(k):
-            if not 0 <= first[i] < N or ids.rows[first[i]] != i:
-                return None
-        for i in range(N):
-            if first[ids.rows[i]] > i:
-                return None
         nt = _threads_for(num_threads, N * d, N)
         if not nt:
             return None
-        _reserve_marks(token_step[4], k)
-        _reserve_marks(position_step[4], kp)
-        fs.tok_first = first
-        fs.tok_single = NULL
-        if N and d and m:
-            # Rows with one contribution are updated from the gradient row
-            # itself (FusedStep) when its dtype is the state's; the others,
-            # listed in fs.tok.order, from their scratch rows.
-            lists = <int64_t*>_scratch_or_raise(k * (sizeof(int64_t) + 1), &lists_capacity,
-                                                "the fused step's row lists")
-            single = <uint8_t*>(lists + k)
-            memset(single, 0, k)
-            for i in range(N):
-                if single[ids.rows[i]] < 2:
-                    single[ids.rows[i]] += 1
-            n_multi = 0
-            for i in range(k):
-                single[i] = single[i] == 1 and cnp.PyArray_TYPE(g) == cnp.PyArray_TYPE(
-                    <cnp.ndarray>token_scratch)
-                if not single[i]:
-                    lists[n_multi] = i
-                    n_multi += 1
-            fs.tok_single = single
-            # A single's update moves its table row (and state rows) in and
-            # out: about what two contributions (each a row read) cost per
-            # row moved.
-            fs.single_cost = 2 * (1 + (fs.tok.state1 != NULL) + (fs.tok.state2 != NULL))
-            fs.tok.order = lists
-            fs.tok.n = n_multi
-            _kernel_call(&c, K_SCATTER_PAIR, cnp.PyArray_DATA(<cnp.ndarray>token_scratch),
-                         cnp.PyArray_DATA(g), ix.rows, N, m, d, nt)
-            c.out2 = cnp.PyArray_DATA(<cnp.ndarray>position_scratch)
-            c.src_type = cnp.PyArray_TYPE(g)
-            c.ids = ids.rows
-            c.V = k
-            c.L = kp
-            c.fused = &fs
-            nbytes = _pair_scratch_bytes(k, kp, N, nt)
-            if nbytes:
-                c.scratch = <int64_t*>_scratch_or_raise(nbytes, &capacity,
-                                                        "the backward pass's scratch")
-            _run_kernel(&c, typenum)
-            _scratch_give(c.scratch, capacity)
-            _scratch_give(lists, lists_capacity)
-            lists = NULL
-            _mark_rows(token_step[4], fs.tok.rows, k, fs.tok.skip_row)
-            _mark_rows(position_step[4], fs.pos.rows, kp, fs.pos.skip_row)
+        if not (N and d and m):
+            return True
+        _reserve_marks(token_step[3], min(N, V))
+        _reserve_marks(position_step[3], min(m, L))
+        # The distinct rows: the call's ids and positions become the slots
+        # of compact scratch rows (in place, in their owned buffers).
+        _compact(&tok, ids.rows, N, V, rb)
+        _compact(&pos, ix.rows, m, L, rb)
+        k = tok.k
+        # Rows with one contribution are updated from the gradient row
+        # itself (FusedStep) when its dtype is the state's; the others,
+        # listed for the step after the sums, from their scratch rows.
+        lists = <int64_t*>_scratch_or_raise(k * (sizeof(int64_t) + 1), &lists_capacity,
+                                            "the fused step's row lists")
+        single = <uint8_t*>(lists + k)
+        memset(single, 0, k)
+        for i in range(N):
+            if single[tok.slot[i]] < 2:
+                single[tok.slot[i]] += 1
+        n_multi = 0
+        for i in range(k):
+            single[i] = single[i] == 1 and cnp.PyArray_TYPE(g) == ktype
+            if not single[i]:
+                lists[n_multi] = i
+                n_multi += 1
+        fs.tok_first = tok.first
+        fs.pos_first = pos.first
+        fs.tok_single = single
+        # A single's update moves its table row (and state rows) in and out:
+        # about what two contributions (each a row read) cost per row moved.
+        fs.single_cost = 2 * (1 + (fs.tok.state1 != NULL) + (fs.tok.state2 != NULL))
+        fs.tok.rows = tok.uniq
+        fs.tok.grad = <const char*>tok.rows
+        fs.tok.compact = True
+        fs.tok.order = lists
+        fs.tok.n = n_multi
+        fs.pos.rows = pos.uniq
+        fs.pos.grad = <const char*>pos.rows
+        fs.pos.compact = True
+        fs.pos.n = pos.k
+        _kernel_call(&c, K_SCATTER_PAIR, tok.rows, cnp.PyArray_DATA(g), pos.slot, N, m, d, nt)
+        c.out2 = pos.rows
+        c.src_type = cnp.PyArray_TYPE(g)
+        c.ids = tok.slot
+        c.V = k
+        c.L = pos.k
+        c.fused = &fs
+        nbytes = _pair_scratch_bytes(k, pos.k, N, nt)
+        if nbytes:
+            c.scratch = <int64_t*>_scratch_or_raise(nbytes, &capacity,
+                                                    "the backward pass's scratch")
+        _run_kernel(&c, ktype)
+        _scratch_give(c.scratch, capacity)
+        _mark_rows(token_step[3], tok.uniq, k, fs.tok.skip_row)
+        _mark_rows(position_step[3], pos.uniq, pos.k, fs.pos.skip_row)
         return True
     finally:
         _scratch_give(lists, lists_capacity)
+        _compact_give(&pos)
+        _compact_give(&tok)
         _index_free(&ix)
         _index_free(&ids)
 

@@ -969,13 +969,13 @@ cdef Py_ssize_t _collect_pair(const int64_t* ids, const int64_t* tok_owner,
     return n
 
 
-cdef inline void _first_zero(char* gtok, const int64_t* ids, const int64_t* tok_first,
+cdef inline void _first_zero(char* scratch, int64_t slot, const int64_t* first,
                              Py_ssize_t i, Py_ssize_t tb) noexcept nogil:
-    # A fused step's token scratch is not zeroed beforehand: its row is
-    # zeroed at the row's first contribution, just before it is added (the
-    # line is in cache then), tok_first[row] being that contribution.
-    if tok_first != NULL and tok_first[ids[i]] == i:
-        memset(gtok + ids[i] * tb, 0, tb)
+    # A fused step's scratch is not zeroed beforehand: row `slot` is zeroed
+    # at its first contribution, just before it is added (the line is in
+    # cache then), first[slot] being that contribution (i: the one at hand).
+    if first[slot] == i:
+        memset(scratch + slot * tb, 0, tb)
 
 
 cdef inline bint _single(const FusedStep* fused, int64_t slot) noexcept nogil:
@@ -1014,6 +1014,8 @@ cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* r
             if w & 1:
                 far_acc = _token_dest(fused, gtok, ids[w >> 1], tb)
         p = rows[i % m]
+        if fused != NULL and (not work[q] & 1 or pos_owner[p] == t):
+            _first_zero(gpos, p, fused.pos_first, i, tb)
         if not work[q] & 1:
             ops.acc(gpos + p * tb, src, nxt, far, NULL, NULL, d)
             continue
@@ -1023,7 +1025,7 @@ cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* r
             _opt_row(&fused.tok, ids[i], src, CPE_OPT_ADD_ZERO)
             continue
         if fused != NULL:
-            _first_zero(gtok, ids, fused.tok_first, i, tb)
+            _first_zero(gtok, ids[i], fused.tok_first, i, tb)
         if pos_owner[p] == t:
             ops.acc2(gtok + ids[i] * tb, gpos + p * tb, src, nxt, far, far_acc, d)
         else:
@@ -1046,10 +1048,12 @@ cdef struct FusedStep:
     # pos.rows[i]. A token row with one contribution (tok_single[slot]; the
     # gradient's dtype is the state's) is updated by the thread that owns it
     # when it reads that contribution, from the gradient row itself, in
-    # cache; the others are summed into their scratch rows, each zeroed at
-    # its first contribution (tok_first, _first_zero), and updated once all
-    # chunks are done (tok.order lists them), as are all position rows.
+    # cache; the others are summed into their scratch rows, and so are the
+    # position rows, each zeroed at its first contribution (tok_first,
+    # pos_first: _first_zero), and updated once all chunks are done
+    # (tok.order lists the token rows).
     const int64_t* tok_first
+    const int64_t* pos_first
     const uint8_t* tok_single
     int64_t single_cost   # a single's update, in contributions (_owner_bounds)
     OptJob tok
@@ -1127,12 +1131,14 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
         for i in range(N):
             nxt = g + (i + 1) * gb if i + 1 < N else NULL
             far_acc = _token_dest(fused, gtok, ids[i + _AHEAD], tb) if i + _AHEAD < N else NULL
+            if fused != NULL:
+                _first_zero(gpos, rows[i % m], fused.pos_first, i, tb)
             if _single(fused, ids[i]):
                 ops.acc(gpos + rows[i % m] * tb, g + i * gb, nxt, NULL, NULL, far_acc, d)
                 _opt_row(&fused.tok, ids[i], g + i * gb, CPE_OPT_ADD_ZERO)
                 continue
             if fused != NULL:
-                _first_zero(gtok, ids, fused.tok_first, i, tb)
+                _first_zero(gtok, ids[i], fused.tok_first, i, tb)
             ops.acc2(gtok + ids[i] * tb, gpos + rows[i % m] * tb, g + i * gb, nxt, NULL,
                      far_acc, d)
         if fused != NULL:
