@@ -568,47 +568,61 @@ cdef bint _marks_ok(object marks, Py_ssize_t L) noexcept:
     return marks is None or (type(marks) is RowMarks and (<RowMarks>marks).n_rows == L)
 
 
-cdef struct Sparse:
-    # The sparse plan of a scatter-add into a table of L rows from m
-    # positions (_sparse_table): slot[:m] and uniq[:k] of _distinct, in one
-    # block of scratch; rows: k rows of the table's dtype, the compact copy
-    # the kernel sums into. All NULL when the table is not sparse.
+cdef struct Compact:
+    # The distinct rows of a call's m row numbers (_distinct), in one block
+    # of scratch: slot[:m] (a buffer of its own, or the row numbers' own,
+    # rewritten in place), uniq[:k], first[:k]; then `rows`: k rows of
+    # scratch the kernel sums into (not zeroed). block NULL: none taken.
     int64_t* slot
     int64_t* uniq
+    int64_t* first
     Py_ssize_t k
     void* rows
+    void* block
     size_t block_capacity, rows_capacity
 
 
-cdef int _sparse_plan(Sparse* sp, const int64_t* rows, Py_ssize_t m, Py_ssize_t L,
-                      Py_ssize_t row_bytes) except -1:
-    """Fills `sp` (give it back with _sparse_give): the distinct rows of
-    rows[:m] and a compact buffer for them, if the table is sparse for m
-    positions; MemoryError with nothing held."""
-    memset(sp, 0, sizeof(Sparse))
-    if not _sparse_table(L, m):
-        return 0
+cdef int _compact(Compact* cp, int64_t* rows, Py_ssize_t m, Py_ssize_t L,
+                  Py_ssize_t row_bytes, bint in_place, str what) except -1:
+    """The distinct rows of rows[:m] (in [0, L); their slots in place if
+    in_place, else in a buffer of their own) and k scratch rows of
+    row_bytes; MemoryError "cannot allocate <what>'s scratch" (or rows), with
+    what is held left in `cp` for _compact_give."""
+    cdef Py_ssize_t n_slot = 0 if in_place else m
     cdef int64_t* block = <int64_t*>_scratch_or_raise(
-        2 * m * sizeof(int64_t) + _distinct_scratch_bytes(m, L), &sp.block_capacity,
-        "the sparse plan's scratch")
-    sp.slot = block
-    sp.uniq = block + m
-    sp.k = _distinct(rows, m, L, sp.slot, sp.uniq, NULL, block + 2 * m)
-    try:
-        sp.rows = _scratch_or_raise(max(sp.k * row_bytes, 1), &sp.rows_capacity,
-                                    "the sparse plan's rows")
-    except MemoryError:
-        _scratch_give(block, sp.block_capacity)
-        sp.slot = NULL
-        raise
+        (n_slot + 2 * m) * sizeof(int64_t) + _distinct_scratch_bytes(m, L),
+        &cp.block_capacity, f"{what}'s scratch")
+    cp.block = block
+    cp.slot = rows if in_place else block + 2 * m
+    cp.uniq = block
+    cp.first = block + m
+    cp.k = _distinct(rows, m, L, cp.slot, cp.uniq, cp.first, block + 2 * m + n_slot)
+    cp.rows = _scratch_or_raise(max(cp.k * row_bytes, 1), &cp.rows_capacity,
+                                f"{what}'s rows")
     return 0
 
 
-cdef void _sparse_give(Sparse* sp) noexcept:
-    if sp.slot != NULL:
-        _scratch_give(sp.rows, sp.rows_capacity)
-        _scratch_give(sp.slot, sp.block_capacity)
-        sp.slot = NULL
+cdef void _compact_give(Compact* cp) noexcept:
+    if cp.rows != NULL:
+        _scratch_give(cp.rows, cp.rows_capacity)
+        cp.rows = NULL
+    if cp.block != NULL:
+        _scratch_give(cp.block, cp.block_capacity)
+        cp.block = NULL
+
+
+cdef void _sum_compact(const Compact* cp, void* table, void** out, const int64_t** rows,
+                       Py_ssize_t* n_rows, void** compact_of,
+                       const int64_t** compact_rows) noexcept:
+    # Points a kernel call's table operand (out, its row numbers, its rows,
+    # KernelCall's compact_of and compact_rows) at the compact copy `cp` of
+    # table's touched rows, which the kernel gathers, sums into and writes
+    # back (the sparse plan).
+    out[0] = cp.rows
+    rows[0] = cp.slot
+    n_rows[0] = cp.k
+    compact_of[0] = table
+    compact_rows[0] = cp.uniq
 
 
 def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
@@ -647,11 +661,11 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     cdef Py_ssize_t m, N, T
     cdef size_t capacity
     cdef KernelCall c
-    cdef Sparse sp
+    cdef Compact sp
     cdef int nt
     if not _row_positions(positions, offset, g, L, &ix, &m):
         return None
-    sp.slot = NULL
+    memset(&sp, 0, sizeof(Compact))
     try:
         N = _lead_size(g)
         # (B, T) positions that repeat every sequence (arange expanded,
@@ -670,13 +684,11 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
             c.L = L
             c.src_type = cnp.PyArray_TYPE(g)
             c.plan = <ScatterPlan>plan
-            _sparse_plan(&sp, ix.rows, m, L, d * cnp.PyArray_ITEMSIZE(G))
-            if sp.slot != NULL:
-                c.out = sp.rows
-                c.rows = sp.slot
-                c.L = sp.k
-                c.compact_of = cnp.PyArray_DATA(G)
-                c.compact_rows = sp.uniq
+            if _sparse_table(L, m):
+                _compact(&sp, ix.rows, m, L, d * cnp.PyArray_ITEMSIZE(G), False,
+                         "the sparse plan")
+                _sum_compact(&sp, cnp.PyArray_DATA(G), &c.out, &c.rows, &c.L, &c.compact_of,
+                             &c.compact_rows)
             c.scratch = <int64_t*>_scratch_or_raise(_scatter_scratch_bytes(c.L, m, nt),
                                                     &capacity, "the scatter-add's scratch")
             _run_kernel(&c, typenum)
@@ -685,7 +697,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
         _zero_row(G, skip_row)
         return grad
     finally:
-        _sparse_give(&sp)
+        _compact_give(&sp)
         _index_free(&ix)
 
 
@@ -869,13 +881,13 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
     cdef Index ids, ix
     cdef size_t nbytes, capacity = 0
     cdef KernelCall c
-    cdef Sparse tok, pos
+    cdef Compact tok, pos
     cdef int nt
     cdef Py_ssize_t rb = d * cnp.PyArray_ITEMSIZE(gt)
     if not _ids_positions(token_ids, V, positions, offset, L, &ids, &ix, &m):
         return None
-    tok.slot = NULL
-    pos.slot = NULL
+    memset(&tok, 0, sizeof(Compact))
+    memset(&pos, 0, sizeof(Compact))
     try:
         if nd != ids.nd + 1 or cnp.PyArray_DIMS(g)[nd - 1] != d:
             return None
@@ -897,20 +909,14 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
             c.L = L
             # Tables far larger than the call: compact copies of their
             # touched rows (the sparse plan, as scatter_add's).
-            _sparse_plan(&tok, ids.rows, ids.n, V, rb)
-            if tok.slot != NULL:
-                c.out = tok.rows
-                c.ids = tok.slot
-                c.V = tok.k
-                c.compact_of = cnp.PyArray_DATA(gt)
-                c.compact_rows = tok.uniq
-            _sparse_plan(&pos, ix.rows, m, L, rb)
-            if pos.slot != NULL:
-                c.out2 = pos.rows
-                c.rows = pos.slot
-                c.L = pos.k
-                c.compact_of2 = cnp.PyArray_DATA(gp)
-                c.compact_rows2 = pos.uniq
+            if _sparse_table(V, ids.n):
+                _compact(&tok, ids.rows, ids.n, V, rb, False, "the sparse plan")
+                _sum_compact(&tok, cnp.PyArray_DATA(gt), &c.out, &c.ids, &c.V, &c.compact_of,
+                             &c.compact_rows)
+            if _sparse_table(L, m):
+                _compact(&pos, ix.rows, m, L, rb, False, "the sparse plan")
+                _sum_compact(&pos, cnp.PyArray_DATA(gp), &c.out2, &c.rows, &c.L,
+                             &c.compact_of2, &c.compact_rows2)
             nbytes = _pair_scratch_bytes(c.V, c.L, ids.n, nt)
             if nbytes:
                 c.scratch = <int64_t*>_scratch_or_raise(nbytes, &capacity,
@@ -922,8 +928,8 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
         _zero_row(gt, token_skip_row)
         return True
     finally:
-        _sparse_give(&pos)
-        _sparse_give(&tok)
+        _compact_give(&pos)
+        _compact_give(&tok)
         _index_free(&ix)
         _index_free(&ids)
 
@@ -1100,46 +1106,6 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
     return True
 
 
-cdef struct Compact:
-    # The distinct rows of a call's m row numbers (_distinct), in one block
-    # of scratch: slot[:m] (the row numbers' own buffer, rewritten in
-    # place), uniq[:k], first[:k]; then `rows`: k scratch rows of the state's
-    # dtype, not zeroed.
-    int64_t* slot
-    int64_t* uniq
-    int64_t* first
-    Py_ssize_t k
-    void* rows
-    void* block
-    size_t block_capacity, rows_capacity
-
-
-cdef int _compact(Compact* cp, int64_t* rows, Py_ssize_t m, Py_ssize_t L,
-                  Py_ssize_t row_bytes) except -1:
-    """The distinct rows of rows[:m] (rewritten into their slots) and their
-    scratch rows; MemoryError, with what is held in `cp` for _compact_give."""
-    cdef int64_t* block = <int64_t*>_scratch_or_raise(
-        2 * m * sizeof(int64_t) + _distinct_scratch_bytes(m, L), &cp.block_capacity,
-        "the fused step's scratch")
-    cp.block = block
-    cp.slot = rows
-    cp.uniq = block
-    cp.first = block + m
-    cp.k = _distinct(rows, m, L, rows, cp.uniq, cp.first, block + 2 * m)
-    cp.rows = _scratch_or_raise(max(cp.k * row_bytes, 1), &cp.rows_capacity,
-                                "the fused step's rows")
-    return 0
-
-
-cdef void _compact_give(Compact* cp) noexcept:
-    if cp.rows != NULL:
-        _scratch_give(cp.rows, cp.rows_capacity)
-        cp.rows = NULL
-    if cp.block != NULL:
-        _scratch_give(cp.block, cp.block_capacity)
-        cp.block = NULL
-
-
 def fused_embed_step(token_step, position_step, grad_output, token_ids, positions, offset,
                      hyper, num_threads=None):
     """The layer's backward and an optimizer step on the rows it touches, in
@@ -1214,8 +1180,8 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
         _reserve_marks(position_step[3], min(m, L))
         # The distinct rows: the call's ids and positions become the slots
         # of compact scratch rows (in place, in their owned buffers).
-        _compact(&tok, ids.rows, N, V, rb)
-        _compact(&pos, ix.rows, m, L, rb)
+        _compact(&tok, ids.rows, N, V, rb, True, "the fused step")
+        _compact(&pos, ix.rows, m, L, rb, True, "the fused step")
         k = tok.k
         # Rows with one contribution are updated from the gradient row
         # itself (FusedStep) when its dtype is the state's; the others,
