@@ -1076,18 +1076,21 @@ cdef struct FusedStep:
 
 cdef inline const char* _token_dest(const FusedStep* fused, const char* gtok, int64_t slot,
                                     Py_ssize_t tb) noexcept nogil:
-    # The row a token contribution writes: its scratch row, or, for a
-    # single, its table row (whose state rows are asked for here, into L2).
-    cdef Py_ssize_t r, sb
-    if _single(fused, slot):
-        r = fused.tok.rows[slot]
-        sb = fused.tok.d * fused.tok.ssize
-        if fused.tok.state1 != NULL:
-            _prefetch_row(fused.tok.state1 + r * sb, sb, _TO_L2)
-        if fused.tok.state2 != NULL:
-            _prefetch_row(fused.tok.state2 + r * sb, sb, _TO_L2)
-        return fused.tok.table + r * tb
-    return gtok + slot * tb
+    # The scratch row a token contribution adds into, to be prefetched by
+    # the caller; NULL for a single, whose table and state rows are asked
+    # for here, into L2.
+    cdef Py_ssize_t r, sb, rb
+    if not _single(fused, slot):
+        return gtok + slot * tb
+    r = fused.tok.rows[slot]
+    sb = fused.tok.d * fused.tok.ssize
+    rb = fused.tok.d * fused.tok.tsize
+    _prefetch_row(fused.tok.table + r * rb, rb, _TO_L2)
+    if fused.tok.state1 != NULL:
+        _prefetch_row(fused.tok.state1 + r * sb, sb, _TO_L2)
+    if fused.tok.state2 != NULL:
+        _prefetch_row(fused.tok.state2 + r * sb, sb, _TO_L2)
+    return NULL
 
 
 cdef struct PairJob:
