@@ -182,6 +182,16 @@ def parallel(threads):
         cposembed.set_num_threads(None)
 
 
+def train_step(layer, opt, fused, g, *args, **kw):
+    """One step: the fused backward, or zero_grad(); backward(); step()."""
+    if fused:
+        assert layer.backward(g, *args, optimizer=opt, **kw) is None
+        return
+    layer.zero_grad()
+    layer.backward(g, *args, **kw)
+    opt.step()
+
+
 # -- 4. the C update against NumPy, bitwise --------------------------------------------
 @pytest.mark.parametrize("dtype", FLOAT_TABLE_DTYPES, ids=str)
 @pytest.mark.parametrize("kind, h", CONFIGS, ids=CONFIG_IDS)
@@ -201,12 +211,7 @@ def test_position_steps_are_the_numpy_formula_bitwise(kind, h, dtype, isa):
             dt = state_dtype(pe.dtype)
             with parallel(threads), np.errstate(all="ignore"):
                 for positions, g in zip(steps, grads):
-                    if fused:
-                        pe.backward(g, positions, optimizer=opt)
-                    else:
-                        pe.zero_grad()
-                        pe.backward(g, positions)
-                        opt.step()
+                    train_step(pe, opt, fused, g, positions)
                     ref.step({"embeddings": summed(positions, g, n_rows, dt, skip_row=2)})
             assert_like_reference(opt, ref, {"embeddings": pe.embeddings})
 
@@ -227,6 +232,13 @@ def test_layer_steps_are_the_numpy_formula_bitwise(kind, h, dtype, isa):
         steps.append(ids)
     grads = [special_gradient(rng, ids.shape + (d,), np.float32) for ids in steps]
     grads[0][0, 1] = -0.0  # a whole -0.0 row of a single
+    # Positions: the default, an offset, (B, T) with repeats, one row for every sequence.
+    places = [
+        ({}, np.arange(6)),
+        ({"offset": 2}, 2 + np.arange(6)),
+        ({"positions": rng.integers(-L, L, (2, 6))}, None),
+        ({"positions": np.array([0, 7, 7, -1, 3, 0])}, None),
+    ]
     dt = np.float64 if dtype == np.float64 else np.float32
     for fused in (False, True):
         for threads in (1, 2, 4):
@@ -239,15 +251,11 @@ def test_layer_steps_are_the_numpy_formula_bitwise(kind, h, dtype, isa):
             ref = NumpyOptimizer(kind, h, {k: t.copy() for k, t in tables.items()})
             opt = make(kind, m, **h)
             with parallel(threads), np.errstate(all="ignore"):
-                for ids, g in zip(steps, grads):
+                for ids, g, (kw, rows) in zip(steps, grads, places):
                     g = g.astype(dt)
-                    if fused:
-                        m.backward(g, ids, optimizer=opt)
-                    else:
-                        m.zero_grad()
-                        m.backward(g, ids)
-                        opt.step()
-                    positions = np.broadcast_to(np.arange(ids.shape[-1]), ids.shape)
+                    train_step(m, opt, fused, g, ids, **kw)
+                    rows = kw["positions"] if rows is None else rows
+                    positions = np.broadcast_to(rows, ids.shape)
                     ref.step(
                         {
                             "token_embeddings": summed(ids, g, V, dt, skip_row=0),
@@ -319,13 +327,9 @@ def test_fused_equals_unfused_with_negative_zero_singles(kind, h, gdt):
             opt = make(kind, m, **h)
             with parallel(threads):
                 for _ in range(2):
+                    train_step(m, opt, fused, g, ids)
                     if fused:
-                        m.backward(g, ids, optimizer=opt)
                         assert m.token_grad is None
-                    else:
-                        m.zero_grad()
-                        m.backward(g, ids)
-                        opt.step()
             results.append((m, opt))
     (a, oa) = results[0]
     for b, ob in results[1:]:
