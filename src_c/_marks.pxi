@@ -133,7 +133,6 @@ cdef class RowMarks:
         self.n_rows = n_rows
         arr = cnp.PyArray_ZEROS(1, &dims, cnp.NPY_BOOL, 0)
         self.flags = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
-        self.mask = arr
         if mask is not None:
             given = np.asarray(mask, dtype=bool)
             if given.shape != (n_rows,):
@@ -145,6 +144,9 @@ cdef class RowMarks:
                 self.marked[self.n] = r
                 self.n += 1
         arr.flags.writeable = False
+        # A view of the read-only array: NumPy refuses to make it writable
+        # again (the array itself, owning its data, would allow it).
+        self.mask = arr.view()
 
     def __dealloc__(self):
         free(self.marked)
