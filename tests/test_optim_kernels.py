@@ -461,27 +461,23 @@ check("table read-only", lambda: opt_call(rot, grad, rows, False, s1, s2, has, A
 check("table int", lambda: opt_call(table.astype(np.int32), grad, rows, False, s1, s2, has, A), *W)
 
 # ---- fused_embed_step
-k_ids = np.array([[1, 2, 1, 5]], np.int64)
-uniq, slots, first = _core.distinct_rows(k_ids.reshape(-1), V)
-k, kp = uniq.size, 4
 tok = m.token_embeddings
 pos = m.position_embeddings
 ts1, ts2 = adam._states["token_embeddings"].buffers["exp_avg"], adam._states["token_embeddings"].buffers["exp_avg_sq"]
 ps1, ps2 = adam._states["position_embeddings"].buffers["exp_avg"], adam._states["position_embeddings"].buffers["exp_avg_sq"]
 th, ph = adam._states["token_embeddings"].has, adam._states["position_embeddings"].has
-prow = np.arange(kp, dtype=np.int64)
+k_ids = np.array([[1, 2, 1, 5]], np.int64)
 
 
-def fused(tscr=None, pscr=None, g=None, tslots=None, pslots=None, tfirst=None,
-          tstep=None, pstep=None, hyper=None):
-    tscr = np.zeros((k, d), np.float32) if tscr is None else tscr
-    pscr = np.zeros((kp, d), np.float32) if pscr is None else pscr
+def fused(g=None, ids=None, positions=None, offset=0, tstep=None, pstep=None, hyper=None):
     g = np.ones((1, 4, d), np.float32) if g is None else g
     return _core.fused_embed_step(
-        tscr, pscr, g, slots.reshape(1, 4) if tslots is None else tslots,
-        pslots, first if tfirst is None else tfirst,
-        (tok, uniq, ts1, ts2, th, -1) if tstep is None else tstep,
-        (pos, prow, ps1, ps2, ph, -1) if pstep is None else pstep,
+        (tok, ts1, ts2, th, -1) if tstep is None else tstep,
+        (pos, ps1, ps2, ph, -1) if pstep is None else pstep,
+        g,
+        k_ids if ids is None else ids,
+        positions,
+        offset,
         A if hyper is None else hyper,
     )
 
@@ -495,53 +491,43 @@ for a, b in zip((tok, pos, ts1, ts2, ps1, ps2), saved):
 th.clear()
 ph.clear()
 
-for name, tfirst in [
-    ("first wrong index", np.array([0, 2, 3], np.int64)),  # slot 1 first at 1, not 2
-    ("first a later index", np.array([2, 1, 3], np.int64)),  # slot 0 is at 0 and 2
-    ("first short", first[:-1].copy()),
-    ("first long", np.append(first, 3)),
-    ("first out of range", np.array([0, 1, 4], np.int64)),
-    ("first negative", np.array([-1, 1, 3], np.int64)),
-    ("first int32", first.astype(np.int32)),
-]:
-    check(name, lambda: fused(tfirst=tfirst), *FW)
-for name, tslots in [("slot k", np.array([[0, 1, 0, k]])), ("slot huge", np.array([[0, 1, 0, 2**40]])),
-                     ("slots shape", slots.reshape(4, 1)), ("slots 3 long", slots[None, :3])]:
-    check(name, lambda: fused(tslots=tslots), *FW)
-for name, pslots in [("position slot kp", np.array([0, 1, 2, kp])),
-                     ("position slot -kp-1", np.array([0, 1, 2, -kp - 1]))]:
-    check(name, lambda: fused(pslots=pslots), *FW)
-check("position rows out of range",
-      lambda: fused(pstep=(pos, np.array([0, 1, 2, L]), ps1, ps2, ph, -1)), *FW)
-check("token rows out of range",
-      lambda: fused(tstep=(tok, np.array([1, 2, V]), ts1, ts2, th, -1)), *FW)
-check("the same table twice",
-      lambda: fused(pstep=(tok, prow, ps1, ps2, ph, -1)), *FW)
-check("the same state twice",
-      lambda: fused(pstep=(pos, prow, ts1[:L], ps2, ph, -1)), *FW)
-check("token state on the position table",
-      lambda: fused(pstep=(tok[:L], prow, ps1, ps2, ph, -1)), *FW)
-buf = np.zeros((k + 4) * d, np.float32)
-check("grad_output over the token scratch",
-      lambda: fused(tscr=buf[: k * d].reshape(k, d), g=buf[k * d - d:][: 4 * d].reshape(1, 4, d)), *FW)
-buf2 = np.zeros((kp + 4) * d, np.float32)
-check("grad_output over the position scratch",
-      lambda: fused(pscr=buf2[: kp * d].reshape(kp, d), g=buf2[d: 5 * d].reshape(1, 4, d)), *FW)
-buf3 = np.zeros((k + kp) * d, np.float32)
-check("the scratches overlap",
-      lambda: fused(tscr=buf3[: k * d].reshape(k, d), pscr=buf3[d: d + kp * d].reshape(kp, d)), *FW)
-check("token scratch rows", lambda: fused(tscr=np.zeros((k + 1, d), np.float32)), *FW)
-check("scratch dtype", lambda: fused(tscr=np.zeros((k, d))), *FW)
-ro = np.zeros((k, d), np.float32)
-ro.flags.writeable = False
-check("scratch read-only", lambda: fused(tscr=ro), *FW)
+for name, ids in [("id V", np.array([[0, 1, 0, V]])), ("id huge", np.array([[0, 1, 0, 2**40]])),
+                  ("id -V-1", np.array([[0, 1, 0, -V - 1]])), ("ids float", k_ids.astype(float)),
+                  ("ids shape", k_ids.reshape(4, 1)), ("ids 3 long", k_ids[:, :3])]:
+    check(name, lambda: fused(ids=ids), *FW)
+for name, positions in [("position L", np.array([0, 1, 2, L])),
+                        ("position -L-1", np.array([0, 1, 2, -L - 1])),
+                        ("positions 5 long", np.array([0, 1, 2, 3, 4]))]:
+    check(name, lambda: fused(positions=positions), *FW)
+check("offset past the table", lambda: fused(offset=L - 3), *FW)
+check("offset with positions", lambda: fused(positions=np.array([0, 1, 2, 3]), offset=1), *FW)
+check("the same table twice", lambda: fused(pstep=(tok, ps1, ps2, ph, -1)), *FW)
+check("the same state twice", lambda: fused(pstep=(pos, ts1[:L], ps2, ph, -1)), *FW)
+check("token state on the position table", lambda: fused(pstep=(tok[:L], ps1, ps2, ph, -1)), *FW)
+check("a table inside the other's state", lambda: fused(pstep=(ts1[:L], ps1, ps2, ph, -1)), *FW)
+check("grad_output over the token table",
+      lambda: fused(g=tok.reshape(-1)[: 4 * d].reshape(1, 4, d)), *FW)
+check("grad_output over a position state",
+      lambda: fused(g=ps2.reshape(-1)[: 4 * d].reshape(1, 4, d)), *FW)
 check("grad_output shape", lambda: fused(g=np.ones((1, 5, d), np.float32)), *FW)
 check("grad_output d", lambda: fused(g=np.ones((1, 4, d + 1), np.float32)), *FW)
-check("step short", lambda: fused(tstep=(tok, uniq, ts1, ts2, th)), *FW)
-check("step list", lambda: fused(tstep=[tok, uniq, ts1, ts2, th, -1]), *FW)
+check("grad_output int", lambda: fused(g=np.ones((1, 4, d), np.int32)), *FW)
+check("step short", lambda: fused(tstep=(tok, ts1, ts2, th)), *FW)
+check("step list", lambda: fused(tstep=[tok, ts1, ts2, th, -1]), *FW)
+check("skip row V", lambda: fused(tstep=(tok, ts1, ts2, th, V)), *FW)
 check("fused hyper short", lambda: fused(hyper=A[:-1]), *FW)
-check("fused marks length", lambda: fused(tstep=(tok, uniq, ts1, ts2, _core.RowMarks(V + 1), -1)), *FW)
-check("fused adam without state", lambda: fused(tstep=(tok, uniq, None, ts2, th, -1)), *FW)
+check("fused hyper unknown kind", lambda: fused(hyper=(7,) + A[1:]), *FW)
+check("fused marks length", lambda: fused(tstep=(tok, ts1, ts2, _core.RowMarks(V + 1), -1)), *FW)
+check("fused adam without state", lambda: fused(tstep=(tok, None, ts2, th, -1)), *FW)
+check("position table float64",
+      lambda: fused(pstep=(pos.astype(np.float64), ps1.astype(np.float64),
+                           ps2.astype(np.float64), ph, -1)), *FW)
+check("position table of another d",
+      lambda: fused(pstep=(np.zeros((L, d + 1), np.float32), np.zeros((L, d + 1), np.float32),
+                           np.zeros((L, d + 1), np.float32), ph, -1)), *FW)
+rot = tok.copy()
+rot.flags.writeable = False
+check("token table read-only", lambda: fused(tstep=(rot, ts1, ts2, th, -1)), *FW)
 print(json.dumps({"failures": failures}))
 """
 
