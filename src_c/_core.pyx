@@ -1202,9 +1202,8 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
         fs.tok_first = tok.first
         fs.pos_first = pos.first
         fs.tok_single = single
-        # A single's update moves its table row (and state rows) in and out:
-        # about what two contributions (each a row read) cost per row moved.
-        fs.single_cost = 2 * (1 + (fs.tok.state1 != NULL) + (fs.tok.state2 != NULL))
+        # Singles go with their position rows: nothing in the token split.
+        fs.single_cost = -(1 + _ROW_COST)
         fs.tok.rows = tok.uniq
         fs.tok.grad = <const char*>tok.rows
         fs.tok.compact = True

@@ -533,7 +533,8 @@ cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, int n_threads,
     # not start on a cache line, so two threads' neighbouring rows would
     # share one.
     # single_cost: what a row with one contribution costs besides (a fused
-    # step updates it there and then, FusedStep).
+    # step gives such rows to the owners of their position rows, FusedStep:
+    # -(1 + _ROW_COST), nothing, in the token split).
     cdef Py_ssize_t r
     cdef int64_t c, total = row_start[L], acc = 0
     cdef int t = 1
@@ -1069,7 +1070,7 @@ cdef struct FusedStep:
     const int64_t* tok_first
     const int64_t* pos_first
     const uint8_t* tok_single
-    int64_t single_cost   # a single's update, in contributions (_owner_bounds)
+    int64_t single_cost   # a single row's cost in the token split (_owner_bounds)
     OptJob tok
     OptJob pos
 
@@ -1173,6 +1174,12 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     _count_owned(ids, N, V, c, <int64_t*>job.tok_owner, <int64_t*>job.tok_bounds,
                  fused.single_cost if fused != NULL and fused.tok_single != NULL else 0)
     _count_owned(rows, m, L, c, <int64_t*>job.pos_owner, <int64_t*>job.pos_bounds)
+    if fused != NULL and fused.tok_single != NULL:
+        # A single goes to the thread that owns its position row, which
+        # reads its gradient row anyway: that row is then read once.
+        for i in range(N):
+            if fused.tok_single[ids[i]]:
+                (<int64_t*>job.tok_owner)[ids[i]] = job.pos_owner[rows[i % m]]
     job.fused = fused
     job.gtok = gtok
     job.gpos = gpos

@@ -31,8 +31,17 @@ def round_orders(n: int, rounds: int) -> list[list[int]]:
     return orders
 
 
-def time_group(group: Group, repeats: int, slow_s: float = 0.3) -> None:
-    """Warm-up, then alternating rounds in shuffled order; fills ``.times``."""
+# The untimed pause before each timed run: a peer's OpenMP threads (PyTorch's
+# libgomp) spin for several milliseconds after its call, on the cores the
+# next contender needs (measured: the fused SGD step 19 ms after itself, 27 ms
+# right after PyTorch's step, 21 ms after a 5 ms pause). Each contender is
+# timed as it runs on its own, not with the previous one's leftovers.
+SETTLE_S = 0.01
+
+
+def time_group(group: Group, repeats: int, slow_s: float = 0.3, settle_s: float = SETTLE_S) -> None:
+    """Warm-up, then alternating rounds in shuffled order, each timed run after an
+    untimed pause of ``settle_s``; fills ``.times``."""
     for c in group.contenders:
         t0 = time.perf_counter()
         c.fn()
@@ -44,6 +53,7 @@ def time_group(group: Group, repeats: int, slow_s: float = 0.3) -> None:
             # A contender taking seconds (np.add.at) gets 3 runs, not all.
             if c.warm_s > slow_s and len(c.times) >= 3:
                 continue
+            time.sleep(settle_s)
             t0 = time.perf_counter()
             c.fn()
             c.times.append(time.perf_counter() - t0)
