@@ -855,8 +855,19 @@ cdef inline void _opt_row(const OptJob* j, Py_ssize_t i, const char* grad,
 
 
 cdef void _opt_block(const OptJob* j, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
-    cdef Py_ssize_t q, i, sb = j.d * j.ssize
+    # The rows lie at random in the table and its state: the rows of the
+    # step _AHEAD further are asked for into L2 while this one is updated.
+    cdef Py_ssize_t q, i, r, sb = j.d * j.ssize, rb = j.d * j.tsize
     for q in range(lo, hi):
+        if q + _AHEAD < hi:
+            i = j.order[q + _AHEAD] if j.order != NULL else q + _AHEAD
+            r = j.rows[i]
+            _prefetch_row(j.table + r * rb, rb, _TO_L2)
+            _prefetch_row(j.grad + (i if j.compact else r) * sb, sb, _TO_L2)
+            if j.state1 != NULL:
+                _prefetch_row(j.state1 + r * sb, sb, _TO_L2)
+            if j.state2 != NULL:
+                _prefetch_row(j.state2 + r * sb, sb, _TO_L2)
         i = j.order[q] if j.order != NULL else q
         _opt_row(j, i, j.grad + (i if j.compact else j.rows[i]) * sb, 0)
 
