@@ -41,6 +41,12 @@ class Contender:
     def median(self) -> float:
         return float(np.median(self.times)) if self.times else float("nan")
 
+    @property
+    def spins_after(self) -> bool:
+        """A peer on PyTorch's OpenMP threads (the rows named "torch ..." and
+        "fbgemm ..."), which spin for milliseconds after its call."""
+        return self.name.startswith(("torch", "fbgemm"))
+
 
 @dataclass
 class Group:

@@ -31,32 +31,38 @@ def round_orders(n: int, rounds: int) -> list[list[int]]:
     return orders
 
 
-# The untimed pause before each timed run: a peer's OpenMP threads (PyTorch's
-# libgomp) spin for several milliseconds after its call, on the cores the
-# next contender needs (measured: the fused SGD step 19 ms after itself, 27 ms
-# right after PyTorch's step, 21 ms after a 5 ms pause). Each contender is
-# timed as it runs on its own, not with the previous one's leftovers.
+# The untimed pause after a run of a peer on PyTorch's OpenMP threads
+# (Contender.spins_after): libgomp's threads spin for several milliseconds
+# after its call, on the cores the next contender needs (measured: the fused
+# SGD step + forward 19 ms after itself, 27 ms right after PyTorch's step,
+# 21 ms after a 5 ms pause). Only after such a peer: a pause before every run
+# would leave microsecond calls to a cold CPU (a 256-row scatter-add 15 us
+# back to back, 94 us after 10 ms of sleep).
 SETTLE_S = 0.01
 
 
 def time_group(group: Group, repeats: int, slow_s: float = 0.3, settle_s: float = SETTLE_S) -> None:
-    """Warm-up, then alternating rounds in shuffled order, each timed run after an
-    untimed pause of ``settle_s``; fills ``.times``."""
+    """Warm-up, then alternating rounds in shuffled order, a run that follows a
+    peer on PyTorch's threads after an untimed pause of ``settle_s``; fills
+    ``.times``."""
     for c in group.contenders:
         t0 = time.perf_counter()
         c.fn()
         c.times = []
         c.warm_s = time.perf_counter() - t0
+    spun = False
     for order in round_orders(len(group.contenders), repeats):
         for k in order:
             c = group.contenders[k]
             # A contender taking seconds (np.add.at) gets 3 runs, not all.
             if c.warm_s > slow_s and len(c.times) >= 3:
                 continue
-            time.sleep(settle_s)
+            if spun:
+                time.sleep(settle_s)
             t0 = time.perf_counter()
             c.fn()
             c.times.append(time.perf_counter() - t0)
+            spun = c.spins_after
 
 
 def time_tiny(group: Group, repeats: int, budget_s: float = 0.005) -> None:
