@@ -200,15 +200,14 @@ class Optimizer:
             grad = state.for_step(table.embeddings)
             if grad is None:
                 continue
-            rows = state.step_rows(grad, table.max_seq_len)
-            dt = self._states[name].dtype
-            if grad.dtype == dt and grad.flags.c_contiguous and grad.flags.aligned:
-                work.append((name, rows, grad, False))
-            else:  # a gradient the user assigned, of another dtype or layout
-                work.append((name, rows, np.ascontiguousarray(grad[rows], dtype=dt), True))
+            work.append((name, state.step_rows(grad, table.max_seq_len), grad))
         self._step += 1
-        for name, rows, grad, compact in work:
-            self._apply(name, rows, grad, compact, -1)
+        for name, rows, grad in work:
+            # The gradient as it is; one the user assigned (another dtype or
+            # layout, or memory shared with a table) as a compact copy of its rows.
+            if not self._apply(name, rows, grad, False, -1, strict=False):
+                dt = self._states[name].dtype
+                self._apply(name, rows, np.array(grad[rows], dtype=dt, order="C"), True, -1)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state: hyper-parameters, step count and per-row moments.
@@ -329,18 +328,26 @@ class Optimizer:
         raise NotImplementedError
 
     def _apply(
-        self, name: str, rows: np.ndarray, grad: np.ndarray, compact: bool, skip_row: int
-    ) -> None:
+        self,
+        name: str,
+        rows: np.ndarray,
+        grad: np.ndarray,
+        compact: bool,
+        skip_row: int,
+        strict: bool = True,
+    ) -> bool:
         """Update the table ``name`` on the distinct ``rows`` (but ``skip_row``)
         and their state: ``grad`` in the state's dtype, row ``i`` that of
-        ``rows[i]`` if ``compact``, else of the table's shape."""
+        ``rows[i]`` if ``compact``, else of the table's shape. False if the
+        entry declined ``grad`` (nothing written), unless ``strict``."""
         table, state1, state2, has, skip = self._target_of(name, skip_row)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         done = _core.optimizer_step(
             table, grad, rows, compact, state1, state2, has, self._hyper_tuple(), skip
         )
-        if done is None:  # the optimizer's own arrays: the entry takes them all
+        if done is None and strict:  # the optimizer's own arrays: the entry takes them all
             raise RuntimeError("the optimizer step's kernel declined its arguments")
+        return done is not None
 
     def _target_of(self, name: str, skip_row: int) -> tuple[Any, ...]:
         """Table ``name``, its state arrays (None where this optimizer keeps

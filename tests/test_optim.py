@@ -696,3 +696,28 @@ def test_adam_matches_torch_sparse_adam_lazily(dtype):
             emb(torch.from_numpy(rows)).backward(torch.from_numpy(g))
             topt.step()
     np.testing.assert_allclose(pe.embeddings, emb.weight.detach().numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind, h", CONFIGS[:2] + CONFIGS[4:5] + CONFIGS[7:8])
+@pytest.mark.parametrize("form", ["the table itself", "byte-swapped", "strided", "float64"])
+def test_step_takes_any_assigned_gradient_as_a_plain_copy(kind, h, form):
+    """An assigned gradient the C step cannot take as it is (sharing the table's
+    memory, another byte order, layout or dtype) steps as its plain float32 copy."""
+    pe = LearnedPositionEmbedding(10, 4, seed=0)
+    ref = LearnedPositionEmbedding(10, 4, seed=0)
+    opt, ref_opt = make(kind, pe, **h), make(kind, ref, **h)
+    for _ in range(2):
+        if form == "the table itself":
+            grad = pe.embeddings
+        elif form == "byte-swapped":
+            grad = pe.embeddings.astype(">f4")
+        elif form == "strided":
+            grad = np.repeat(pe.embeddings, 2, axis=1)[:, ::2]
+        else:
+            grad = pe.embeddings.astype(np.float64)
+        ref.grad = np.array(grad, dtype=np.float32)
+        pe.grad = grad
+        opt.step()
+        ref_opt.step()
+    assert same_bits(pe.embeddings, ref.embeddings)
+    assert same_state(opt.state_dict(), ref_opt.state_dict())
