@@ -990,18 +990,6 @@ cdef inline void _first_zero(char* scratch, int64_t slot, const int64_t* first,
         memset(scratch + slot * tb, 0, tb)
 
 
-cdef inline void _prefetch_rows(const char* nxt, const char* far, const char* far_acc,
-                                Py_ssize_t gb, Py_ssize_t tb) noexcept nogil:
-    # The prefetches of a row primitive's call (nxt into L1, far and far_acc
-    # into L2; NULL: none), for a contribution that makes no such call.
-    if nxt != NULL:
-        _prefetch_row(nxt, gb, _TO_L1)
-    if far != NULL:
-        _prefetch_row(far, gb, _TO_L2)
-    if far_acc != NULL:
-        _prefetch_row(far_acc, tb, _TO_L2)
-
-
 cdef inline bint _single(const FusedStep* fused, int64_t slot) noexcept nogil:
     # Whether the fused step updates token row `slot` at its one
     # contribution, from the gradient row itself (FusedStep).
@@ -1019,7 +1007,8 @@ cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* r
     # next listed gradient row (L1), the one _GATHER_AHEAD further (L2) and
     # the token row _AHEAD further that it owns (L2): a thread's rows are a
     # sparse subset of the gradient, which the hardware prefetcher does not
-    # follow, and token rows come from memory at random.
+    # follow, and token rows come from memory at random. fused: NULL, or the
+    # optimizer step it makes as it goes (FusedStep).
     cdef Py_ssize_t q, i, w
     cdef int64_t p
     cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
@@ -1044,10 +1033,9 @@ cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* r
             ops.acc(gpos + p * tb, src, nxt, far, NULL, NULL, d)
             continue
         if _single(fused, ids[i]):
-            if pos_owner[p] == t:
-                ops.acc(gpos + p * tb, src, nxt, far, NULL, far_acc, d)
-            else:  # the prefetches the add would have made
-                _prefetch_rows(nxt, far, far_acc, gb, tb)
+            # A single's token row goes with its position row (_scatter_pair):
+            # this thread owns both.
+            ops.acc(gpos + p * tb, src, nxt, far, NULL, far_acc, d)
             _opt_row(&fused.tok, ids[i], src, CPE_OPT_ADD_ZERO)
             continue
         if fused != NULL:

@@ -285,7 +285,7 @@ def test_optimizer_step_entry_is_the_numpy_formula(kind, h, isa):
             if not compact:
                 grad[rows] = g
             with parallel(1 + s), np.errstate(all="ignore"):
-                assert opt._apply("embeddings", rows, grad, compact, -1) is None
+                assert opt._apply("embeddings", rows, grad, compact, -1) is True
                 ref.step({"embeddings": (rows, g)})
         assert_like_reference(opt, ref, {"embeddings": pe.embeddings})
 
