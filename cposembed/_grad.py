@@ -138,7 +138,7 @@ class GradientState:
             raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
         return grad
 
-    def step_mask(self, grad: np.ndarray) -> _core.RowMarks | None:
+    def step_marks(self, grad: np.ndarray) -> _core.RowMarks | None:
         """The rows a step on ``grad`` visits, as marks (None: every row)."""
         return self.touched if grad is self.touched_grad else None
 
@@ -146,7 +146,7 @@ class GradientState:
         """The rows a step on ``grad`` visits: the touched ones in the order
         they were first touched (every row of an assigned gradient), the skip
         row left out."""
-        touched = self.step_mask(grad)
+        touched = self.step_marks(grad)
         rows = np.arange(n_rows) if touched is None else touched.rows()
         if self.skip_row >= 0:
             rows = rows[rows != self.skip_row]
@@ -178,7 +178,7 @@ def sgd_step(table: np.ndarray, state: GradientState, grad: np.ndarray, lr: floa
     dtype ``T`` (the kernel's rule for a float32 gradient; another gradient dtype
     is converted to float32 first).
     """
-    if _core.sgd_step(table, grad, state.step_mask(grad), lr, state.skip_row) is None:
+    if _core.sgd_step(table, grad, state.step_marks(grad), lr, state.skip_row) is None:
         rows = state.step_rows(grad, table.shape[0])
         if table.dtype in v.HALF_DTYPES:
             work = v.work_dtype(table.dtype).type

@@ -378,13 +378,6 @@ class Optimizer:
                 "pass the optimizer of this layer"
             )
 
-    def _fused(self, updates: list[tuple[str, np.ndarray, np.ndarray, int]]) -> None:
-        """One step from a fused backward: ``(table, rows, gradient rows, skip row)``
-        each, the gradient rows compact (row ``i`` that of ``rows[i]``)."""
-        self._step += 1
-        for name, rows, grad, skip_row in updates:
-            self._apply(name, rows, grad, True, skip_row)
-
 
 def _tables_of(layer: Any, who: str) -> dict[str, LearnedPositionEmbedding]:
     from .embedding import LearnedPositionEmbedding
@@ -739,7 +732,8 @@ def fused_position_backward(
         _routes.scatter_add(
             scratch, g, slots, offset=0, num_threads=None, touched=None, skip_row=-1
         )
-    opt._fused([("embeddings", rows, scratch, layer._grad.skip_row)])
+    opt._step += 1
+    opt._apply("embeddings", rows, scratch, True, layer._grad.skip_row)
 
 
 def fused_layer_backward(

@@ -1052,7 +1052,7 @@ cdef size_t _pair_scratch_bytes(Py_ssize_t V, Py_ssize_t L, Py_ssize_t N,
     cdef Py_ssize_t c = _PAIR_CHUNKS_PER_THREAD * n_threads
     if n_threads <= 1:
         return 0
-    return (V + L + 2 + 2 * (c + 1) + c * N) * sizeof(int64_t)
+    return (V + L + 2 + c + 1 + c * N) * sizeof(int64_t)
 
 
 cdef struct FusedStep:
@@ -1095,10 +1095,9 @@ cdef inline const char* _token_dest(const FusedStep* fused, const char* gtok, in
 
 cdef struct PairJob:
     # The layer's backward on the team: chunk c owns the token rows and the
-    # position rows marked c in tok_owner and pos_owner (the ranges
-    # tok_bounds[c]..tok_bounds[c + 1] - 1 and the same in pos_bounds), and
-    # lists its contributions in work[c * N : (c + 1) * N]. fused: NULL, or
-    # the optimizer step that follows each chunk's sums.
+    # position rows marked c in tok_owner and pos_owner, and lists its
+    # contributions in work[c * N : (c + 1) * N]. fused: NULL, or the
+    # optimizer step the chunks make as they sum (FusedStep).
     void* gtok
     void* gpos
     const void* g
@@ -1106,8 +1105,6 @@ cdef struct PairJob:
     const int64_t* rows
     const int64_t* tok_owner
     const int64_t* pos_owner
-    const int64_t* tok_bounds
-    const int64_t* pos_bounds
     int64_t* work
     Py_ssize_t N, m, d
     cpe_row_ops ops
@@ -1139,6 +1136,7 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     cdef int c
     cdef PairJob job
     cdef cpe_crew crew
+    cdef int64_t* bounds
     cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
     cdef const char* nxt
     cdef const char* far_acc
@@ -1167,12 +1165,11 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     c = _PAIR_CHUNKS_PER_THREAD * n_threads
     job.tok_owner = scratch
     job.pos_owner = scratch + (V + 1)
-    job.tok_bounds = scratch + (V + 1) + (L + 1)
-    job.pos_bounds = job.tok_bounds + (c + 1)
-    job.work = <int64_t*>job.pos_bounds + (c + 1)
-    _count_owned(ids, N, V, c, <int64_t*>job.tok_owner, <int64_t*>job.tok_bounds,
+    bounds = scratch + (V + 1) + (L + 1)
+    job.work = bounds + (c + 1)
+    _count_owned(ids, N, V, c, <int64_t*>job.tok_owner, bounds,
                  fused.single_cost if fused != NULL and fused.tok_single != NULL else 0)
-    _count_owned(rows, m, L, c, <int64_t*>job.pos_owner, <int64_t*>job.pos_bounds)
+    _count_owned(rows, m, L, c, <int64_t*>job.pos_owner, bounds)
     if fused != NULL and fused.tok_single != NULL:
         # A single goes to the thread that owns its position row, which
         # reads its gradient row anyway: that row is then read once.
