@@ -684,7 +684,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
             c.L = L
             c.src_type = cnp.PyArray_TYPE(g)
             c.plan = <ScatterPlan>plan
-            if _sparse_table(L, m):
+            if _compact_pays(L, m, d * cnp.PyArray_ITEMSIZE(G)):
                 _compact(&sp, ix.rows, m, L, d * cnp.PyArray_ITEMSIZE(G), False,
                          "the sparse plan")
                 _sum_compact(&sp, cnp.PyArray_DATA(G), &c.out, &c.rows, &c.L, &c.compact_of,
@@ -909,11 +909,11 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
             c.L = L
             # Tables far larger than the call: compact copies of their
             # touched rows (the sparse plan, as scatter_add's).
-            if _sparse_table(V, ids.n):
+            if _compact_pays(V, ids.n, rb):
                 _compact(&tok, ids.rows, ids.n, V, rb, False, "the sparse plan")
                 _sum_compact(&tok, cnp.PyArray_DATA(gt), &c.out, &c.ids, &c.V, &c.compact_of,
                              &c.compact_rows)
-            if _sparse_table(L, m):
+            if _compact_pays(L, m, rb):
                 _compact(&pos, ix.rows, m, L, rb, False, "the sparse plan")
                 _sum_compact(&pos, cnp.PyArray_DATA(gp), &c.out2, &c.rows, &c.L,
                              &c.compact_of2, &c.compact_rows2)

@@ -30,7 +30,9 @@
 # a condition variable; a caller waiting for a helper's last chunk does the
 # same: a waiting thread does not take the CPU another process needs. A call
 # that its helpers did not make clearly faster than its caller alone would
-# have been (a helper or the caller lost its CPU to another process midway)
+# have been (a helper or the caller lost its CPU to another process midway),
+# or one that found two of its threads on one CPU (a busy machine had no CPU
+# free for a helper; such a helper leaves its share to its caller at once),
 # sends the calls of the next 20 ms to 2 s to their callers alone (cpe_judge).
 # The set of helpers is bounded (_OVERSUBSCRIBE times the CPUs, less one),
 # however many Python threads call at once. Helpers are started on first
@@ -50,6 +52,9 @@ cdef extern from *:
     #include <pthread.h>
     #include <signal.h>
     #include <time.h>
+    #if defined(__linux__)
+    #include <sched.h>
+    #endif
     #else
     #define CPE_TEAM 0
     #endif
@@ -58,6 +63,15 @@ cdef extern from *:
 
     #define CPE_CREW_MAX 64
     #if CPE_TEAM
+    /* The CPU the calling thread runs on, or -1 where that is unknown. */
+    static inline int cpe_cpu(void) {
+    #if defined(__linux__)
+        return sched_getcpu();
+    #else
+        return -1;
+    #endif
+    }
+
     /* One thread's share of a call's chunks: [lo, hi) packed as lo << 32 | hi,
      * on a cache line of its own. Its owner claims from the front (lo),
      * others steal from the back (hi). */
@@ -75,6 +89,7 @@ cdef extern from *:
         void *arg;
         Py_ssize_t n_chunks;
         int n_shares;
+        int caller_cpu;         /* the CPU the caller started on (-1: unknown) */
         cpe_share share[CPE_CREW_MAX + 1] __attribute__((aligned(64)));
     } cpe_job;
 
@@ -85,6 +100,7 @@ cdef extern from *:
         job->arg = arg;
         job->n_chunks = n_chunks;
         job->n_shares = n_threads;
+        job->caller_cpu = cpe_cpu();
         for (t = 0; t < n_threads; t++) {
             unsigned long long lo = (unsigned long long)(n_chunks * t / n_threads);
             unsigned long long hi = (unsigned long long)(n_chunks * (t + 1) / n_threads);
@@ -129,6 +145,7 @@ cdef extern from *:
     typedef struct {
         int state;
         int share;              /* its share of the job */
+        int cpu[2];             /* the CPU it ran on at its run's start and end */
         cpe_job *job;
         pthread_mutex_t mu;
         pthread_cond_t cv;
@@ -154,6 +171,7 @@ cdef extern from *:
     static long long cpe_last_loss = 0;
     static long cpe_losses = 0;
     static long cpe_helped = 0;             /* calls a helper took part in */
+    static long cpe_shared = 0;             /* calls whose threads shared a CPU */
     static int cpe_judging = 1;             /* 0: never back off (tests) */
     static pthread_mutex_t cpe_pool_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -171,6 +189,7 @@ cdef extern from *:
     typedef struct {
         Py_ssize_t n;
         long long sum, longest;
+        int cpu[2];             /* the CPU the caller ran on at the start and end */
     } cpe_pace;
 
     /* cpe_job_run, timing each chunk. */
@@ -179,6 +198,7 @@ cdef extern from *:
         long long t0 = cpe_now_ns(), t1;
         pace->n = 0;
         pace->sum = pace->longest = 0;
+        pace->cpu[0] = job->caller_cpu;
         while ((c = cpe_claim(job, 0)) >= 0) {
             job->fn(job->arg, c);
             t1 = cpe_now_ns();
@@ -187,6 +207,7 @@ cdef extern from *:
             if (t1 - t0 > pace->longest) pace->longest = t1 - t0;
             t0 = t1;
         }
+        pace->cpu[1] = cpe_cpu();
     }
 
     static inline void cpe_pause(void) {
@@ -239,7 +260,14 @@ cdef extern from *:
             int s = cpe_ld(&h->state);
             if (s == H_ASSIGNED) {
                 if (cpe_cas(&h->state, H_ASSIGNED, H_RUNNING)) {
-                    cpe_job_run(h->job, h->share);
+                    /* On its caller's CPU, the two would take turns: it
+                     * leaves its share to the caller (and the call counts
+                     * as one whose threads shared a CPU). */
+                    h->cpu[0] = h->cpu[1] = cpe_cpu();
+                    if (h->cpu[0] < 0 || h->cpu[0] != h->job->caller_cpu) {
+                        cpe_job_run(h->job, h->share);
+                        h->cpu[1] = cpe_cpu();
+                    }
                     cpe_set(h, H_DONE, H_RUNNING_WAITED);
                 }
                 continue;
@@ -299,9 +327,13 @@ cdef extern from *:
      * time to in the middle of a chunk holds its caller up for as long as
      * the scheduler keeps it off, and a caller its own helper displaces
      * waits as long (milliseconds on a busy machine): this is how the team
-     * learns that the machine is busy. */
+     * learns that the machine is busy. A call whose threads were `shared`
+     * out on one CPU (cpe_crew_shared) counts as slower whatever it took:
+     * its caller's pace was then slowed by its own helper, or by the other
+     * process its CPU runs, and a caller alone would have had a CPU of its
+     * own. */
     static void cpe_judge(long long took, const cpe_pace *pace, Py_ssize_t n_chunks,
-                          long long now) {
+                          int shared, long long now) {
         double alone;
         if (pace->n <= 0) return;
         if (pace->n == 1)
@@ -309,7 +341,7 @@ cdef extern from *:
         else
             alone = (double)(pace->sum - pace->longest) / (double)(pace->n - 1)
                     * (double)n_chunks;
-        if ((double)took <= 0.9 * alone - 5000.0) return;
+        if (!shared && (double)took <= 0.9 * alone - 5000.0) return;
         pthread_mutex_lock(&cpe_pool_mu);
         if (now - cpe_last_loss < 4 * cpe_backoff_ns) {
             cpe_backoff_ns *= 2;
@@ -321,6 +353,28 @@ cdef extern from *:
         __atomic_add_fetch(&cpe_losses, 1, __ATOMIC_RELAXED);
         __atomic_store_n(&cpe_serial_until, now + cpe_backoff_ns, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&cpe_pool_mu);
+    }
+
+    /* Whether two of a call's threads were seen on one CPU: the caller
+     * (`pace`) and the helpers in took[] that took part, each seen at the
+     * start and the end of its run. A helper woken onto a CPU that one of
+     * the call's threads is using means the machine had no CPU free for it:
+     * the threads take turns there. */
+    static int cpe_crew_shared(const cpe_pace *pace, const int *got, const int *took, int n) {
+        int seen[2 * (CPE_CREW_MAX + 1)];
+        int n_seen = 0, i, k, j;
+        for (k = 0; k < 2; k++) seen[n_seen++] = pace->cpu[k];
+        for (i = 0; i < n; i++) {
+            if (!took[i]) continue;
+            for (k = 0; k < 2; k++) {
+                int cpu = cpe_helpers[got[i]].cpu[k];
+                if (cpu < 0) continue;
+                for (j = 0; j < n_seen; j++)  /* the other threads' CPUs */
+                    if (seen[j] == cpu) return 1;
+            }
+            for (k = 0; k < 2; k++) seen[n_seen++] = cpe_helpers[got[i]].cpu[k];
+        }
+        return 0;
     }
 
     static void cpe_give_back(const int *got, int n) {
@@ -360,6 +414,7 @@ cdef extern from *:
         cpe_last_loss = 0;
         cpe_losses = 0;
         cpe_helped = 0;
+        cpe_shared = 0;
     }
     static void cpe_team_init(void) {
         pthread_atfork(cpe_fork_prepare, cpe_fork_parent, cpe_fork_child);
@@ -373,6 +428,7 @@ cdef extern from *:
     static int cpe_team_refused(void) { return __atomic_load_n(&cpe_refused, __ATOMIC_RELAXED); }
     static long cpe_team_losses(void) { return __atomic_load_n(&cpe_losses, __ATOMIC_RELAXED); }
     static long cpe_team_helped(void) { return __atomic_load_n(&cpe_helped, __ATOMIC_RELAXED); }
+    static long cpe_team_shared(void) { return __atomic_load_n(&cpe_shared, __ATOMIC_RELAXED); }
     static int cpe_team_max(void) { return __atomic_load_n(&cpe_max_helpers, __ATOMIC_RELAXED); }
     static int cpe_team_available(void) { return 1; }
     static void cpe_team_set_spin(long ns) {
@@ -433,7 +489,7 @@ cdef extern from *:
             int i;
             long long t_start = cpe_now_ns(), t_end;
             long spin;
-            int helped;
+            int helped, shared, took[CPE_CREW_MAX];
             cpe_pace pace;
             cpe_job_init(&job, fn, arg, n_chunks, 1 + crew->n);
             for (i = 0; i < crew->n; i++) {
@@ -451,12 +507,17 @@ cdef extern from *:
                 spin = pace.sum / pace.n < CPE_FINISH_SPIN_MAX ? (long)(pace.sum / pace.n)
                                                                : CPE_FINISH_SPIN_MAX;
             helped = 0;
-            for (i = 0; i < crew->n; i++) helped |= cpe_finish(&cpe_helpers[crew->got[i]], spin);
+            for (i = 0; i < crew->n; i++) {
+                took[i] = cpe_finish(&cpe_helpers[crew->got[i]], spin);
+                helped |= took[i];
+            }
             if (helped) __atomic_add_fetch(&cpe_helped, 1, __ATOMIC_RELAXED);
+            shared = helped && cpe_crew_shared(&pace, crew->got, took, crew->n);
+            if (shared) __atomic_add_fetch(&cpe_shared, 1, __ATOMIC_RELAXED);
             cpe_give_back(crew->got, crew->n);
             crew->n = 0;
             t_end = cpe_now_ns();
-            if (cpe_team_judging()) cpe_judge(t_end - t_start, &pace, n_chunks, t_end);
+            if (cpe_team_judging()) cpe_judge(t_end - t_start, &pace, n_chunks, shared, t_end);
             return;
         }
     #endif
@@ -472,6 +533,7 @@ cdef extern from *:
     static long cpe_team_spin(void) { return 0; }
     static void cpe_team_set_refused(int refused) { (void)refused; }
     static long cpe_team_helped(void) { return 0; }
+    static long cpe_team_shared(void) { return 0; }
     static int cpe_team_max(void) { return 0; }
     static int cpe_team_available(void) { return 0; }
     static void cpe_team_set_judging(int on) { (void)on; }
@@ -493,6 +555,7 @@ cdef extern from *:
     long cpe_team_spin() noexcept nogil
     void cpe_team_set_refused(int refused) noexcept nogil
     long cpe_team_helped() noexcept nogil
+    long cpe_team_shared() noexcept nogil
     int cpe_team_max() noexcept nogil
     int cpe_team_available() noexcept nogil
     void cpe_team_set_judging(int on) noexcept nogil
@@ -692,12 +755,14 @@ def team_info():
     process, the most it may start (0 where there is no team: a serial
     build, Windows), whether the OS refused one, how many calls took longer
     with helpers than they would have alone (each sends the following calls
-    to their callers alone for a while), and how many calls a helper took
-    part in (started on the chunks before its caller had finished them)."""
+    to their callers alone for a while), how many calls a helper took part
+    in (started on the chunks before its caller had finished them), and how
+    many of those had two of their threads on one CPU (the machine had none
+    free for a helper: each such call counts as slower than alone)."""
     return {"started": cpe_team_started(),
             "max": cpe_team_max(),
             "refused": bool(cpe_team_refused()), "losses": cpe_team_losses(),
-            "helped": cpe_team_helped()}
+            "helped": cpe_team_helped(), "shared": cpe_team_shared()}
 
 
 def set_team_spin(long ns):

@@ -371,6 +371,66 @@ def test_contention_runs_idle_and_busy_and_leaves_no_busy_process(tmp_path):
     assert _busy_processes() == []
 
 
+def test_batched_groups_time_batches_and_judge_the_median_of_the_rounds_ratios():
+    from cposembed.bench._report import _ratio
+    from cposembed.bench._timing import measure
+
+    calls = {"a": 0, "b": 0}
+
+    def call(name):
+        calls[name] += 1
+        time.sleep(0.001)
+
+    g = bench.Group(
+        "g", [bench.Contender(n, lambda n=n: call(n), 0) for n in ("a", "b")], batch_s=0.006
+    )
+    measure(g, 4)
+    for c in g.contenders:
+        assert len(c.times) == 4  # one batch per round
+        assert c.number >= 3 and calls[c.name] >= 4 * c.number  # of several calls each
+        assert all(0.001 <= t < 0.05 for t in c.times)  # a batch's mean per call
+    # Rounds (2, 1), (2, 4), (9, 10): the ratio of the medians is 2 / 4, the
+    # median of the rounds' ratios 0.9; a group timed call by call keeps the former.
+    ours, peer = (
+        bench.Contender(n, lambda: None, 0, t) for n, t in (("a", [2, 2, 9]), ("b", [1, 4, 10]))
+    )
+    assert _ratio(bench.Group("g", [ours, peer], batch_s=0.004), ours, peer) == pytest.approx(0.9)
+    assert _ratio(bench.Group("g", [ours, peer]), ours, peer) == pytest.approx(0.5)
+
+
+def test_runs_after_a_contender_on_libgomp_threads_pause(monkeypatch):
+    from cposembed.bench import _timing
+
+    spinning = {n: bench.Contender(n, lambda: None, 0).spins_after for n in (
+        "torch index_select(out=)", "fbgemm TBE", "limit: streaming fill", "limit: read once",
+        bench.OURS, "1 thread", "numpy np.take(out=)",
+    )}  # fmt: skip
+    assert [n for n, s in spinning.items() if s] == list(spinning)[:4]
+    runs, slept = [], []
+    monkeypatch.setattr(_timing.time, "sleep", lambda s: slept.append(len(runs)))
+    names = (bench.OURS, "limit: streaming fill", "1 thread")
+    g = bench.Group("g", [bench.Contender(n, lambda n=n: runs.append(n), 0) for n in names])
+    _timing.time_group(g, 6)
+    runs = runs[len(names) :]  # the warm-up calls
+    # A pause before exactly the runs that follow a probe's run.
+    assert [i - len(names) for i in slept] == [
+        i for i in range(1, len(runs)) if runs[i - 1].startswith("limit:")
+    ]
+
+
+def test_the_contention_rows_are_batched():
+    import argparse
+
+    from cposembed.bench.contention import CONTENTION_BATCH_S, contention
+
+    args = argparse.Namespace(
+        table=[16, 4], batch=[2, 8], threads=2, vocab=32, dtype="float32", quick=True
+    )
+    groups = contention(bench.Fixture(args, None))
+    assert {g.op for g in groups} == CONTENTION_OPS
+    assert all(g.batch_s == CONTENTION_BATCH_S > 0 for g in groups)
+
+
 def test_the_busy_process_is_killed_when_the_block_fails():
     with pytest.raises(KeyboardInterrupt), bench.busy_process() as busy:
         assert busy.poll() is None  # running

@@ -193,6 +193,62 @@ def test_idle_helpers_sleep_instead_of_spinning():
     assert r["cpu"] < 0.05, r  # 0.5 s of a spinning helper would be 0.5 s
 
 
+@needs_openmp
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_a_helper_on_its_callers_cpu_is_seen_and_the_team_backs_off():
+    """A process pinned to one CPU, calls asked for on 2 threads: each helper
+    that takes part finds itself on its caller's CPU, leaves its share to the
+    caller and the call counts as shared; with judging on, such a call sends
+    the next calls to their callers alone. The bits stay np.add.at's."""
+    code = textwrap.dedent(
+        """
+        import json, os, time
+        import numpy as np
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        import cposembed
+        from cposembed import _core
+
+        rng = np.random.default_rng(3)
+        table = rng.standard_normal((512, 256)).astype(np.float32)
+        g = rng.standard_normal((8, 512, 256)).astype(np.float32)
+        pos = rng.integers(0, 512, size=(8, 512))
+        want = np.zeros_like(table)
+        np.add.at(want, pos.ravel(), g.reshape(-1, 256))
+        ok = True
+
+        def calls():
+            global ok
+            grad = cposembed.scatter_add(np.zeros_like(table), g, pos, num_threads=2)
+            out = cposembed.add_positions(g, table, pos, num_threads=2)
+            ok &= bool(np.array_equal(grad, want) and np.array_equal(out, g + table[pos]))
+
+        def until(key, before):
+            t0 = time.monotonic()
+            while _core.team_info()[key] == before and time.monotonic() - t0 < 30:
+                calls()
+            return dict(_core.team_info())
+
+        _core.set_tuning(judge=False)
+        unjudged = until("shared", 0)
+        _core.set_tuning(judge=True)
+        judged = until("losses", unjudged["losses"])
+        calls()
+        after = _core.team_info()
+        print(json.dumps({"ok": ok, "unjudged": unjudged, "judged": judged, "after": after}))
+        """
+    )
+    proc = run_python(["-c", code])
+    assert_clean_exit(proc)
+    r = last_json(proc)
+    assert r["ok"], r
+    u, j, a = r["unjudged"], r["judged"], r["after"]
+    if u["max"] == 0:
+        pytest.skip("no team on this platform")
+    assert u["shared"] >= 1 and u["losses"] == 0, r  # seen; no back-off without judging
+    assert j["losses"] > u["losses"] and j["shared"] > u["shared"], r
+    assert a["helped"] == j["helped"], r  # the back-off: the next calls ran alone
+
+
 # Counts the threads of this process while many Python threads call the
 # kernels at once: the helpers are one set for all callers.
 _COUNT_THREADS = """

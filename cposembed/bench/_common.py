@@ -43,9 +43,10 @@ class Contender:
 
     @property
     def spins_after(self) -> bool:
-        """A peer on PyTorch's OpenMP threads (the rows named "torch ..." and
-        "fbgemm ..."), which spin for milliseconds after its call."""
-        return self.name.startswith(("torch", "fbgemm"))
+        """A contender on libgomp's OpenMP threads, which spin for milliseconds
+        after its call: PyTorch's and FBGEMM's (the rows named "torch ..." and
+        "fbgemm ...") and the limit probes' (``_membench``, "limit: ...")."""
+        return self.name.startswith(("torch", "fbgemm", "limit:"))
 
 
 @dataclass
@@ -59,6 +60,9 @@ class Group:
     tiny: bool = False
     # Timed with a CPU-bound process of the bench's own running beside (busy_process).
     busy: bool = False
+    # Each timed run a batch of back-to-back calls of at least this many seconds
+    # (time_batched), its mean per call; 0: one call per run.
+    batch_s: float = 0.0
 
 
 def same(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
+
 from ._common import OURS, Contender, Group
 
 
@@ -37,6 +39,15 @@ def _rule(group: Group, target: float) -> str:
 
 def _limit_of(group: Group) -> Contender | None:
     return next((c for c in group.contenders if c.name.startswith("limit:")), None)
+
+
+def _ratio(group: Group, ours: Contender, c: Contender) -> float:
+    """ours/this: the ratio of the medians; for batched groups (time_batched, whose
+    rounds run each contender once) the median of the rounds' ratios, which a
+    drift of the machine's speed over the run moves less."""
+    if group.batch_s and ours.times and len(ours.times) == len(c.times):
+        return float(np.median(np.divide(ours.times, c.times)))
+    return ours.median / c.median
 
 
 def _judge(group: Group, ratio: float, target: float) -> tuple[bool, str]:
@@ -77,7 +88,7 @@ def report(
         for c in g.contenders:
             med = c.median
             gbs = c.nbytes / med / 1e9 if c.nbytes and med > 0 else float("nan")
-            ratio = ours.median / med if c is not ours else 1.0
+            ratio = _ratio(g, ours, c) if c is not ours else 1.0
             target = c.target
             rule = _rule(g, target) if target is not None else ""
             verdict = ""

@@ -31,11 +31,13 @@ def round_orders(n: int, rounds: int) -> list[list[int]]:
     return orders
 
 
-# The untimed pause after a run of a peer on PyTorch's OpenMP threads
-# (Contender.spins_after): libgomp's threads spin for several milliseconds
-# after its call, on the cores the next contender needs (measured: the fused
-# SGD step + forward 19 ms after itself, 27 ms right after PyTorch's step,
-# 21 ms after a 5 ms pause). Only after such a peer: a pause before every run
+# The untimed pause after a run on libgomp's OpenMP threads (PyTorch's or the
+# limit probes', Contender.spins_after): those threads spin for several
+# milliseconds after the call, on the cores the next contender needs
+# (measured: the fused SGD step + forward 19 ms after itself, 27 ms right
+# after PyTorch's step, 21 ms after a 5 ms pause; right after a streaming
+# fill, the team's helper found both CPUs taken and the threads rows ran on
+# one thread). Only after such a peer: a pause before every run
 # would leave microsecond calls to a cold CPU (a 256-row scatter-add 15 us
 # back to back, 94 us after 10 ms of sleep).
 SETTLE_S = 0.01
@@ -82,11 +84,30 @@ def time_tiny(group: Group, repeats: int, budget_s: float = 0.005) -> None:
         c.times = sorted(c.times)[: max(3, len(c.times) // 3)]
 
 
+def time_batched(group: Group, repeats: int) -> None:
+    """Alternating rounds in shuffled order, each run a batch of back-to-back
+    calls of at least ``group.batch_s`` (one call if a call takes longer), its
+    mean per call; fills ``.times`` with every batch's (medians, unlike
+    time_tiny's fastest batches: a busy machine's slow batches count)."""
+    for c in group.contenders:
+        c.fn()
+        per_call = timeit.Timer(c.fn).timeit(3) / 3
+        c.number = max(1, int(group.batch_s / max(per_call, 1e-8)))
+        c.times = []
+    for order in round_orders(len(group.contenders), repeats):
+        for k in order:
+            c = group.contenders[k]
+            c.times.append(timeit.Timer(c.fn).timeit(c.number) / c.number)
+
+
 def measure(group: Group, repeats: int) -> None:
-    """Time ``group`` as its kind says: tiny or not, beside a busy process or not."""
+    """Time ``group`` as its kind says: tiny, batched or one call per run, beside a
+    busy process or not."""
     with busy_process() if group.busy else contextlib.nullcontext():
         if group.tiny:
             time_tiny(group, repeats)
+        elif group.batch_s:
+            time_batched(group, repeats)
         else:
             time_group(group, repeats)
 
