@@ -327,11 +327,11 @@ cdef extern from *:
      * time to in the middle of a chunk holds its caller up for as long as
      * the scheduler keeps it off, and a caller its own helper displaces
      * waits as long (milliseconds on a busy machine): this is how the team
-     * learns that the machine is busy. A call whose threads were `shared`
-     * out on one CPU (cpe_crew_shared) counts as slower whatever it took:
-     * its caller's pace was then slowed by its own helper, or by the other
-     * process its CPU runs, and a caller alone would have had a CPU of its
-     * own. */
+     * learns that the machine is busy. A call with two of its threads seen
+     * on one CPU (`shared`, cpe_crew_shared) counts as slower whatever it
+     * took: its caller's pace, which the estimate rests on, was then slowed
+     * by its own helper or by the other process on its CPU, while a caller
+     * alone would have had a CPU of its own. */
     static void cpe_judge(long long took, const cpe_pace *pace, Py_ssize_t n_chunks,
                           int shared, long long now) {
         double alone;
