@@ -201,6 +201,23 @@ def test_a_large_gradient_can_be_resized_as_nn_embeddings() -> None:
     e.weight.grad.resize_(BIG + 1, 8)
 
 
+def test_a_small_gradient_is_torchs_memory_zeroed_whatever_the_allocator_left() -> None:
+    # Below 2 MiB a gradient is torch.empty zeroed on the calling thread: memory
+    # torch's allocator may hand out dirty, which must not show through, and a
+    # storage torch can resize, as nn.Embedding's.
+    for _ in range(20):  # freed dirty blocks of the gradient's size
+        torch.full((300, 16), float("nan"))
+    e, ref = ct.Embedding(300, 16), torch.nn.Embedding(300, 16)
+    with torch.no_grad():
+        ref.weight.copy_(e.weight)
+    ids = torch.tensor([[3, 5, 3], [7, 299, 0]])
+    e(ids).sum().backward()
+    ref(ids).sum().backward()
+    assert torch.equal(e.weight.grad, ref.weight.grad)
+    assert not e.weight.grad[[1, 2, 4, 298]].any()
+    e.weight.grad.resize_(301, 16)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="forward outputs are NumPy memory (the output pool) handed to torch.from_numpy, "
