@@ -648,6 +648,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     cdef cnp.ndarray G = <cnp.ndarray>grad
     cdef cnp.ndarray g = <cnp.ndarray>grad_output
     cdef Py_ssize_t L = cnp.PyArray_DIMS(G)[0], d = cnp.PyArray_DIMS(G)[1]
+    cdef Py_ssize_t rb = d * cnp.PyArray_ITEMSIZE(G)
     cdef int nd = cnp.PyArray_NDIM(g)
     if (
         not cnp.PyArray_ISWRITEABLE(G)
@@ -684,9 +685,8 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
             c.L = L
             c.src_type = cnp.PyArray_TYPE(g)
             c.plan = <ScatterPlan>plan
-            if _compact_pays(L, m, d * cnp.PyArray_ITEMSIZE(G)):
-                _compact(&sp, ix.rows, m, L, d * cnp.PyArray_ITEMSIZE(G), False,
-                         "the sparse plan")
+            if _compact_pays(L, m, rb):
+                _compact(&sp, ix.rows, m, L, rb, False, "the sparse plan")
                 _sum_compact(&sp, cnp.PyArray_DATA(G), &c.out, &c.rows, &c.L, &c.compact_of,
                              &c.compact_rows)
             c.scratch = <int64_t*>_scratch_or_raise(_scatter_scratch_bytes(c.L, m, nt),

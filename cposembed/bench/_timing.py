@@ -67,18 +67,24 @@ def time_group(group: Group, repeats: int, slow_s: float = 0.3, settle_s: float 
             spun = c.spins_after
 
 
-def time_tiny(group: Group, repeats: int, budget_s: float = 0.005) -> None:
-    """Per-call times of microsecond calls: batches of calls, alternating."""
+def _time_batches(group: Group, rounds: int, budget_s: float, calibrate: int) -> None:
+    """Alternating rounds in shuffled order, each run a batch of back-to-back calls
+    of at least ``budget_s`` (per-call time from ``calibrate`` calls after a warm-up;
+    one call if a call takes longer); fills ``.times`` with every batch's mean per call."""
     for c in group.contenders:
         c.fn()
-        per_call = timeit.Timer(c.fn).timeit(50) / 50
+        per_call = timeit.Timer(c.fn).timeit(calibrate) / calibrate
         c.number = max(1, int(budget_s / max(per_call, 1e-8)))
         c.times = []
-    for order in round_orders(len(group.contenders), repeats * 3):
+    for order in round_orders(len(group.contenders), rounds):
         for k in order:
             c = group.contenders[k]
-            t = timeit.Timer(c.fn).timeit(c.number)
-            c.times.append(t / c.number)
+            c.times.append(timeit.Timer(c.fn).timeit(c.number) / c.number)
+
+
+def time_tiny(group: Group, repeats: int, budget_s: float = 0.005) -> None:
+    """Per-call times of microsecond calls: batches of calls, alternating."""
+    _time_batches(group, repeats * 3, budget_s, 50)
     for c in group.contenders:
         # The fastest batches: the ones least disturbed by other processes.
         c.times = sorted(c.times)[: max(3, len(c.times) // 3)]
@@ -89,15 +95,7 @@ def time_batched(group: Group, repeats: int) -> None:
     calls of at least ``group.batch_s`` (one call if a call takes longer), its
     mean per call; fills ``.times`` with every batch's (medians, unlike
     time_tiny's fastest batches: a busy machine's slow batches count)."""
-    for c in group.contenders:
-        c.fn()
-        per_call = timeit.Timer(c.fn).timeit(3) / 3
-        c.number = max(1, int(group.batch_s / max(per_call, 1e-8)))
-        c.times = []
-    for order in round_orders(len(group.contenders), repeats):
-        for k in order:
-            c = group.contenders[k]
-            c.times.append(timeit.Timer(c.fn).timeit(c.number) / c.number)
+    _time_batches(group, repeats, group.batch_s, 3)
 
 
 def measure(group: Group, repeats: int) -> None:
