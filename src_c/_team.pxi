@@ -62,6 +62,8 @@ cdef extern from *:
     typedef void (*cpe_chunk_fn)(void *arg, Py_ssize_t chunk);
 
     #define CPE_CREW_MAX 64
+    #define CPE_BACKOFF_MIN 20000000LL      /* ns: the shortest back-off (below) */
+    #define CPE_BACKOFF_MAX 2000000000LL    /* ns: the longest */
     #if CPE_TEAM
     /* The CPU the calling thread runs on, or -1 where that is unknown. */
     static inline int cpe_cpu(void) {
@@ -163,10 +165,10 @@ cdef extern from *:
     /* After a call that took longer with helpers than it would have alone,
      * calls run on their callers alone until cpe_serial_until (ns,
      * CLOCK_MONOTONIC): for cpe_backoff_ns, doubled while such calls keep
-     * coming (up to CPE_BACKOFF_MAX), back to CPE_BACKOFF_MIN once they stop. */
-    #define CPE_BACKOFF_MIN 20000000LL
-    #define CPE_BACKOFF_MAX 2000000000LL
+     * coming (up to CPE_BACKOFF_MAX), back to cpe_backoff_min once they
+     * stop. cpe_backoff_min is CPE_BACKOFF_MIN unless a test set it. */
     static long long cpe_serial_until = 0;
+    static long long cpe_backoff_min = CPE_BACKOFF_MIN;
     static long long cpe_backoff_ns = CPE_BACKOFF_MIN;
     static long long cpe_last_loss = 0;
     static long cpe_losses = 0;
@@ -346,8 +348,9 @@ cdef extern from *:
         if (now - cpe_last_loss < 4 * cpe_backoff_ns) {
             cpe_backoff_ns *= 2;
             if (cpe_backoff_ns > CPE_BACKOFF_MAX) cpe_backoff_ns = CPE_BACKOFF_MAX;
+            if (cpe_backoff_ns < cpe_backoff_min) cpe_backoff_ns = cpe_backoff_min;
         } else {
-            cpe_backoff_ns = CPE_BACKOFF_MIN;
+            cpe_backoff_ns = cpe_backoff_min;
         }
         cpe_last_loss = now;
         __atomic_add_fetch(&cpe_losses, 1, __ATOMIC_RELAXED);
@@ -410,7 +413,7 @@ cdef extern from *:
         cpe_n_started = 0;
         cpe_refused = 0;
         cpe_serial_until = 0;
-        cpe_backoff_ns = CPE_BACKOFF_MIN;
+        cpe_backoff_ns = cpe_backoff_min;
         cpe_last_loss = 0;
         cpe_losses = 0;
         cpe_helped = 0;
@@ -435,16 +438,19 @@ cdef extern from *:
         __atomic_store_n(&cpe_spin_ns, ns < 0 ? 0 : ns, __ATOMIC_RELAXED);
     }
     static long cpe_team_spin(void) { return __atomic_load_n(&cpe_spin_ns, __ATOMIC_RELAXED); }
-    /* For tests: judging on or off; either way the back-off ends now. */
-    static void cpe_team_set_judging(int on) {
+    /* For tests: judging on or off, and the shortest back-off (ns; <= 0
+     * keeps it); either way the back-off ends now. */
+    static void cpe_team_set_judging(int on, long long backoff_min_ns) {
         pthread_mutex_lock(&cpe_pool_mu);
         cpe_judging = on;
+        if (backoff_min_ns > 0) cpe_backoff_min = backoff_min_ns;
         __atomic_store_n(&cpe_serial_until, 0, __ATOMIC_RELAXED);
-        cpe_backoff_ns = CPE_BACKOFF_MIN;
+        cpe_backoff_ns = cpe_backoff_min;
         cpe_last_loss = 0;
         pthread_mutex_unlock(&cpe_pool_mu);
     }
     static int cpe_team_judging(void) { return __atomic_load_n(&cpe_judging, __ATOMIC_RELAXED); }
+    static long long cpe_team_backoff_min(void) { return cpe_backoff_min; }
     /* For tests: as if the OS had refused (or again allowed) new threads. */
     static void cpe_team_set_refused(int refused) {
         pthread_mutex_lock(&cpe_pool_mu);
@@ -536,8 +542,11 @@ cdef extern from *:
     static long cpe_team_shared(void) { return 0; }
     static int cpe_team_max(void) { return 0; }
     static int cpe_team_available(void) { return 0; }
-    static void cpe_team_set_judging(int on) { (void)on; }
+    static void cpe_team_set_judging(int on, long long backoff_min_ns) {
+        (void)on; (void)backoff_min_ns;
+    }
     static int cpe_team_judging(void) { return 1; }
+    static long long cpe_team_backoff_min(void) { return CPE_BACKOFF_MIN; }
     #endif
     """
     ctypedef void (*cpe_chunk_fn)(void* arg, Py_ssize_t chunk) noexcept nogil
@@ -558,8 +567,9 @@ cdef extern from *:
     long cpe_team_shared() noexcept nogil
     int cpe_team_max() noexcept nogil
     int cpe_team_available() noexcept nogil
-    void cpe_team_set_judging(int on) noexcept nogil
+    void cpe_team_set_judging(int on, long long backoff_min_ns) noexcept nogil
     int cpe_team_judging() noexcept nogil
+    long long cpe_team_backoff_min() noexcept nogil
 
 cpe_team_init()
 
@@ -717,20 +727,29 @@ def cpu_limit():
 
 
 def set_tuning(serial_below=None, stream_bytes=None, scan_block_bytes=None,
-               chunk_elems=None, judge=None):
+               chunk_elems=None, judge=None, backoff_s=None):
     """Change the size rules (for tests that force every kernel path on small
     data): the serial threshold, the streaming-store threshold, the scan's
-    cache budget, the row kernels' chunk size, and whether the team backs off
-    after calls its helpers did not speed up (setting it ends a back-off);
-    returns the previous values as a dict. None keeps a value."""
+    cache budget, the row kernels' chunk size, whether the team backs off
+    after calls its helpers did not speed up, and the shortest such back-off
+    in seconds (setting either of the last two ends a back-off); returns the
+    previous values as a dict. None keeps a value."""
     global _SERIAL_BELOW, _STREAM_BYTES, _scan_block_bytes, _chunk_elems
     old = {"serial_below": _SERIAL_BELOW, "stream_bytes": _STREAM_BYTES,
            "scan_block_bytes": _scan_block_bytes, "chunk_elems": _chunk_elems,
-           "judge": bool(cpe_team_judging())}
+           "judge": bool(cpe_team_judging()),
+           "backoff_s": cpe_team_backoff_min() * 1e-9}
+    cdef double backoff = 0.0
+    if backoff_s is not None:
+        backoff = backoff_s
+        if not 1e-6 <= backoff <= 3600.0:
+            raise ValueError(f"backoff_s must be from 1e-6 to 3600 seconds, got {backoff_s!r}")
     if chunk_elems is not None:
         _chunk_elems = max(1, <Py_ssize_t>chunk_elems)
-    if judge is not None:
-        cpe_team_set_judging(1 if judge else 0)
+    if judge is not None or backoff_s is not None:
+        cpe_team_set_judging(
+            cpe_team_judging() if judge is None else (1 if judge else 0),
+            0 if backoff_s is None else <long long>(backoff * 1e9))
     if serial_below is not None:
         _SERIAL_BELOW = max(0, <Py_ssize_t>serial_below)
     if stream_bytes is not None:

@@ -199,7 +199,9 @@ def test_a_helper_on_its_callers_cpu_is_seen_and_the_team_backs_off():
     """A process pinned to one CPU, calls asked for on 2 threads: each helper
     that takes part finds itself on its caller's CPU, leaves its share to the
     caller and the call counts as shared; with judging on, such a call sends
-    the next calls to their callers alone. The bits stay np.add.at's."""
+    the next calls to their callers alone (a back-off of at least 30 s here,
+    so that a slow build's calls all fall inside it). The bits stay
+    np.add.at's."""
     code = textwrap.dedent(
         """
         import json, os, time
@@ -230,7 +232,7 @@ def test_a_helper_on_its_callers_cpu_is_seen_and_the_team_backs_off():
 
         _core.set_tuning(judge=False)
         unjudged = until("shared", 0)
-        _core.set_tuning(judge=True)
+        _core.set_tuning(judge=True, backoff_s=30.0)
         judged = until("losses", unjudged["losses"])
         calls()
         after = _core.team_info()
@@ -383,3 +385,16 @@ def test_100_calling_threads_under_an_os_thread_limit_complete_and_exit_cleanly(
     # The limit was reached: the OS refused a helper, and the calls went on.
     assert r["team"]["refused"], r
     assert r["team"]["started"] <= 2, r
+
+
+def test_the_shortest_back_off_is_a_tuning_that_is_checked_and_restored():
+    old = _core.set_tuning(backoff_s=0.5)
+    try:
+        assert _core.set_tuning()["backoff_s"] == pytest.approx(0.5)
+        for bad in (0.0, -1.0, float("nan"), 1e9):
+            with pytest.raises(ValueError, match="backoff_s must be from"):
+                _core.set_tuning(backoff_s=bad)
+        assert _core.set_tuning()["backoff_s"] == pytest.approx(0.5)  # nothing changed
+    finally:
+        _core.set_tuning(**old)
+    assert _core.set_tuning()["backoff_s"] == pytest.approx(0.02)
