@@ -334,16 +334,20 @@ cdef extern from *:
      * took: its caller's pace, which the estimate rests on, was then slowed
      * by its own helper or by the other process on its CPU, while a caller
      * alone would have had a CPU of its own. */
-    static void cpe_judge(long long took, const cpe_pace *pace, Py_ssize_t n_chunks,
-                          int shared, long long now) {
+    static int cpe_is_loss(long long took, const cpe_pace *pace, Py_ssize_t n_chunks,
+                           int shared) {
         double alone;
-        if (pace->n <= 0) return;
+        if (pace->n <= 0) return 0;
         if (pace->n == 1)
             alone = (double)pace->sum * (double)n_chunks;
         else
             alone = (double)(pace->sum - pace->longest) / (double)(pace->n - 1)
                     * (double)n_chunks;
-        if (!shared && (double)took <= 0.9 * alone - 5000.0) return;
+        return shared || (double)took > 0.9 * alone - 5000.0;
+    }
+    static void cpe_judge(long long took, const cpe_pace *pace, Py_ssize_t n_chunks,
+                          int shared, long long now) {
+        if (!cpe_is_loss(took, pace, n_chunks, shared)) return;
         pthread_mutex_lock(&cpe_pool_mu);
         if (now - cpe_last_loss < 4 * cpe_backoff_ns) {
             cpe_backoff_ns *= 2;
@@ -451,6 +455,17 @@ cdef extern from *:
     }
     static int cpe_team_judging(void) { return __atomic_load_n(&cpe_judging, __ATOMIC_RELAXED); }
     static long long cpe_team_backoff_min(void) { return cpe_backoff_min; }
+    /* For tests: cpe_is_loss of a call whose caller's chunks took
+     * n, sum and longest ns. */
+    static int cpe_team_is_loss(long long took, Py_ssize_t n, long long sum, long long longest,
+                                Py_ssize_t n_chunks, int shared) {
+        cpe_pace pace;
+        pace.n = n;
+        pace.sum = sum;
+        pace.longest = longest;
+        pace.cpu[0] = pace.cpu[1] = -1;
+        return cpe_is_loss(took, &pace, n_chunks, shared);
+    }
     /* For tests: as if the OS had refused (or again allowed) new threads. */
     static void cpe_team_set_refused(int refused) {
         pthread_mutex_lock(&cpe_pool_mu);
@@ -547,6 +562,11 @@ cdef extern from *:
     }
     static int cpe_team_judging(void) { return 1; }
     static long long cpe_team_backoff_min(void) { return CPE_BACKOFF_MIN; }
+    static int cpe_team_is_loss(long long took, Py_ssize_t n, long long sum, long long longest,
+                                Py_ssize_t n_chunks, int shared) {
+        (void)took; (void)n; (void)sum; (void)longest; (void)n_chunks; (void)shared;
+        return 0;
+    }
     #endif
     """
     ctypedef void (*cpe_chunk_fn)(void* arg, Py_ssize_t chunk) noexcept nogil
@@ -570,6 +590,8 @@ cdef extern from *:
     void cpe_team_set_judging(int on, long long backoff_min_ns) noexcept nogil
     int cpe_team_judging() noexcept nogil
     long long cpe_team_backoff_min() noexcept nogil
+    int cpe_team_is_loss(long long took, Py_ssize_t n, long long sum, long long longest,
+                         Py_ssize_t n_chunks, int shared) noexcept nogil
 
 cpe_team_init()
 
@@ -790,6 +812,26 @@ def set_team_spin(long ns):
     cdef long old = cpe_team_spin()
     cpe_team_set_spin(ns)
     return old
+
+
+def team_judges_loss(long long took_ns, chunks_ns, Py_ssize_t n_chunks, bint shared):
+    """Whether the team counts a call as slower than its caller alone (and
+    backs off): the call took took_ns with helpers, its caller's own chunks
+    took chunks_ns (a sequence of ns), the call had n_chunks, and two of its
+    threads were seen on one CPU (shared). False where there is no team. For
+    tests of the rule."""
+    cdef long long c, total = 0, longest = 0
+    cdef Py_ssize_t n = 0
+    for value in chunks_ns:
+        c = value
+        if c < 0:
+            raise ValueError(f"chunk times must be >= 0 ns, got {value!r}")
+        total += c
+        longest = max(longest, c)
+        n += 1
+    if n_chunks < n:
+        raise ValueError(f"n_chunks must be at least the caller's {n} chunks, got {n_chunks}")
+    return bool(cpe_team_is_loss(took_ns, n, total, longest, n_chunks, shared))
 
 
 def set_team_refused(bint refused):

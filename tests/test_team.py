@@ -232,22 +232,29 @@ def test_a_helper_on_its_callers_cpu_is_seen_and_the_team_backs_off():
 
         _core.set_tuning(judge=False)
         unjudged = until("shared", 0)
-        _core.set_tuning(judge=True, backoff_s=30.0)
-        judged = until("losses", unjudged["losses"])
+        # A call no helper took part in is a loss too: until a loss comes
+        # with a shared call, each try starting a fresh back-off.
+        for _ in range(50):
+            _core.set_tuning(judge=True, backoff_s=30.0)
+            before = dict(_core.team_info())
+            judged = until("losses", before["losses"])
+            if judged["shared"] > before["shared"]:
+                break
         calls()
         after = _core.team_info()
-        print(json.dumps({"ok": ok, "unjudged": unjudged, "judged": judged, "after": after}))
+        print(json.dumps({"ok": ok, "unjudged": unjudged, "before": before, "judged": judged,
+                          "after": after}))
         """
     )
     proc = run_python(["-c", code])
     assert_clean_exit(proc)
     r = last_json(proc)
     assert r["ok"], r
-    u, j, a = r["unjudged"], r["judged"], r["after"]
+    u, b, j, a = r["unjudged"], r["before"], r["judged"], r["after"]
     if u["max"] == 0:
         pytest.skip("no team on this platform")
     assert u["shared"] >= 1 and u["losses"] == 0, r  # seen; no back-off without judging
-    assert j["losses"] > u["losses"] and j["shared"] > u["shared"], r
+    assert j["losses"] > b["losses"] and j["shared"] > b["shared"], r
     assert a["helped"] == j["helped"], r  # the back-off: the next calls ran alone
 
 
@@ -398,3 +405,30 @@ def test_the_shortest_back_off_is_a_tuning_that_is_checked_and_restored():
     finally:
         _core.set_tuning(**old)
     assert _core.set_tuning()["backoff_s"] == pytest.approx(0.02)
+
+
+@needs_openmp
+@pytest.mark.skipif(sys.platform == "win32", reason="no team on Windows")
+def test_the_judge_counts_a_call_as_a_loss_unless_helpers_made_it_faster():
+    """The rule the back-off starts on (cpe_is_loss): a call is a loss unless
+    it took at most 90 % less 5 us of its caller's pace over all its chunks,
+    the caller's longest chunk left out; a call whose threads shared a CPU is
+    a loss whatever it took."""
+    judge = _core.team_judges_loss
+    even = [100_000] * 10  # the caller's 10 of 20 chunks at 100 us: alone 2 ms
+    assert not judge(1_000_000, even, 20, False)
+    assert judge(1_000_000, even, 20, True)  # shared: a loss however fast
+    assert judge(1_900_000, even, 20, False)
+    assert not judge(1_795_000, even, 20, False) and judge(1_796_000, even, 20, False)
+    # The longest chunk (the scheduler took the CPU away) is left out: alone 2 ms.
+    assert judge(3_000_000, [100_000] * 9 + [5_000_000], 20, False)
+    assert not judge(1_000_000, [100_000] * 9 + [5_000_000], 20, False)
+    # One chunk is the whole pace; a small call must gain 5 us as well as 10 %.
+    assert not judge(100_000, [100_000], 2, False) and judge(100_000, [100_000], 2, True)
+    assert judge(1_000, [1_000], 2, False)
+    assert judge(14_000, [1_000] * 10, 20, False) and not judge(12_000, [1_000] * 10, 20, False)
+    assert not judge(10**9, [], 4, True)  # no chunk of the caller's: nothing to judge by
+    with pytest.raises(ValueError, match="chunk times"):
+        judge(1, [-1], 2, False)
+    with pytest.raises(ValueError, match="n_chunks must be"):
+        judge(1, [1, 1, 1], 2, False)
