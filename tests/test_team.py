@@ -394,19 +394,6 @@ def test_100_calling_threads_under_an_os_thread_limit_complete_and_exit_cleanly(
     assert r["team"]["started"] <= 2, r
 
 
-def test_the_shortest_back_off_is_a_tuning_that_is_checked_and_restored():
-    old = _core.set_tuning(backoff_s=0.5)
-    try:
-        assert _core.set_tuning()["backoff_s"] == pytest.approx(0.5)
-        for bad in (0.0, -1.0, float("nan"), 1e9):
-            with pytest.raises(ValueError, match="backoff_s must be from"):
-                _core.set_tuning(backoff_s=bad)
-        assert _core.set_tuning()["backoff_s"] == pytest.approx(0.5)  # nothing changed
-    finally:
-        _core.set_tuning(**old)
-    assert _core.set_tuning()["backoff_s"] == pytest.approx(0.02)
-
-
 @needs_openmp
 @pytest.mark.skipif(sys.platform == "win32", reason="no team on Windows")
 def test_the_judge_counts_a_call_as_a_loss_unless_helpers_made_it_faster():
