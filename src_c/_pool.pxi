@@ -6,7 +6,10 @@
 # in and zeroed by the kernel on first write, which costs more than the
 # lookup that fills it (on a VM several times more). Typical use allocates
 # outputs of the same size step after step, so this module keeps a few freed
-# blocks and hands them out again. A block returns to the pool only when the
+# blocks and hands them out again; when it is full, a freed block takes the
+# place of the blocks that have waited longest (returned to the OS), since
+# the block just freed is the one the next step asks for again. A block
+# returns to the pool only when the
 # last array (or view) using its memory is gone: the ndarray's base is a
 # _Block, whose __dealloc__ runs exactly then, with the GIL held, which also
 # serialises access to the pool.
@@ -39,6 +42,7 @@ cdef extern from *:
 cdef enum:
     _MAX_BLOCKS = 8
 
+# The kept blocks, oldest first.
 cdef void* _pool_ptr[_MAX_BLOCKS]
 cdef size_t _pool_size[_MAX_BLOCKS]
 cdef int _pool_n = 0
@@ -54,10 +58,25 @@ cdef size_t _pool_bytes() noexcept:
     return total
 
 
-cdef bint _give_back(void* ptr, size_t nbytes) noexcept:
+cdef void _drop(int i) noexcept:
+    # Removes kept block i from the list (the order of the others kept).
     global _pool_n
-    if not _enabled or _pool_n >= _MAX_BLOCKS or _pool_bytes() + nbytes > _pool_limit:
+    cdef int k
+    for k in range(i + 1, _pool_n):
+        _pool_ptr[k - 1] = _pool_ptr[k]
+        _pool_size[k - 1] = _pool_size[k]
+    _pool_n -= 1
+
+
+cdef bint _give_back(void* ptr, size_t nbytes) noexcept:
+    # Keeps a freed block, newest last, returning the oldest ones to the OS
+    # until it fits; False (the caller frees it) if it cannot fit at all.
+    global _pool_n
+    if not _enabled or nbytes > _pool_limit:
         return False
+    while _pool_n > 0 and (_pool_n >= _MAX_BLOCKS or _pool_bytes() + nbytes > _pool_limit):
+        free(_pool_ptr[0])
+        _drop(0)
     _pool_ptr[_pool_n] = ptr
     _pool_size[_pool_n] = nbytes
     _pool_n += 1
@@ -66,7 +85,6 @@ cdef bint _give_back(void* ptr, size_t nbytes) noexcept:
 
 cdef void* _take(size_t nbytes, size_t* got) noexcept:
     # The smallest pooled block that fits without wasting more than half.
-    global _pool_n
     cdef int i, best = -1
     for i in range(_pool_n):
         if nbytes <= _pool_size[i] <= 2 * nbytes:
@@ -76,9 +94,7 @@ cdef void* _take(size_t nbytes, size_t* got) noexcept:
         return NULL
     cdef void* p = _pool_ptr[best]
     got[0] = _pool_size[best]
-    _pool_n -= 1
-    _pool_ptr[best] = _pool_ptr[_pool_n]
-    _pool_size[best] = _pool_size[_pool_n]
+    _drop(best)
     return p
 
 

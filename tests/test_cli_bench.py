@@ -146,7 +146,7 @@ def test_the_half_rows_have_the_issues_targets_and_equal_checks(tmp_path, dtype)
     rows = _quick_rows(tmp_path, "--no-torch", "--only", "half", "--dtype", dtype)
     assert _targets_of(rows) == HALF_TARGETS
     checked = [r for r in rows if r["contender"] != bench.OURS and r["check"]]
-    assert len(checked) == 7 and all(r["check"] == "equal" for r in checked), checked
+    assert len(checked) == 8 and all(r["check"] == "equal" for r in checked), checked
     assert {(op, c) for (op, c) in HALF_TARGETS} <= set(bench.TARGETS)
 
 

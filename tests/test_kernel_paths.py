@@ -666,6 +666,35 @@ def test_pool_can_be_switched_off_limited_and_cleared(pool_on):
         _core.block(0)
 
 
+def test_a_full_pool_keeps_the_newest_blocks(pool_on):
+    """A freed block takes the place of the blocks kept longest: after other
+    sizes filled every place, the size a loop asks for step after step is
+    still reused (a training loop's outputs after other work); the byte
+    limit is kept the same way, and a block over it is not kept at all."""
+    mib = 1 << 20
+    others = [_core.block(k * mib) for k in range(1, 9)]  # 8 sizes: every place
+    while others:
+        del others[0]  # 1 MiB freed first: the oldest
+    assert _core.pool_info()[:2] == (8, 36 * mib)
+    step = _core.block(50 * mib)
+    assert not step.reused
+    del step
+    assert _core.pool_info()[:2] == (8, 85 * mib)  # in place of 1 MiB, the oldest
+    for _ in range(3):
+        step = _core.block(50 * mib)
+        assert step.reused
+        del step
+    assert _core.pool_info()[:2] == (8, 85 * mib)
+    _core.set_pool(True, limit_bytes=60 * mib)
+    blk = _core.block(20 * mib)
+    del blk  # 2-8 MiB, then 50 MiB, make room for it
+    assert _core.pool_info()[:2] == (1, 20 * mib)
+    blk = _core.block(61 * mib)
+    del blk  # over the limit: freed, and nothing else is
+    assert _core.pool_info()[:2] == (1, 20 * mib)
+    assert _core.block(20 * mib).reused
+
+
 def test_reuse_can_be_turned_off_by_environment():
     code = (
         "import numpy as np, cposembed\n"

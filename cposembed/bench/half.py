@@ -117,8 +117,16 @@ def half_embed(f: Fixture) -> Group:
             target=0.7,
         ),
         Contender("numpy wte[ids] + wpe[:T]", lambda: wte[ids] + wpe[:T], out.nbytes),
+        # A floor under the call: its token rows' gather and the output's
+        # writes, without the positions or the arithmetic.
+        Contender(
+            "cposembed lookup(wte, ids, out=) alone",
+            lambda: lookup(wte, ids, out=out, num_threads=nt),
+            out.nbytes,
+        ),
     ]
     cs[3].check = same(embed(ids, wte, wpe), wte[ids] + wpe[:T])
+    cs[4].check = same(lookup(wte, ids, num_threads=nt), wte[ids])
     note = f"vocab {f.vocab}, ids ({f.B}, {T}) Zipf 1.2, positions=None, bfloat16 tables"
     return Group("embed(out=) bfloat16", cs, note)
 
