@@ -1,7 +1,9 @@
 """Half precision: ``lookup(out=)`` of float16 and bfloat16 tables and ``scatter_add``
 of a half ``grad_output`` into a float32 gradient, against the limits on their
 (half) bytes; ``embed(out=)`` with bfloat16 tables against the limit and the same
-call with float32 tables."""
+call with float32 tables. Beside the scatter-add and the embed, a floor under each
+is timed too: the same reads and adds into a table that stays in cache, and the
+gather of the token rows alone."""
 
 from __future__ import annotations
 
@@ -68,6 +70,9 @@ def half_scatter(f: Fixture, dt: np.dtype) -> Group:
     gout32 = gout.astype(np.float32)
     G = np.zeros((f.L, f.d), np.float32)
     G32 = np.zeros((f.L, f.d), np.float32)
+    # The same reads and adds into 16 rows, which stay in cache: the call's
+    # cost without its table's traffic (a floor under the call).
+    pos16, G16 = pos % 16, np.zeros((16, f.d), np.float32)
     probe, probe_nt = _as_float32(gout), _probe_threads(f, gout.size)
     cs = [
         Contender(OURS, lambda: scatter_add(G, gout, pos, num_threads=nt), gout.nbytes),
@@ -81,6 +86,11 @@ def half_scatter(f: Fixture, dt: np.dtype) -> Group:
             "cposembed, float32 grad_output",
             lambda: scatter_add(G32, gout32, pos, num_threads=nt),
             gout32.nbytes,
+        ),
+        Contender(
+            "cposembed, the same into 16 rows (in cache)",
+            lambda: scatter_add(G16, gout, pos16, num_threads=nt),
+            gout.nbytes,
         ),
     ]
     a, b = np.zeros_like(G), np.zeros_like(G)
