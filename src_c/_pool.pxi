@@ -9,10 +9,9 @@
 # blocks and hands them out again; when it is full, a freed block takes the
 # place of the blocks that have waited longest (returned to the OS), since
 # the block just freed is the one the next step asks for again. A block
-# returns to the pool only when the
-# last array (or view) using its memory is gone: the ndarray's base is a
-# _Block, whose __dealloc__ runs exactly then, with the GIL held, which also
-# serialises access to the pool.
+# returns to the pool only when the last array (or view) using its memory is
+# gone: the ndarray's base is a _Block, whose __dealloc__ runs exactly then,
+# with the GIL held, which also serialises access to the pool.
 
 from cpython.buffer cimport PyBuffer_FillInfo
 
