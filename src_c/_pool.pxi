@@ -6,12 +6,15 @@
 # in and zeroed by the kernel on first write, which costs more than the
 # lookup that fills it (on a VM several times more). Typical use allocates
 # outputs of the same size step after step, so this module keeps a few freed
-# blocks and hands them out again; when it is full, a freed block takes the
-# place of the blocks that have waited longest (returned to the OS), since
-# the block just freed is the one the next step asks for again. A block
-# returns to the pool only when the last array (or view) using its memory is
-# gone: the ndarray's base is a _Block, whose __dealloc__ runs exactly then,
-# with the GIL held, which also serialises access to the pool.
+# blocks and hands them out again. When it is full, a freed block takes the
+# place of kept blocks smaller than itself (returned to the OS, smallest
+# first), or is returned to the OS if only larger ones would make room: what
+# a miss costs grows with the block's size (a 50 MB output faults in for
+# milliseconds; the calls' scratch for tenths of one), and the scratch shares
+# the places. A block returns to the pool only when the last array (or view)
+# using its memory is gone: the ndarray's base is a _Block, whose __dealloc__
+# runs exactly then, with the GIL held, which also serialises access to the
+# pool.
 
 from cpython.buffer cimport PyBuffer_FillInfo
 
@@ -41,7 +44,6 @@ cdef extern from *:
 cdef enum:
     _MAX_BLOCKS = 8
 
-# The kept blocks, oldest first.
 cdef void* _pool_ptr[_MAX_BLOCKS]
 cdef size_t _pool_size[_MAX_BLOCKS]
 cdef int _pool_n = 0
@@ -58,24 +60,36 @@ cdef size_t _pool_bytes() noexcept:
 
 
 cdef void _drop(int i) noexcept:
-    # Removes kept block i from the list (the order of the others kept).
+    # Removes kept block i from the list.
     global _pool_n
-    cdef int k
-    for k in range(i + 1, _pool_n):
-        _pool_ptr[k - 1] = _pool_ptr[k]
-        _pool_size[k - 1] = _pool_size[k]
     _pool_n -= 1
+    _pool_ptr[i] = _pool_ptr[_pool_n]
+    _pool_size[i] = _pool_size[_pool_n]
 
 
 cdef bint _give_back(void* ptr, size_t nbytes) noexcept:
-    # Keeps a freed block, newest last, returning the oldest ones to the OS
-    # until it fits; False (the caller frees it) if it cannot fit at all.
+    # Keeps a freed block, in the place of kept blocks smaller than it
+    # (returned to the OS, smallest first) if it needs their places or
+    # bytes; False (the caller frees it) if even all of those would not make
+    # room.
     global _pool_n
+    cdef int i, smallest, n_small = 0
+    cdef size_t small_bytes = 0
     if not _enabled or nbytes > _pool_limit:
         return False
-    while _pool_n > 0 and (_pool_n >= _MAX_BLOCKS or _pool_bytes() + nbytes > _pool_limit):
-        free(_pool_ptr[0])
-        _drop(0)
+    for i in range(_pool_n):
+        if _pool_size[i] < nbytes:
+            n_small += 1
+            small_bytes += _pool_size[i]
+    if _pool_n - n_small >= _MAX_BLOCKS or _pool_bytes() - small_bytes + nbytes > _pool_limit:
+        return False
+    while _pool_n >= _MAX_BLOCKS or _pool_bytes() + nbytes > _pool_limit:
+        smallest = 0
+        for i in range(1, _pool_n):
+            if _pool_size[i] < _pool_size[smallest]:
+                smallest = i
+        free(_pool_ptr[smallest])
+        _drop(smallest)
     _pool_ptr[_pool_n] = ptr
     _pool_size[_pool_n] = nbytes
     _pool_n += 1

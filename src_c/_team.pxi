@@ -33,7 +33,8 @@
 # have been (a helper or the caller lost its CPU to another process midway),
 # or one that found two of its threads on one CPU (a busy machine had no CPU
 # free for a helper; such a helper leaves its share to its caller at once),
-# sends the calls of the next 20 ms to 2 s to their callers alone (cpe_judge).
+# sends the calls of the next 20 ms to 2 s to their callers alone (cpe_judge;
+# tests may set a longer shortest back-off, set_tuning(backoff_s=)).
 # The set of helpers is bounded (_OVERSUBSCRIBE times the CPUs, less one),
 # however many Python threads call at once. Helpers are started on first
 # need; if the OS refuses one, the call runs with those it has (serially
@@ -166,7 +167,8 @@ cdef extern from *:
      * calls run on their callers alone until cpe_serial_until (ns,
      * CLOCK_MONOTONIC): for cpe_backoff_ns, doubled while such calls keep
      * coming (up to CPE_BACKOFF_MAX), back to cpe_backoff_min once they
-     * stop. cpe_backoff_min is CPE_BACKOFF_MIN unless a test set it. */
+     * stop. cpe_backoff_min is CPE_BACKOFF_MIN unless a test set it (to
+     * anything up to an hour, which then also wins over CPE_BACKOFF_MAX). */
     static long long cpe_serial_until = 0;
     static long long cpe_backoff_min = CPE_BACKOFF_MIN;
     static long long cpe_backoff_ns = CPE_BACKOFF_MIN;
@@ -447,14 +449,17 @@ cdef extern from *:
     static void cpe_team_set_judging(int on, long long backoff_min_ns) {
         pthread_mutex_lock(&cpe_pool_mu);
         cpe_judging = on;
-        if (backoff_min_ns > 0) cpe_backoff_min = backoff_min_ns;
+        if (backoff_min_ns > 0)
+            __atomic_store_n(&cpe_backoff_min, backoff_min_ns, __ATOMIC_RELAXED);
         __atomic_store_n(&cpe_serial_until, 0, __ATOMIC_RELAXED);
         cpe_backoff_ns = cpe_backoff_min;
         cpe_last_loss = 0;
         pthread_mutex_unlock(&cpe_pool_mu);
     }
     static int cpe_team_judging(void) { return __atomic_load_n(&cpe_judging, __ATOMIC_RELAXED); }
-    static long long cpe_team_backoff_min(void) { return cpe_backoff_min; }
+    static long long cpe_team_backoff_min(void) {
+        return __atomic_load_n(&cpe_backoff_min, __ATOMIC_RELAXED);
+    }
     /* For tests: cpe_is_loss of a call whose caller's chunks took
      * n, sum and longest ns. */
     static int cpe_team_is_loss(long long took, Py_ssize_t n, long long sum, long long longest,
@@ -824,8 +829,8 @@ def team_judges_loss(long long took_ns, chunks_ns, Py_ssize_t n_chunks, bint sha
     cdef Py_ssize_t n = 0
     for value in chunks_ns:
         c = value
-        if c < 0:
-            raise ValueError(f"chunk times must be >= 0 ns, got {value!r}")
+        if not 0 <= c <= 10**15:
+            raise ValueError(f"chunk times must be from 0 to 1e15 ns, got {value!r}")
         total += c
         longest = max(longest, c)
         n += 1

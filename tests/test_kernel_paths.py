@@ -576,6 +576,7 @@ def pool_on():
     """Reuse on (whatever the environment says) and an empty pool (earlier tests
     may have filled its places), the previous state restored after."""
     _, _, limit, enabled = _core.pool_info()
+    gc.collect()  # earlier tests' cyclic garbage returns its blocks now, not mid-test
     _core.clear_pool()
     _core.set_pool(True)
     yield
@@ -666,33 +667,38 @@ def test_pool_can_be_switched_off_limited_and_cleared(pool_on):
         _core.block(0)
 
 
-def test_a_full_pool_keeps_the_newest_blocks(pool_on):
-    """A freed block takes the place of the blocks kept longest: after other
+def test_a_full_pool_keeps_the_larger_blocks(pool_on):
+    """A freed block takes the places of smaller kept blocks, smallest first,
+    and is not kept where only larger ones would make room: after smaller
     sizes filled every place, the size a loop asks for step after step is
-    still reused (a training loop's outputs after other work); the byte
-    limit is kept the same way, and a block over it is not kept at all."""
+    still reused (a training loop's outputs after other work), while the
+    call's scratch cannot push it out; the byte limit is kept the same way."""
     mib = 1 << 20
     others = [_core.block(k * mib) for k in range(1, 9)]  # 8 sizes: every place
-    while others:
-        del others[0]  # 1 MiB freed first: the oldest
+    del others
     assert _core.pool_info()[:2] == (8, 36 * mib)
     step = _core.block(50 * mib)
     assert not step.reused
     del step
-    assert _core.pool_info()[:2] == (8, 85 * mib)  # in place of 1 MiB, the oldest
+    assert _core.pool_info()[:2] == (8, 85 * mib)  # in place of 1 MiB, the smallest
     for _ in range(3):
         step = _core.block(50 * mib)
         assert step.reused
+        scratch = _core.block(mib // 2)  # a new small size: freed, not kept
+        del scratch
         del step
-    assert _core.pool_info()[:2] == (8, 85 * mib)
+        assert _core.pool_info()[:2] == (8, 85 * mib)
     _core.set_pool(True, limit_bytes=60 * mib)
     blk = _core.block(20 * mib)
-    del blk  # 2-8 MiB, then 50 MiB, make room for it
-    assert _core.pool_info()[:2] == (1, 20 * mib)
+    del blk  # room only if the 50 MiB block went: freed, and nothing else is
+    assert _core.pool_info()[:2] == (8, 85 * mib)
     blk = _core.block(61 * mib)
-    del blk  # over the limit: freed, and nothing else is
-    assert _core.pool_info()[:2] == (1, 20 * mib)
-    assert _core.block(20 * mib).reused
+    del blk  # over the limit: freed
+    assert _core.pool_info()[:2] == (8, 85 * mib)
+    big = _core.block(40 * mib)  # the 50 MiB block, within 2 x
+    assert big.reused and _core.pool_info()[:2] == (7, 35 * mib)
+    del big  # 35 + 50 MiB is over the limit: 2-7 MiB make room, smallest first
+    assert _core.pool_info()[:2] == (2, 58 * mib)
 
 
 def test_reuse_can_be_turned_off_by_environment():
