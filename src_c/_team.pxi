@@ -828,9 +828,9 @@ def team_judges_loss(long long took_ns, chunks_ns, Py_ssize_t n_chunks, bint sha
     cdef long long c, total = 0, longest = 0
     cdef Py_ssize_t n = 0
     for value in chunks_ns:
-        c = value
-        if not 0 <= c <= 10**15:
+        if not 0 <= value <= 10**15:
             raise ValueError(f"chunk times must be from 0 to 1e15 ns, got {value!r}")
+        c = value
         total += c
         longest = max(longest, c)
         n += 1
