@@ -65,16 +65,20 @@ def _num_threads_source() -> str:
     return "omp_get_max_threads()"
 
 
-def _team_summary() -> str:
-    """The kernels' helper threads (src_c/_team.pxi): started, cap, refusals."""
-    team = _core.team_info()
-    if not team["max"]:
+def _threads_summary() -> str:
+    """The kernels' OpenMP threads (src_c/_parallel.pxi): the bound, refusals."""
+    info = _core.thread_info()
+    if not info["room"]:
         return "no helper threads (every call runs on its caller)"
-    text = f"{team['started']} of at most {team['max']} helper threads started"
-    if team["refused"]:
-        text += "; the OS refused one (no more are started)"
-    if team["losses"]:
-        text += f"; {team['losses']} calls ran slower with helpers (the machine was busy)"
+    text = f"at most {info['room']} OpenMP helper threads for all callers ({info['reserved']} reserved)"
+    if info["serial_child"]:
+        text += "; a forked child of a process with threads: every call on its caller"
+    if info["refused"]:
+        text += "; the OS refused a thread (no more are reserved)"
+    if info["alone_sites"]:
+        text += (
+            f"; one thread now faster for {info['alone_sites']} kinds of call (the CPUs are busy)"
+        )
     return text
 
 
@@ -92,7 +96,7 @@ def config() -> dict[str, Any]:
         "num_threads_from": _num_threads_source(),
         "omp_get_max_threads": _core.omp_max_threads(),
         "cpus_available": _threads.cpu_limit(),
-        "team": _team_summary(),
+        "threads": _threads_summary(),
         "serial_threshold_elements": _core.SERIAL_THRESHOLD,
         "stream_threshold_bytes": _core.STREAM_THRESHOLD_BYTES,
         "env": {

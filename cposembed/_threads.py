@@ -1,10 +1,11 @@
 """Thread settings: ``get_num_threads`` and ``set_num_threads``.
 
-The rules themselves (defaults, caps, serial threshold) and the team that
-runs the kernels live in C, in ``src_c/_team.pxi``, where every entry applies
-them; this module sets what only Python knows (the CPUs this process may run
-on, again in a forked child) and words the errors for what the C side
-declines.
+The rules themselves (defaults, caps, serial threshold, the CPU limit, the
+measured choice of one thread or several) and the OpenMP loop that runs the
+kernels live in C, in ``src_c/_parallel.pxi`` and ``src_c/_threads.h``, where
+every entry applies them; this module sets what C cannot read on every
+platform (the CPUs this process may run on, again in a forked child) and
+words the errors for what the C side declines.
 """
 
 from __future__ import annotations
@@ -21,24 +22,26 @@ SERIAL_THRESHOLD: int = _core.SERIAL_THRESHOLD
 _OPENMP = _core.openmp_enabled()
 
 
-def cpu_limit() -> int:
+def _os_cpu_limit() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
 
 
-# The CPUs this process may run on, read once (and again in a forked child):
-# a system call on every kernel call is not worth it for a limit that
-# practically never changes while a process runs.
-_core.set_cpu_limit(cpu_limit())
+def cpu_limit() -> int:
+    """The CPUs this process may run on, as the thread rules read them (on
+    Linux its affinity and cgroup quota, read again every 50 ms)."""
+    return int(_core.cpu_limit())
 
 
-# The CPUs may differ in a forked child (os.sched_setaffinity before the
-# fork, or a child moved to another cpuset): read them again there. The
-# team itself starts a child with no helper threads (src_c/_team.pxi).
+# The CPUs as Python reads them, at import and in a forked child; on Linux
+# the C side reads them again itself (sched_setaffinity, a new quota).
+_core.set_cpu_limit(_os_cpu_limit())
+
+
 def _after_fork_in_child() -> None:
-    _core.set_cpu_limit(cpu_limit())
+    _core.set_cpu_limit(_os_cpu_limit())
 
 
 if hasattr(os, "register_at_fork"):
@@ -99,6 +102,7 @@ def effective_num_threads(num_threads: int | None, work: int, chunks: int) -> in
     The rules every entry applies: ``num_threads`` (or the default), capped
     (an explicit request at four times the CPUs), one thread for small work,
     no more threads than chunks, and at least ``SERIAL_THRESHOLD`` elements
-    per thread. (A call may run on fewer: the helpers it can borrow.)
+    per thread. (A call may run on fewer: one thread where that has been
+    faster of late, or the threads the bound on helper threads leaves it.)
     """
     return int(_core.team(check_num_threads(num_threads), work, chunks))

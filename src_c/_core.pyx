@@ -22,7 +22,7 @@ cimport numpy as cnp
 include "_kernels.pxi"
 include "_pool.pxi"
 include "_index.pxi"
-include "_team.pxi"
+include "_parallel.pxi"
 include "_zeros.pxi"
 include "_marks.pxi"
 
@@ -100,6 +100,7 @@ cdef enum Kernel:
     K_SGD
     K_EMBED
     K_SCATTER_PAIR
+    K_OPT  # the optimizers' step (_opt_rows, not through _kernel)
 
 
 cdef struct KernelCall:
@@ -188,9 +189,13 @@ cdef void _run_kernel(const KernelCall* c, int typenum) noexcept:
     if t < 0 or g < 0:
         abort()  # a dtype _has_kernels does not accept
     cpe_row_ops_for(t, g, &ops)
+    cdef KernelCall run = c[0]
+    run.n_threads = _chosen_threads(c.kernel, c.n * c.d, c.n_threads)
+    cdef long long t0 = cpe_now_ns()
     cdef PyThreadState* gil = _release_gil(c.n * c.d)
-    _kernel(c, &ops)
+    _kernel(&run, &ops)
     _take_gil(gil)
+    _report_time(c.kernel, c.n * c.d, run.n_threads, t0)
 
 
 cdef void _kernel(const KernelCall* c, const cpe_row_ops* ops) noexcept nogil:
@@ -1098,10 +1103,14 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
         return None
     _reserve_marks(has, job.n)
     cdef PyThreadState* gil
+    cdef long long t0
     if job.n and job.d:
+        nt = _chosen_threads(K_OPT, job.n * job.d, nt)
+        t0 = cpe_now_ns()
         gil = _release_gil(job.n * job.d)
         _opt_rows(&job, nt)
         _take_gil(gil)
+        _report_time(K_OPT, job.n * job.d, nt, t0)
     _mark_rows(has, job.rows, job.n, skip_row)
     return True
 

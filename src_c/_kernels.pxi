@@ -12,11 +12,12 @@
 # batch) and positions that repeat along leading axes run without
 # materialising N indices.
 #
-# On more than one thread, a kernel first borrows helpers from the team
-# (_team.pxi, cpe_crew_borrow); with none it takes its one-thread path.
-# Else its work is split into chunks that cpe_crew_run hands to whichever
-# thread is free: contiguous blocks of output rows, or, in the scatter-adds,
-# ranges of table rows that one chunk owns. A chunk that streams its stores
+# On more than one thread, a kernel first asks how many it may have
+# (_parallel.pxi, cpe_threads_here); with one it takes its one-thread path.
+# Else its work is split into chunks that _run_chunks runs on its OpenMP
+# threads, each chunk on whichever thread claims it: contiguous blocks of
+# output rows, or, in the scatter-adds, ranges of table rows that one chunk
+# owns. A chunk that streams its stores
 # ends with a store fence (see _stream.h). Each kernel's job is a struct
 # (RowJob, ...) and a function of (job, chunk number) that calls the block
 # function.
@@ -254,12 +255,11 @@ cdef void _lookup(const char* table, const int64_t* rows, char* out, Py_ssize_t 
     # is prefetched only from a table beyond the L2 cache (rows read at
     # random from memory); a smaller one is in cache already.
     cdef RowJob job
-    cdef cpe_crew crew
     cdef Py_ssize_t rb = d * ops.tsize
     cdef int prefetch = L * rb > _PREFETCH_TABLE_BYTES
     cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(n, per)
     if n_threads > 1:
-        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
+        n_threads = cpe_threads_here(min(n_threads, n_chunks))
     if n_threads <= 1:
         _lookup_block(table, rows, out, 0, n, rb, stream, prefetch)
         return
@@ -272,7 +272,7 @@ cdef void _lookup(const char* table, const int64_t* rows, char* out, Py_ssize_t 
     job.stream = stream
     job.flag = prefetch
     job.ops = ops[0]
-    cpe_crew_run(&crew, _lookup_chunk, &job, n_chunks)
+    _run_chunks(_lookup_chunk, &job, n_chunks, n_threads)
 
 
 cdef void _lookup_chunk(void* arg, Py_ssize_t c) noexcept nogil:
@@ -309,10 +309,9 @@ cdef void _add(const char* tokens, const char* table, const int64_t* rows, char*
                int n_threads, int stream, int in_place) noexcept nogil:
     # out[i, :] = tokens[i, :] + table[rows[i % m], :] for i < N, on n_threads.
     cdef RowJob job
-    cdef cpe_crew crew
     cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(N, per)
     if n_threads > 1:
-        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
+        n_threads = cpe_threads_here(min(n_threads, n_chunks))
     if n_threads <= 1:
         _add_block(tokens, table, rows, out, 0, N, m, d, ops, stream, in_place)
         return
@@ -327,7 +326,7 @@ cdef void _add(const char* tokens, const char* table, const int64_t* rows, char*
     job.stream = stream
     job.flag = in_place
     job.ops = ops[0]
-    cpe_crew_run(&crew, _add_chunk, &job, n_chunks)
+    _run_chunks(_add_chunk, &job, n_chunks, n_threads)
 
 
 cdef void _add_chunk(void* arg, Py_ssize_t c) noexcept nogil:
@@ -692,7 +691,6 @@ cdef void _scatter_add(char* grad, const char* g, const int64_t* rows,
     # input order by one chunk; `scratch`: _scatter_scratch_bytes of it.
     cdef ScatterScratch s
     cdef ScatterJob job
-    cdef cpe_crew crew
     cdef int c = _scatter_chunks(n_threads)
     cdef Py_ssize_t n_chunks = c, per = _per_chunk(nb * d, _SCATTER_CHUNK_ELEMS)
     s.row_start = scratch
@@ -709,7 +707,7 @@ cdef void _scatter_add(char* grad, const char* g, const int64_t* rows,
         _owner_bounds(s.row_start, L, n_threads, s.bounds)
         plan = _choose_plan(plan, s.row_start, L, m, s.bounds, d, ops.tsize, n_threads)
     if n_threads > 1:
-        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
+        n_threads = cpe_threads_here(min(n_threads, n_chunks))
     if n_threads <= 1:
         if plan == PLAN_DISTINCT:
             _sum_distinct(grad, g, rows, 0, m, nb, m, d, ops)
@@ -741,7 +739,7 @@ cdef void _scatter_add(char* grad, const char* g, const int64_t* rows,
             _group_by_owner(rows, m, s.row_start, c, s.bounds, s.q_start, s.q_fill, s.order)
         else:
             _sort_by_row(rows, m, L, s.row_start, s.order)
-    cpe_crew_run(&crew, _scatter_chunk, &job, n_chunks)
+    _run_chunks(_scatter_chunk, &job, n_chunks, n_threads)
 
 
 # ---- the sparse plan's compact rows ------------------------------------------
@@ -775,10 +773,9 @@ cdef void _sgd_rows(char* table, const char* grad, const int64_t* rows, Py_ssize
     # ops.sgd: a multiply, then a subtract, in the compute type, as NumPy's
     # `table -= lr * grad`); each chunk owns its rows.
     cdef SgdJob job
-    cdef cpe_crew crew
     cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(n, per)
     if n_threads > 1:
-        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
+        n_threads = cpe_threads_here(min(n_threads, n_chunks))
     if n_threads <= 1:
         _sgd_block(table, grad, rows, 0, n, d, ops, step)
         return
@@ -790,7 +787,7 @@ cdef void _sgd_rows(char* table, const char* grad, const int64_t* rows, Py_ssize
     job.per = per
     job.step = step
     job.ops = ops[0]
-    cpe_crew_run(&crew, _sgd_chunk, &job, n_chunks)
+    _run_chunks(_sgd_chunk, &job, n_chunks, n_threads)
 
 
 cdef void _sgd_block(char* table, const char* grad, const int64_t* rows,
@@ -880,16 +877,15 @@ cdef void _opt_chunk(void* arg, Py_ssize_t c) noexcept nogil:
 
 cdef void _opt_rows(OptJob* job, int n_threads) noexcept nogil:
     # The step of job.rows[:job.n], each row by one chunk.
-    cdef cpe_crew crew
     cdef Py_ssize_t n_chunks
     job.per = _per_chunk(job.d, _chunk_elems)
     n_chunks = _chunks_of(job.n, job.per)
     if n_threads > 1:
-        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
+        n_threads = cpe_threads_here(min(n_threads, n_chunks))
     if n_threads <= 1:
         _opt_block(job, 0, job.n)
         return
-    cpe_crew_run(&crew, _opt_chunk, job, n_chunks)
+    _run_chunks(_opt_chunk, job, n_chunks, n_threads)
 
 
 # ---- the token + position layer ------------------------------------------------
@@ -922,11 +918,10 @@ cdef void _embed(const char* tokens, const int64_t* ids, Py_ssize_t V,
     # than the caches, so the next one is prefetched into L1 and the one
     # _AHEAD rows on into L2.
     cdef RowJob job
-    cdef cpe_crew crew
     cdef int prefetch = V * d * ops.tsize > _PREFETCH_TABLE_BYTES
     cdef Py_ssize_t per = _per_chunk(d, _chunk_elems), n_chunks = _chunks_of(N, per)
     if n_threads > 1:
-        n_threads = cpe_crew_borrow(&crew, min(n_threads, n_chunks))
+        n_threads = cpe_threads_here(min(n_threads, n_chunks))
     if n_threads <= 1:
         _embed_block(tokens, ids, table, rows, out, 0, N, m, d, ops, stream, prefetch)
         return
@@ -942,7 +937,7 @@ cdef void _embed(const char* tokens, const int64_t* ids, Py_ssize_t V,
     job.stream = stream
     job.flag = prefetch
     job.ops = ops[0]
-    cpe_crew_run(&crew, _embed_chunk, &job, n_chunks)
+    _run_chunks(_embed_chunk, &job, n_chunks, n_threads)
 
 
 cdef void _embed_chunk(void* arg, Py_ssize_t c) noexcept nogil:
@@ -1135,13 +1130,12 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     cdef Py_ssize_t i
     cdef int c
     cdef PairJob job
-    cdef cpe_crew crew
     cdef int64_t* bounds
     cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
     cdef const char* nxt
     cdef const char* far_acc
     if n_threads > 1:
-        n_threads = cpe_crew_borrow(&crew, n_threads)
+        n_threads = cpe_threads_here(n_threads)
     if n_threads <= 1:
         for i in range(N):
             nxt = g + (i + 1) * gb if i + 1 < N else NULL
@@ -1186,7 +1180,7 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     job.m = m
     job.d = d
     job.ops = ops[0]
-    cpe_crew_run(&crew, _pair_chunk, &job, c)
+    _run_chunks(_pair_chunk, &job, c, n_threads)
     if fused != NULL:
         # The summed rows, once every chunk is done with them.
         _opt_rows(&fused.tok, n_threads)

@@ -1,8 +1,8 @@
 # One .pyx builds with and without OpenMP (as scikit-learn's
 # sklearn/utils/_openmp_helpers.pxd does): without _OPENMP the one runtime
 # call we use (the default thread count) becomes a serial stand-in, and
-# Cython's prange (only _membench.pyx's memory-limit loops; the kernels run
-# on the package's own team, _team.pxi) compiles to a plain loop.
+# Cython's prange (the kernels' _run_chunks, _parallel.pxi, and
+# _membench.pyx's memory-limit loops) compiles to a plain loop.
 cdef extern from *:
     """
     #ifdef _OPENMP

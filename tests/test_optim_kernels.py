@@ -176,7 +176,7 @@ def parallel(threads):
     """Every call on `threads` threads of the team, in small chunks, no back-off."""
     cposembed.set_num_threads(threads)
     try:
-        with tuned(serial_below=0, chunk_elems=32, judge=False):
+        with tuned(serial_below=0, chunk_elems=32, adapt=False):
             yield
     finally:
         cposembed.set_num_threads(None)

@@ -88,7 +88,7 @@ def sides(request):
     if request.param == "serial":
         yield None
         return
-    with tuned(serial_below=0, chunk_elems=64, judge=False):
+    with tuned(serial_below=0, chunk_elems=64, adapt=False):
         yield 0
 
 
@@ -135,7 +135,7 @@ def test_scatter_entry_on_both_sides_of_the_threshold_is_np_add_at(data):
     marks = marks_with(L, before)
     old = first_seen(before, L)
     want = add_at(grad, rows, g, skip_row)
-    with tuned(serial_below=serial_below, chunk_elems=64, judge=False):
+    with tuned(serial_below=serial_below, chunk_elems=64, adapt=False):
         got = _core.scatter_add(grad, g, positions, offset, threads, marks, skip_row, plan)
     assert got is grad
     _same_bits(grad, want)
@@ -277,7 +277,7 @@ def test_embed_backward_entry_on_both_sides_of_the_threshold_is_np_add_at(data):
     gt, gp = table_of(V, d, tdt, 7), table_of(L, d, tdt, 8)
     want_t, want_p = add_at(gt, ids, g, skip_row), add_at(gp, rows, g)
     tm, pm = _core.RowMarks(V), _core.RowMarks(L)
-    with tuned(serial_below=serial_below, chunk_elems=64, judge=False):
+    with tuned(serial_below=serial_below, chunk_elems=64, adapt=False):
         done = _core.embed_backward(gt, gp, g, ids, positions, offset, threads, tm, pm, skip_row)
     assert done is True
     _same_bits(gt, want_t)

@@ -1,0 +1,515 @@
+/* How a call's work runs on OpenMP threads: the bounds on the threads the
+ * package causes, the fork rule and the measured choice between one thread
+ * and several (see the top of _parallel.pxi). The parallel loop itself is
+ * the prange of _parallel.pxi. */
+#ifndef CPE_THREADS_H
+#define CPE_THREADS_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(_WIN32)
+#include <windows.h>
+#else
+#include <time.h>
+#endif
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+typedef void (*cpe_chunk_fn)(void *arg, Py_ssize_t chunk);
+
+static long long cpe_now_ns(void) {
+#if defined(_WIN32)
+    LARGE_INTEGER f, c;
+    QueryPerformanceFrequency(&f);
+    QueryPerformanceCounter(&c);
+    return (long long)((double)c.QuadPart * (1e9 / (double)f.QuadPart));
+#else
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+#endif
+}
+
+/* ---- a region's chunks ------------------------------------------------------
+ * One contiguous share of the chunks per thread (what a static schedule
+ * gives: a streaming kernel runs on one long run per thread), [lo, hi)
+ * packed as lo << 32 | hi on a cache line of its own. A thread claims its
+ * own share from the front and, once it is empty, the others' from the
+ * back, one chunk at a time: a thread its CPU neglects runs fewer chunks.
+ * What a chunk covers is fixed by the kernel, so only which thread runs it
+ * varies, never a result. */
+#define CPE_MAX_REGION 256
+
+typedef struct {
+    unsigned long long v;
+    char pad[64 - sizeof(unsigned long long)];
+} cpe_share;
+
+typedef struct {
+    cpe_chunk_fn fn;
+    void *arg;
+    int n_shares;
+    cpe_share share[CPE_MAX_REGION];
+} cpe_job;
+
+static void cpe_job_init(cpe_job *job, cpe_chunk_fn fn, void *arg, Py_ssize_t n_chunks,
+                         int n_threads) {
+    int t;
+    job->fn = fn;
+    job->arg = arg;
+    job->n_shares = n_threads;
+    for (t = 0; t < n_threads; t++) {
+        unsigned long long lo = (unsigned long long)(n_chunks * t / n_threads);
+        unsigned long long hi = (unsigned long long)(n_chunks * (t + 1) / n_threads);
+        job->share[t].v = lo << 32 | hi;
+    }
+}
+
+#if defined(_MSC_VER) && !defined(__clang__)
+#include <intrin.h>
+static unsigned long long cpe_fetch_add(unsigned long long *p, unsigned long long v) {
+    return (unsigned long long)_InterlockedExchangeAdd64((volatile long long *)p, (long long)v);
+}
+static unsigned long long cpe_load(unsigned long long *p) {
+    return (unsigned long long)_InterlockedCompareExchange64((volatile long long *)p, 0, 0);
+}
+static int cpe_cas(unsigned long long *p, unsigned long long *seen, unsigned long long to) {
+    unsigned long long was = (unsigned long long)_InterlockedCompareExchange64(
+        (volatile long long *)p, (long long)to, (long long)*seen);
+    if (was == *seen) return 1;
+    *seen = was;
+    return 0;
+}
+#else
+static unsigned long long cpe_fetch_add(unsigned long long *p, unsigned long long v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+static unsigned long long cpe_load(unsigned long long *p) {
+    return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+static int cpe_cas(unsigned long long *p, unsigned long long *seen, unsigned long long to) {
+    return __atomic_compare_exchange_n(p, seen, to, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+}
+#endif
+
+/* The next chunk for share t (its front, else the back of another's), or
+ * -1 when none is left. */
+static Py_ssize_t cpe_claim(cpe_job *job, int t) {
+    unsigned long long v = cpe_fetch_add(&job->share[t].v, 1ULL << 32);
+    int k;
+    if ((v >> 32) < (v & 0xffffffffULL)) return (Py_ssize_t)(v >> 32);
+    for (k = 1; k < job->n_shares; k++) {
+        cpe_share *s = &job->share[(t + k) % job->n_shares];
+        v = cpe_load(&s->v);
+        while ((v >> 32) < (v & 0xffffffffULL)) {
+            if (cpe_cas(&s->v, &v, v - 1)) return (Py_ssize_t)(v & 0xffffffffULL) - 1;
+        }
+    }
+    return -1;
+}
+
+/* Runs chunks as share t until none is left. */
+static void cpe_job_run(cpe_job *job, int t) {
+    Py_ssize_t c;
+    while ((c = cpe_claim(job, t)) >= 0) job->fn(job->arg, c);
+}
+
+/* ---- the threads the package causes ------------------------------------------
+ * The OpenMP runtime keeps a pool of helper threads per calling thread
+ * (libgomp exits the process when it cannot start one). Each calling
+ * thread reserves its helpers from one budget before its first region that
+ * needs them (cpe_room_max: a few times the CPUs), and gives them back when
+ * it ends; a caller that finds the budget spent runs on itself alone. Where
+ * the OS limits this user's threads (RLIMIT_NPROC), a region that would
+ * start threads first checks, by starting and ending them, that the OS
+ * allows them, and then starts the pool under the same lock; when the OS
+ * refuses, the call runs on the threads it has and no caller asks again. */
+#if CPOSEMBED_OPENMP_ENABLED && defined(_WIN32)
+#define CPE_TLS __declspec(thread)
+static SRWLOCK cpe_mu = SRWLOCK_INIT;
+static void cpe_lock(void) { AcquireSRWLockExclusive(&cpe_mu); }
+static void cpe_unlock(void) { ReleaseSRWLockExclusive(&cpe_mu); }
+#elif CPOSEMBED_OPENMP_ENABLED
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+#include <sys/resource.h>
+#define CPE_TLS __thread
+static pthread_mutex_t cpe_mu = PTHREAD_MUTEX_INITIALIZER;
+static void cpe_lock(void) { pthread_mutex_lock(&cpe_mu); }
+static void cpe_unlock(void) { pthread_mutex_unlock(&cpe_mu); }
+#else
+#define CPE_TLS
+static void cpe_lock(void) {}
+static void cpe_unlock(void) {}
+#endif
+
+static int cpe_room_max = 0;    /* helpers all callers together may reserve */
+static int cpe_reserved = 0;    /* helpers reserved by calling threads alive now */
+static int cpe_refused = 0;     /* the OS refused a thread: reserve no more */
+static int cpe_serial = 0;      /* a forked child that runs every call on its caller */
+static int cpe_entered = 0;     /* a region ran in this process */
+static CPE_TLS int cpe_mine = 0;    /* helpers this thread reserved */
+static CPE_TLS int cpe_pool = 1;    /* threads of this thread's last region (its pool's size) */
+
+/* Gives a thread's reservation back when it ends. */
+static void cpe_give_back(void *mine) {
+    cpe_lock();
+    cpe_reserved -= (int)(intptr_t)mine;
+    if (cpe_reserved < 0) cpe_reserved = 0;
+    cpe_unlock();
+}
+#if CPOSEMBED_OPENMP_ENABLED && defined(_WIN32)
+static DWORD cpe_key = FLS_OUT_OF_INDEXES;
+static void WINAPI cpe_key_done(void *mine) { if (mine) cpe_give_back(mine); }
+static void cpe_key_init(void) { cpe_key = FlsAlloc(cpe_key_done); }
+static int cpe_key_set(int mine) {
+    return cpe_key != FLS_OUT_OF_INDEXES && FlsSetValue(cpe_key, (void *)(intptr_t)mine);
+}
+#elif CPOSEMBED_OPENMP_ENABLED
+static pthread_key_t cpe_key;
+static int cpe_key_ok = 0;
+static void cpe_key_init(void) { cpe_key_ok = pthread_key_create(&cpe_key, cpe_give_back) == 0; }
+static int cpe_key_set(int mine) {
+    return cpe_key_ok && pthread_setspecific(cpe_key, (void *)(intptr_t)mine) == 0;
+}
+#else
+static void cpe_key_init(void) {}
+static int cpe_key_set(int mine) { (void)mine; return 0; }
+#endif
+
+/* The OS threads of this process, or -1 where that is unknown. */
+static int cpe_os_threads(void) {
+#if defined(__linux__)
+    char buf[1024];
+    const char *p;
+    FILE *f = fopen("/proc/self/stat", "r");
+    size_t n;
+    int field = 2;
+    long v = -1;
+    if (!f) return -1;
+    n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    p = strrchr(buf, ')');  /* after the command name, which may hold anything */
+    if (!p) return -1;
+    for (; *p && field < 20; p++)
+        if (*p == ' ') field++;
+    if (field == 20) v = strtol(p, NULL, 10);
+    return v > 0 ? (int)v : -1;
+#else
+    return -1;
+#endif
+}
+
+/* The CPUs this process may use now: its affinity mask, and no more than
+ * its cgroup's CPU quota (rounded up); -1 where that is unknown. */
+static int cpe_cpus_now(void) {
+#if defined(__linux__)
+    cpu_set_t set;
+    int n = -1;
+    FILE *f;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
+    f = fopen("/sys/fs/cgroup/cpu.max", "r");
+    if (f) {
+        char quota[32];
+        long long period;
+        if (fscanf(f, "%31s %lld", quota, &period) == 2 && strcmp(quota, "max") != 0 &&
+            period > 0) {
+            long long q = atoll(quota);
+            int c = q > 0 ? (int)((q + period - 1) / period) : 1;
+            if (n < 0 || c < n) n = c;
+        }
+        fclose(f);
+    }
+    return n;
+#else
+    return -1;
+#endif
+}
+
+#if CPOSEMBED_OPENMP_ENABLED && defined(__linux__)
+/* Whether the OS limits this user's threads below what a busy machine
+ * has (root and a limit of RLIM_INFINITY: no). */
+static int cpe_os_limits_threads(void) {
+    struct rlimit rl;
+    if (geteuid() == 0) return 0;
+    if (getrlimit(RLIMIT_NPROC, &rl) != 0) return 1;
+    return rl.rlim_cur != RLIM_INFINITY;
+}
+
+static pthread_mutex_t cpe_probe_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cpe_probe_cv = PTHREAD_COND_INITIALIZER;
+static int cpe_probe_go = 0;
+static void *cpe_probe_main(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&cpe_probe_mu);
+    while (!cpe_probe_go) pthread_cond_wait(&cpe_probe_cv, &cpe_probe_mu);
+    pthread_mutex_unlock(&cpe_probe_mu);
+    return NULL;
+}
+
+/* How many of k more threads the OS allows now (lock held): starts them
+ * all at once, then ends them and waits until the OS has counted them out. */
+static int cpe_os_allows(int k) {
+    pthread_t t[CPE_MAX_REGION];
+    sigset_t all, old;
+    int made = 0, i, before = cpe_os_threads(), waited;
+    cpe_probe_go = 0;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with Python's threads */
+    while (made < k && made < CPE_MAX_REGION &&
+           pthread_create(&t[made], NULL, cpe_probe_main, NULL) == 0)
+        made++;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_mutex_lock(&cpe_probe_mu);
+    cpe_probe_go = 1;
+    pthread_cond_broadcast(&cpe_probe_cv);
+    pthread_mutex_unlock(&cpe_probe_mu);
+    for (i = 0; i < made; i++) pthread_join(t[i], NULL);
+    /* A joined thread is counted out a moment later. */
+    for (waited = 0; before > 0 && cpe_os_threads() > before && waited < 2000; waited++) {
+        struct timespec ts = {0, 50000};
+        nanosleep(&ts, NULL);
+    }
+    return made;
+}
+/* A region of n threads with nothing to do: starts the pool. */
+static void cpe_start_pool(int n) {
+    #pragma omp parallel num_threads(n)
+    {
+        __asm__ __volatile__("" ::: "memory");
+    }
+}
+#else
+static int cpe_os_limits_threads(void) { return 0; }
+static int cpe_os_allows(int k) { return k; }
+static void cpe_start_pool(int n) { (void)n; }
+#endif
+
+/* The threads a region of up to n may have on this calling thread now,
+ * from 1 (run on the caller) to n, all reserved and, where the OS limits
+ * threads, allowed. Without the GIL. */
+static int cpe_threads_here(int n) {
+    int want, limited;
+#if CPOSEMBED_OPENMP_ENABLED
+    if (n > CPE_MAX_REGION) n = CPE_MAX_REGION;
+    if (n <= 1 || cpe_serial) return 1;
+    if (n <= 1 + cpe_mine && n <= cpe_pool) return n;  /* the pool holds them */
+    limited = cpe_os_limits_threads();
+    if (n <= 1 + cpe_mine && !limited) return n;
+    cpe_lock();
+    want = n - 1 - cpe_mine;
+    if (want > 0) {
+        int room = cpe_refused ? 0 : cpe_room_max - cpe_reserved;
+        if (want > room) want = room > 0 ? room : 0;
+        if (want > 0 && cpe_key_set(cpe_mine + want)) {
+            cpe_mine += want;
+            cpe_reserved += want;
+        }
+    }
+    if (n > 1 + cpe_mine) n = 1 + cpe_mine;
+    if (limited && n > cpe_pool) {
+        int made = cpe_os_allows(n - cpe_pool);
+        if (made < n - cpe_pool) {
+            cpe_refused = 1;
+            n = cpe_pool + made;
+        }
+        if (n > cpe_pool) {
+            cpe_start_pool(n);
+            cpe_pool = n;
+        }
+    }
+    cpe_unlock();
+    return n > 1 ? n : 1;
+#else
+    (void)n; (void)want; (void)limited;
+    return 1;
+#endif
+}
+
+/* After a region of n threads: the runtime's pool now has n (a smaller
+ * region ends the threads it does not use). */
+static void cpe_region_ran(int n) {
+    cpe_pool = n;
+    cpe_entered = 1;
+}
+
+static void cpe_set_room(int n) {
+    cpe_lock();
+    cpe_room_max = n < 0 ? 0 : n;
+    cpe_unlock();
+}
+
+/* ---- fork ---------------------------------------------------------------------
+ * A forked child has only the thread that forked; the runtime's pools of
+ * its parent are gone, and a libgomp region with more than one thread
+ * waits for them forever (one with a single thread, or none, works). So a
+ * child whose parent had other threads when it forked (any of them may
+ * have been a pool's, of this package's runtime or another library's on
+ * the same runtime) runs every call on its caller, and so do its own
+ * children; a child of a process with one thread keeps its threads. Where
+ * the threads cannot be counted, a child of a process that ran a region
+ * runs on one thread. */
+static int cpe_fork_threads = -1;
+#if CPOSEMBED_OPENMP_ENABLED && !defined(_WIN32)
+static void cpe_fork_prepare(void) {
+    cpe_lock();
+    cpe_fork_threads = cpe_os_threads();
+}
+static void cpe_fork_parent(void) { cpe_unlock(); }
+static void cpe_fork_child(void) {
+    cpe_unlock();  /* the forking thread took it and is the child's only thread */
+    if (cpe_fork_threads > 1 || (cpe_fork_threads < 0 && cpe_entered) || cpe_pool > 1)
+        cpe_serial = 1;
+    cpe_reserved = 0;
+    cpe_mine = 0;
+    cpe_pool = 1;
+    cpe_refused = 0;
+}
+static void cpe_threads_init(void) {
+    cpe_key_init();
+    pthread_atfork(cpe_fork_prepare, cpe_fork_parent, cpe_fork_child);
+}
+#else
+static void cpe_threads_init(void) { cpe_key_init(); }
+#endif
+
+static int cpe_threads_serial(void) { return cpe_serial; }
+static int cpe_threads_refused(void) { return cpe_refused; }
+static int cpe_threads_reserved(void) { return cpe_reserved; }
+static int cpe_threads_room(void) { return cpe_room_max; }
+static int cpe_threads_entered(void) { return cpe_entered; }
+static void cpe_threads_set_refused(int refused) {
+    cpe_lock();
+    cpe_refused = refused;
+    cpe_unlock();
+}
+
+/* ---- one thread or several: measured -------------------------------------------
+ * Each kind of call and size (a site: the kernel, and the work's power of
+ * two) keeps its recent times per element on its planned threads and on
+ * one thread. It runs on the count that has been faster, and now and then
+ * on the other, to learn when that changes: every `every` calls, set so
+ * that such calls cost about CPE_PROBE_COST of the time (within 4 and 32
+ * calls). Several threads lose to one only when the CPUs are taken
+ * (another busy process); other thread pools in this process that sit
+ * idle, spinning or asleep, do not make that happen, and so do not send
+ * calls to one thread. Called with the GIL held. */
+#define CPE_KINDS 8
+#define CPE_SIZES 48
+#define CPE_RING 4
+#define CPE_PROBE_COST 0.04
+#define CPE_MARGIN 0.9       /* one thread wins below this fraction of several's time */
+
+typedef struct {
+    int n;                      /* the planned threads; 0: nothing measured */
+    int alone;                  /* runs on one thread, trying n now and then */
+    int since, every;           /* calls since the last on the other count; the interval */
+    int count[2], next[2];      /* [0]: one thread, [1]: n threads */
+    double rate[2][CPE_RING];   /* ns per element, the latest CPE_RING calls */
+    double latest[2];
+} cpe_site;
+
+static cpe_site cpe_sites[CPE_KINDS][CPE_SIZES];
+static int cpe_adapting = 1;
+static long cpe_alone_calls = 0;  /* calls the policy sent to one thread */
+
+static cpe_site *cpe_site_of(int kind, Py_ssize_t work) {
+    int b = 0;
+    while (b < CPE_SIZES - 1 && ((Py_ssize_t)1 << (b + 1)) <= work) b++;
+    if (kind < 0 || kind >= CPE_KINDS) kind = CPE_KINDS - 1;
+    return &cpe_sites[kind][b];
+}
+
+static double cpe_median(const cpe_site *s, int k) {
+    double v[CPE_RING], x;
+    int n = s->count[k], i, j;
+    for (i = 0; i < n; i++) {
+        x = s->rate[k][i];
+        for (j = i; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];
+        v[j] = x;
+    }
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* The threads a call planned on n (> 1) by default runs on. */
+static int cpe_choose(int kind, Py_ssize_t work, int n) {
+    cpe_site *s;
+    if (!cpe_adapting || n <= 1) return n;
+    s = cpe_site_of(kind, work);
+    if (s->n != n) {
+        memset(s, 0, sizeof(*s));
+        s->n = n;
+        s->every = 4;
+    }
+    if (++s->since >= s->every) return s->alone ? n : 1;
+    if (s->alone) cpe_alone_calls++;
+    return s->alone ? 1 : n;
+}
+
+static void cpe_interval(cpe_site *s, double other, double own) {
+    double calls = own > 0 ? (other / own - 1.0) / CPE_PROBE_COST : 4;
+    s->every = calls < 4 ? 4 : calls > 32 ? 32 : (int)calls;
+}
+
+/* What a call of `work` chosen by cpe_choose took on `threads`. */
+static void cpe_took(int kind, Py_ssize_t work, int threads, long long ns) {
+    cpe_site *s;
+    int k = threads > 1;
+    double r;
+    if (!cpe_adapting || work <= 0 || ns < 0) return;
+    s = cpe_site_of(kind, work);
+    if (s->n == 0 || (k && threads != s->n)) return;
+    r = (double)ns / (double)work;
+    s->rate[k][s->next[k]] = r;
+    s->next[k] = (s->next[k] + 1) % CPE_RING;
+    if (s->count[k] < CPE_RING) s->count[k]++;
+    s->latest[k] = r;
+    if (k == s->alone) s->since = 0;  /* it ran on the other count */
+    if (!s->alone) {
+        /* Several threads, one now and then: one wins if its latest call
+         * beat the recent calls on several by the margin. */
+        double multi = cpe_median(s, 1);
+        if (s->count[0] && s->count[1] && s->latest[0] < CPE_MARGIN * multi) {
+            s->alone = 1;
+            s->since = 0;
+            cpe_interval(s, multi, s->latest[0]);
+        } else if (!k && s->count[1]) {
+            cpe_interval(s, s->latest[0], multi);
+        }
+    } else if (k) {
+        /* One thread, several now and then: several win back as soon as
+         * one call on them beats the recent calls on one. */
+        double single = cpe_median(s, 0);
+        if (r < single) {
+            s->alone = 0;
+            s->since = 0;
+            s->rate[1][0] = r;
+            s->count[1] = 1;
+            s->next[1] = 1;
+            cpe_interval(s, single, r);
+        } else {
+            cpe_interval(s, r, single);
+        }
+    }
+}
+
+static void cpe_set_adapting(int on) {
+    cpe_adapting = on;
+    memset(cpe_sites, 0, sizeof(cpe_sites));
+}
+static int cpe_get_adapting(void) { return cpe_adapting; }
+static long cpe_get_alone_calls(void) { return cpe_alone_calls; }
+static int cpe_sites_alone(void) {
+    int k, b, n = 0;
+    for (k = 0; k < CPE_KINDS; k++)
+        for (b = 0; b < CPE_SIZES; b++) n += cpe_sites[k][b].n > 0 && cpe_sites[k][b].alone;
+    return n;
+}
+
+#endif
