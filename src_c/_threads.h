@@ -395,8 +395,8 @@ static void cpe_threads_set_refused(int refused) {
  * two) keeps its recent times per element on its planned threads and on
  * one thread. It runs on the count that has been faster, and now and then
  * on the other, to learn when that changes: every `every` calls, set so
- * that such calls cost about CPE_PROBE_COST of the time (within 4 and 32
- * calls). Several threads lose to one only when the CPUs are taken
+ * that such calls cost about CPE_PROBE_COST of the time (cpe_interval).
+ * Several threads lose to one only when the CPUs are taken
  * (another busy process); other thread pools in this process that sit
  * idle, spinning or asleep, do not make that happen, and so do not send
  * calls to one thread. Called with the GIL held. */
@@ -452,9 +452,13 @@ static int cpe_choose(int kind, Py_ssize_t work, int n) {
     return s->alone ? 1 : n;
 }
 
+/* The calls between tries of the other count: 4 to 32 on several threads,
+ * 4 to 8 on one (so that several are back within 8 calls once the CPUs are
+ * free). */
 static void cpe_interval(cpe_site *s, double other, double own) {
     double calls = own > 0 ? (other / own - 1.0) / CPE_PROBE_COST : 4;
-    s->every = calls < 4 ? 4 : calls > 32 ? 32 : (int)calls;
+    int most = s->alone ? 8 : 32;
+    s->every = calls < 4 ? 4 : calls > most ? most : (int)calls;
 }
 
 /* What a call of `work` chosen by cpe_choose took on `threads`. */
