@@ -190,12 +190,16 @@ cdef void _run_kernel(const KernelCall* c, int typenum) noexcept:
         abort()  # a dtype _has_kernels does not accept
     cpe_row_ops_for(t, g, &ops)
     cdef KernelCall run = c[0]
-    run.n_threads = _chosen_threads(c.kernel, c.n * c.d, c.n_threads)
-    cdef long long t0 = cpe_now_ns()
+    cdef bint measured = _measured(c.n_threads)
+    cdef long long t0 = 0
+    if measured:
+        run.n_threads = cpe_choose(c.kernel, c.n * c.d, c.n_threads)
+        t0 = cpe_now_ns()
     cdef PyThreadState* gil = _release_gil(c.n * c.d)
     _kernel(&run, &ops)
     _take_gil(gil)
-    _report_time(c.kernel, c.n * c.d, run.n_threads, t0)
+    if measured:
+        cpe_took(c.kernel, c.n * c.d, run.n_threads, cpe_now_ns() - t0)
 
 
 cdef void _kernel(const KernelCall* c, const cpe_row_ops* ops) noexcept nogil:
@@ -1103,14 +1107,18 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
         return None
     _reserve_marks(has, job.n)
     cdef PyThreadState* gil
-    cdef long long t0
+    cdef long long t0 = 0
+    cdef bint measured
     if job.n and job.d:
-        nt = _chosen_threads(K_OPT, job.n * job.d, nt)
-        t0 = cpe_now_ns()
+        measured = _measured(nt)
+        if measured:
+            nt = cpe_choose(K_OPT, job.n * job.d, nt)
+            t0 = cpe_now_ns()
         gil = _release_gil(job.n * job.d)
         _opt_rows(&job, nt)
         _take_gil(gil)
-        _report_time(K_OPT, job.n * job.d, nt, t0)
+        if measured:
+            cpe_took(K_OPT, job.n * job.d, nt, cpe_now_ns() - t0)
     _mark_rows(has, job.rows, job.n, skip_row)
     return True
 

@@ -249,19 +249,11 @@ def cpu_limit():
     return _cpus
 
 
-cdef int _chosen_threads(int kind, Py_ssize_t work, int n) noexcept:
-    # The threads a kernel call planned on n runs on: n if it was asked for,
-    # else n or one, as cpe_choose measured (with the GIL held); last_team()
-    # keeps the plan.
-    if _planned_default and n > 1:
-        n = cpe_choose(kind, work, n)
-    return n
-
-
-cdef void _report_time(int kind, Py_ssize_t work, int n, long long t0) noexcept:
-    # What a call chosen by _chosen_threads took (with the GIL held).
-    if _planned_default and work >= _SERIAL_BELOW:
-        cpe_took(kind, work, n, cpe_now_ns() - t0)
+cdef inline bint _measured(int n) noexcept:
+    # Whether a kernel call planned on n threads chooses between n and one by
+    # measurement (cpe_choose) and reports what it took (cpe_took): a call on
+    # the default threads, planned on more than one (with the GIL held).
+    return _planned_default and n > 1
 
 
 def set_tuning(serial_below=None, stream_bytes=None, scan_block_bytes=None,
