@@ -63,18 +63,21 @@ def build_groups(
     ]
 
 
-def targets() -> dict[tuple[str, str], float]:
-    """Every (op, contender) with a target, read off the groups as built on small
-    arrays (with PyTorch's rows when torch imports, the threads rows always)."""
-    torch: Any = None
+def _torch_or_none() -> Any:
     try:
         import torch
     except Exception:  # not installed or broken: no torch rows
-        pass
+        return None
+    return torch
+
+
+def targets() -> dict[tuple[str, str], float]:
+    """Every (op, contender) with a target, read off the groups as built on small
+    arrays (with PyTorch's rows when torch imports, the threads rows always)."""
     args = argparse.Namespace(
         table=[16, 4], batch=[2, 8], threads=2, vocab=32, dtype="float32", quick=True
     )
-    fixture = Fixture(args, torch)
+    fixture = Fixture(args, _torch_or_none())
     return {
         (group.op, c.name): c.target
         for entry in GROUPS
