@@ -452,13 +452,21 @@ static int cpe_choose(int kind, Py_ssize_t work, int n) {
     return s->alone ? 1 : n;
 }
 
-/* The calls between tries of the other count: 4 to 32 on several threads,
- * 4 to 8 on one (so that several are back within 8 calls once the CPUs are
- * free). */
-static void cpe_interval(cpe_site *s, double other, double own) {
+/* The calls between tries of the other count, so that the tries cost about
+ * CPE_PROBE_COST of the time: 4 to 32 on several threads; on one, 4 to
+ * 8, or to as many as run in CPE_ALONE_SPAN_NS when the calls are short
+ * (several are back within 8 calls, or that span, once the CPUs are free;
+ * a try on several threads while the CPUs are taken can cost a scheduler
+ * wait, many times a short call). */
+#define CPE_ALONE_SPAN_NS 5e7
+static void cpe_interval(cpe_site *s, double other, double own, Py_ssize_t work) {
     double calls = own > 0 ? (other / own - 1.0) / CPE_PROBE_COST : 4;
-    int most = s->alone ? 8 : 32;
-    s->every = calls < 4 ? 4 : calls > most ? most : (int)calls;
+    double most = 32;
+    if (s->alone) {
+        most = own > 0 ? CPE_ALONE_SPAN_NS / (own * (double)work) : 8;
+        most = most < 8 ? 8 : most > 1024 ? 1024 : most;
+    }
+    s->every = calls < 4 ? 4 : calls > most ? (int)most : (int)calls;
 }
 
 /* What a call of `work` chosen by cpe_choose took on `threads`. */
@@ -482,9 +490,9 @@ static void cpe_took(int kind, Py_ssize_t work, int threads, long long ns) {
         if (s->count[0] && s->count[1] && s->latest[0] < CPE_MARGIN * multi) {
             s->alone = 1;
             s->since = 0;
-            cpe_interval(s, multi, s->latest[0]);
+            cpe_interval(s, multi, s->latest[0], work);
         } else if (!k && s->count[1]) {
-            cpe_interval(s, s->latest[0], multi);
+            cpe_interval(s, s->latest[0], multi, work);
         }
     } else if (k) {
         /* One thread, several now and then: several win back as soon as
@@ -496,9 +504,9 @@ static void cpe_took(int kind, Py_ssize_t work, int threads, long long ns) {
             s->rate[1][0] = r;
             s->count[1] = 1;
             s->next[1] = 1;
-            cpe_interval(s, single, r);
+            cpe_interval(s, single, r, work);
         } else {
-            cpe_interval(s, r, single);
+            cpe_interval(s, r, single, work);
         }
     }
 }

@@ -194,7 +194,8 @@ def test_every_target_names_a_comparison_that_exists(tmp_path):
     )
     assert code == 0
     seen = {(r["op"], r["contender"]) for r in json.loads(path.read_text())["results"]}
-    left_out = {k for k in bench.TARGETS if k[1].startswith("torch")}
+    # Without torch: no torch contender, and no pools row with PyTorch's ops.
+    left_out = {k for k in bench.TARGETS if k[1].startswith("torch") or "PyTorch" in k[0]}
     if not cposembed.openmp_enabled():  # --threads 2 runs on one: no threads rows
         left_out |= {k for k in bench.TARGETS if k[0].startswith("threads:")}
     assert set(bench.TARGETS) - left_out <= seen, sorted(set(bench.TARGETS) - left_out - seen)
@@ -335,6 +336,19 @@ CONTENTION_OPS = {
     for op in ("add_positions", "scatter_add")
     for b, t in [(8, 16), (8, 128), (32, 1024)]
 } | {"contention idle: train", "contention busy: train"}
+POOLS_CALLS = (
+    "embed(out=) GPT-2", "lookup(out=) (B, T, d)", "scatter_add random (B, T, d)",
+    "embed_backward GPT-2",
+)  # fmt: skip
+# Without torch: the libgomp loop is the only other pool.
+POOLS_OPS = {
+    op
+    for call in POOLS_CALLS
+    for op in (
+        f"pools: {call}, a libgomp loop before each call",
+        f"pools: {call}, right after a libgomp loop",
+    )
+}
 
 
 def _busy_processes() -> list[int]:
@@ -363,11 +377,13 @@ def test_contention_runs_idle_and_busy_and_leaves_no_busy_process(tmp_path):
     assert_clean_exit(proc)
     assert proc.stdout.rstrip("\n").splitlines()[-1] == QUICK_SUMMARY
     rows = json.loads(path.read_text())["results"]
-    assert {r["op"] for r in rows} == CONTENTION_OPS
-    assert {r["contender"] for r in rows} == {bench.OURS, "1 thread"}
-    assert {r["op"] for r in rows if r["target"] is not None} == CONTENTION_OPS - {
+    assert {r["op"] for r in rows} == CONTENTION_OPS | POOLS_OPS
+    assert {r["contender"] for r in rows} == {bench.OURS, "1 thread", "alone, fresh process"}
+    assert {r["op"] for r in rows if r["target"] is not None} == (CONTENTION_OPS | POOLS_OPS) - {
         "contention idle: train"
     }
+    pools = [r for r in rows if r["op"] in POOLS_OPS]
+    assert all(r["median_s"] > 0 and r["runs"] >= 1 for r in pools)
     assert _busy_processes() == []
 
 
@@ -398,24 +414,17 @@ def test_batched_groups_time_batches_and_judge_the_median_of_the_rounds_ratios()
     assert _ratio(bench.Group("g", [ours, peer]), ours, peer) == pytest.approx(0.5)
 
 
-def test_runs_after_a_contender_on_libgomp_threads_pause(monkeypatch):
+def test_no_run_waits_for_another_pools_threads(monkeypatch):
+    # Each run follows the one before with no pause, after a probe or
+    # PyTorch's run too: a pause would hide what their threads cost the next call.
     from cposembed.bench import _timing
 
-    spinning = {n: bench.Contender(n, lambda: None, 0).spins_after for n in (
-        "torch index_select(out=)", "fbgemm TBE", "limit: streaming fill", "limit: read once",
-        bench.OURS, "1 thread", "numpy np.take(out=)",
-    )}  # fmt: skip
-    assert [n for n, s in spinning.items() if s] == list(spinning)[:4]
     runs, slept = [], []
-    monkeypatch.setattr(_timing.time, "sleep", lambda s: slept.append(len(runs)))
-    names = (bench.OURS, "limit: streaming fill", "1 thread")
+    monkeypatch.setattr(_timing.time, "sleep", lambda s: slept.append(s))
+    names = (bench.OURS, "limit: streaming fill", "torch index_select(out=)")
     g = bench.Group("g", [bench.Contender(n, lambda n=n: runs.append(n), 0) for n in names])
     _timing.time_group(g, 6)
-    runs = runs[len(names) :]  # the warm-up calls
-    # A pause before exactly the runs that follow a probe's run.
-    assert [i - len(names) for i in slept] == [
-        i for i in range(1, len(runs)) if runs[i - 1].startswith("limit:")
-    ]
+    assert len(runs) == 3 + 18 and slept == []
 
 
 def test_the_contention_rows_are_batched():
@@ -427,8 +436,8 @@ def test_the_contention_rows_are_batched():
         table=[16, 4], batch=[2, 8], threads=2, vocab=32, dtype="float32", quick=True
     )
     groups = contention(bench.Fixture(args, None))
-    assert {g.op for g in groups} == CONTENTION_OPS
-    assert all(g.batch_s == CONTENTION_BATCH_S > 0 for g in groups)
+    assert {g.op for g in groups} == CONTENTION_OPS | POOLS_OPS
+    assert all(g.batch_s == CONTENTION_BATCH_S > 0 for g in groups if g.op in CONTENTION_OPS)
 
 
 def test_the_busy_process_is_killed_when_the_block_fails():

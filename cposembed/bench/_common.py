@@ -41,13 +41,6 @@ class Contender:
     def median(self) -> float:
         return float(np.median(self.times)) if self.times else float("nan")
 
-    @property
-    def spins_after(self) -> bool:
-        """A contender on libgomp's OpenMP threads, which spin for milliseconds
-        after its call: PyTorch's and FBGEMM's (the rows named "torch ..." and
-        "fbgemm ...") and the limit probes' (``_membench``, "limit: ...")."""
-        return self.name.startswith(("torch", "fbgemm", "limit:"))
-
 
 @dataclass
 class Group:
@@ -63,6 +56,9 @@ class Group:
     # Each timed run a batch of back-to-back calls of at least this many seconds
     # (time_batched), its mean per call; 0: one call per run.
     batch_s: float = 0.0
+    # Times the group itself (it may time other groups with it), instead of
+    # the timing its kind says; called with the group and the rounds asked for.
+    timer: Callable[[Group, int], None] | None = None
 
 
 def same(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> str:

@@ -31,40 +31,25 @@ def round_orders(n: int, rounds: int) -> list[list[int]]:
     return orders
 
 
-# The untimed pause after a run on libgomp's OpenMP threads (PyTorch's or the
-# limit probes', Contender.spins_after): those threads spin for several
-# milliseconds after the call, on the cores the next contender needs
-# (measured: the fused SGD step + forward 19 ms after itself, 27 ms right
-# after PyTorch's step, 21 ms after a 5 ms pause; right after a streaming
-# fill, the team's helper found both CPUs taken and the threads rows ran on
-# one thread). Only after such a peer: a pause before every run
-# would leave microsecond calls to a cold CPU (a 256-row scatter-add 15 us
-# back to back, 94 us after 10 ms of sleep).
-SETTLE_S = 0.01
-
-
-def time_group(group: Group, repeats: int, slow_s: float = 0.3, settle_s: float = SETTLE_S) -> None:
-    """Warm-up, then alternating rounds in shuffled order, a run that follows a
-    peer on PyTorch's threads after an untimed pause of ``settle_s``; fills
+def time_group(group: Group, repeats: int, slow_s: float = 0.3) -> None:
+    """Warm-up, then alternating rounds in shuffled order, each run right after
+    the one before it (no pause: a peer's OpenMP threads, still spinning or slow
+    to wake, meet the next contender as they meet a user's next call); fills
     ``.times``."""
     for c in group.contenders:
         t0 = time.perf_counter()
         c.fn()
         c.times = []
         c.warm_s = time.perf_counter() - t0
-    spun = False
     for order in round_orders(len(group.contenders), repeats):
         for k in order:
             c = group.contenders[k]
             # A contender taking seconds (np.add.at) gets 3 runs, not all.
             if c.warm_s > slow_s and len(c.times) >= 3:
                 continue
-            if spun:
-                time.sleep(settle_s)
             t0 = time.perf_counter()
             c.fn()
             c.times.append(time.perf_counter() - t0)
-            spun = c.spins_after
 
 
 def _time_batches(group: Group, rounds: int, budget_s: float, calibrate: int) -> None:
@@ -102,7 +87,9 @@ def measure(group: Group, repeats: int) -> None:
     """Time ``group`` as its kind says: tiny, batched or one call per run, beside a
     busy process or not."""
     with busy_process() if group.busy else contextlib.nullcontext():
-        if group.tiny:
+        if group.timer is not None:
+            group.timer(group, repeats)
+        elif group.tiny:
             time_tiny(group, repeats)
         elif group.batch_s:
             time_batched(group, repeats)
