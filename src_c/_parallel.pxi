@@ -37,11 +37,11 @@ cdef extern from "_threads.h" nogil:
     void cpe_region_ran(int n)
     void cpe_set_room(int n)
     void cpe_threads_init()
-    int cpe_threads_serial()
-    int cpe_threads_refused()
-    int cpe_threads_reserved()
-    int cpe_threads_room()
-    int cpe_threads_entered()
+    # The state (read with the GIL held; written under the lock, or by
+    # the thread that owns it).
+    int cpe_serial, cpe_refused, cpe_reserved, cpe_room_max, cpe_entered
+    int cpe_adapting
+    long cpe_alone_calls
     void cpe_threads_set_refused(int refused)
     int cpe_os_threads()
     long long cpe_now_ns()
@@ -49,8 +49,6 @@ cdef extern from "_threads.h" nogil:
     int cpe_choose(int kind, Py_ssize_t work, int n)
     void cpe_took(int kind, Py_ssize_t work, int threads, long long ns)
     void cpe_set_adapting(int on)
-    int cpe_get_adapting()
-    long cpe_get_alone_calls()
     int cpe_sites_alone()
 
 cpe_threads_init()
@@ -147,7 +145,7 @@ cdef int _default_threads() noexcept nogil:
     # here (the Python layer reports it: get_num_threads warns, show_config
     # says so).
     cdef int n
-    if not CPOSEMBED_OPENMP_ENABLED or cpe_threads_serial():
+    if not CPOSEMBED_OPENMP_ENABLED or cpe_serial:
         return 1
     _read_cpus()
     n = _user_threads
@@ -171,7 +169,7 @@ cdef int _explicit_threads(object num_threads) noexcept:
         return 0
     if overflow < 0 or (overflow == 0 and n < 1):
         return 0
-    if not CPOSEMBED_OPENMP_ENABLED or cpe_threads_serial():
+    if not CPOSEMBED_OPENMP_ENABLED or cpe_serial:
         return 1
     _read_cpus()
     if overflow > 0 or n > _OVERSUBSCRIBE * _cpus:
@@ -267,7 +265,7 @@ def set_tuning(serial_below=None, stream_bytes=None, scan_block_bytes=None,
     global _SERIAL_BELOW, _STREAM_BYTES, _scan_block_bytes, _chunk_elems
     old = {"serial_below": _SERIAL_BELOW, "stream_bytes": _STREAM_BYTES,
            "scan_block_bytes": _scan_block_bytes, "chunk_elems": _chunk_elems,
-           "adapt": bool(cpe_get_adapting())}
+           "adapt": bool(cpe_adapting)}
     if chunk_elems is not None:
         _chunk_elems = max(1, <Py_ssize_t>chunk_elems)
     if adapt is not None:
@@ -290,7 +288,7 @@ def last_team():
 def went_parallel():
     """Whether a kernel ran an OpenMP region with more than one thread in
     this process."""
-    return bool(cpe_threads_entered())
+    return bool(cpe_entered)
 
 
 def thread_info():
@@ -300,11 +298,11 @@ def thread_info():
     a forked child that runs every call on its caller, how many calls the
     measured choice sent to one thread, and at how many sites (kinds and
     sizes of call) one thread is now the faster."""
-    return {"room": cpe_threads_room() if CPOSEMBED_OPENMP_ENABLED else 0,
-            "reserved": cpe_threads_reserved(),
-            "refused": bool(cpe_threads_refused()),
-            "serial_child": bool(cpe_threads_serial()),
-            "alone_calls": cpe_get_alone_calls(),
+    return {"room": cpe_room_max if CPOSEMBED_OPENMP_ENABLED else 0,
+            "reserved": cpe_reserved,
+            "refused": bool(cpe_refused),
+            "serial_child": bool(cpe_serial),
+            "alone_calls": cpe_alone_calls,
             "alone_sites": cpe_sites_alone()}
 
 

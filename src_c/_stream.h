@@ -5,7 +5,7 @@
  * output far larger than the cache from 2x to 1x its size. They are only a
  * win for such outputs: for a small output the lines would have stayed in
  * cache for the caller. The entries decide per call (STREAM_THRESHOLD_BYTES in
- * src_c/_team.pxi). SSE2 is part of x86-64, so this stays portable;
+ * src_c/_parallel.pxi). SSE2 is part of x86-64, so this stays portable;
  * other architectures get plain stores. Each thread that streamed must call
  * cpe_sfence() before its work counts as done.
  *

@@ -242,13 +242,11 @@ static int cpe_os_limits_threads(void) {
     return rl.rlim_cur != RLIM_INFINITY;
 }
 
+/* A probe thread ends as soon as it gets the lock its creator holds. */
 static pthread_mutex_t cpe_probe_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t cpe_probe_cv = PTHREAD_COND_INITIALIZER;
-static int cpe_probe_go = 0;
 static void *cpe_probe_main(void *arg) {
     (void)arg;
     pthread_mutex_lock(&cpe_probe_mu);
-    while (!cpe_probe_go) pthread_cond_wait(&cpe_probe_cv, &cpe_probe_mu);
     pthread_mutex_unlock(&cpe_probe_mu);
     return NULL;
 }
@@ -259,17 +257,14 @@ static int cpe_os_allows(int k) {
     pthread_t t[CPE_MAX_REGION];
     sigset_t all, old;
     int made = 0, i, before = cpe_os_threads(), waited;
-    cpe_probe_go = 0;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with Python's threads */
+    pthread_mutex_lock(&cpe_probe_mu);
     while (made < k && made < CPE_MAX_REGION &&
            pthread_create(&t[made], NULL, cpe_probe_main, NULL) == 0)
         made++;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    pthread_mutex_lock(&cpe_probe_mu);
-    cpe_probe_go = 1;
-    pthread_cond_broadcast(&cpe_probe_cv);
     pthread_mutex_unlock(&cpe_probe_mu);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     for (i = 0; i < made; i++) pthread_join(t[i], NULL);
     /* A joined thread is counted out a moment later. */
     for (waited = 0; before > 0 && cpe_os_threads() > before && waited < 2000; waited++) {
@@ -364,7 +359,7 @@ static void cpe_fork_prepare(void) {
 static void cpe_fork_parent(void) { cpe_unlock(); }
 static void cpe_fork_child(void) {
     cpe_unlock();  /* the forking thread took it and is the child's only thread */
-    if (cpe_fork_threads > 1 || (cpe_fork_threads < 0 && cpe_entered) || cpe_pool > 1)
+    if (cpe_fork_threads > 1 || (cpe_fork_threads < 0 && cpe_entered))
         cpe_serial = 1;
     cpe_reserved = 0;
     cpe_mine = 0;
@@ -379,11 +374,6 @@ static void cpe_threads_init(void) {
 static void cpe_threads_init(void) { cpe_key_init(); }
 #endif
 
-static int cpe_threads_serial(void) { return cpe_serial; }
-static int cpe_threads_refused(void) { return cpe_refused; }
-static int cpe_threads_reserved(void) { return cpe_reserved; }
-static int cpe_threads_room(void) { return cpe_room_max; }
-static int cpe_threads_entered(void) { return cpe_entered; }
 static void cpe_threads_set_refused(int refused) {
     cpe_lock();
     cpe_refused = refused;
@@ -515,8 +505,6 @@ static void cpe_set_adapting(int on) {
     cpe_adapting = on;
     memset(cpe_sites, 0, sizeof(cpe_sites));
 }
-static int cpe_get_adapting(void) { return cpe_adapting; }
-static long cpe_get_alone_calls(void) { return cpe_alone_calls; }
 static int cpe_sites_alone(void) {
     int k, b, n = 0;
     for (k = 0; k < CPE_KINDS; k++)
