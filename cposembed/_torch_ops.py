@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from cposembed import _core, _routes
 from cposembed import functional as _f
@@ -189,9 +190,30 @@ _LIB.define(
 ops = torch.ops.cposembed
 
 
+def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
+    """A dual tensor (forward-mode AD) reaching an operator: a clear error, not an
+    output without a tangent. The operators' autograd registrations are
+    reverse-mode only; the functions and modules of ``cposembed.torch`` carry
+    forward-mode AD (their ``jvp``)."""
+    if fwAD._current_level < 0:  # no dual level is open
+        return
+    for a in args:
+        if isinstance(a, torch.Tensor) and fwAD.unpack_dual(a).tangent is not None:
+            raise RuntimeError(
+                f"torch.ops.cposembed.{name} has no forward-mode AD: it got a dual tensor, "
+                "and its output would have no tangent. Call cposembed.torch.embedding or "
+                "the cposembed.torch modules instead: they carry forward-mode AD, with "
+                "the tangent F.embedding gives"
+            )
+
+
 def _cpu(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _LIB.impl(name, fn, "CPU")
+        def kernel(*args: Any) -> Any:
+            _refuse_tangents(name, args)
+            return fn(*args)
+
+        _LIB.impl(name, kernel, "CPU")
         return fn
 
     return register

@@ -20,15 +20,16 @@ and registers the operators ``torch.ops.cposembed.lookup``, ``add_positions``,
 The kernels take float16, bfloat16, float32 and float64 weights. What they
 do not cover goes to torch's own ``F.embedding``, with the same results:
 tensors on other devices (CUDA, MPS, meta), ``scale_grad_by_freq=True``,
-``sparse=True`` under ``torch.compile``, and calls traced by
-``torch.jit.trace`` (so traced graphs hold torch's operators;
-``torch.jit.script`` compiles an :class:`Embedding` as the ``nn.Embedding``
-it is).
+``sparse=True`` under ``torch.compile``, and calls traced by ``torch.export``
+(``torch.compiler.is_exporting()``: the exported program, and the ONNX model
+``torch.onnx.export`` makes from it, hold torch's own operators) or by
+``torch.jit.trace``. ``torch.jit.script`` compiles each module's
+``torch.jit.is_scripting()`` branch, the same ``F.embedding`` and add, and
+leaves the eager modules as they were.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
@@ -69,11 +70,14 @@ def _index(x: Any) -> torch.Tensor:
 
 
 def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
-    """Whether the kernels take this call (CPU, a float dtype, strided, 2-D,
-    not being traced by ``torch.jit.trace``, which records torch's operators)."""
+    """Whether the kernels take this call (CPU, a float dtype, strided, 2-D, not
+    being traced by ``torch.export`` or ``torch.jit.trace``, whose graphs hold
+    torch's own operators for runtimes without Python: ONNX, ExecuTorch)."""
     if table.device.type != "cpu" or table.dtype not in _ops.KERNEL_DTYPES:
         return False
-    if table.layout != torch.strided or table.dim() != 2 or torch.jit.is_tracing():
+    if table.layout != torch.strided or table.dim() != 2:
+        return False
+    if torch.jit.is_tracing() or torch.compiler.is_exporting():
         return False
     for i in indices:
         if i is not None and (
@@ -198,7 +202,7 @@ class Embedding(nn.Embedding):
     True
     """
 
-    def forward(self, input: Any) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``weight[input]``: shape ``input.shape + (embedding_dim,)``.
 
         Parameters
@@ -210,6 +214,20 @@ class Embedding(nn.Embedding):
         -------
         Tensor
         """
+        if torch.jit.is_scripting():  # what torch.jit.script compiles
+            return F.embedding(
+                input,
+                self.weight,
+                self.padding_idx,
+                self.max_norm,
+                self.norm_type,
+                self.scale_grad_by_freq,
+                self.sparse,
+            )
+        return self._eager(input)
+
+    @torch.jit.unused
+    def _eager(self, input: Any) -> torch.Tensor:
         return embedding(
             input,
             self.weight,
@@ -219,15 +237,6 @@ class Embedding(nn.Embedding):
             self.scale_grad_by_freq,
             self.sparse,
         )
-
-    def __prepare_scriptable__(self) -> nn.Embedding:
-        """What ``torch.jit.script`` compiles: this module as a plain
-        ``nn.Embedding`` (a shallow copy sharing its parameters, buffers and
-        hooks), whose forward is torch's own ``F.embedding``, with the same
-        values and gradients."""
-        plain: nn.Embedding = copy.copy(self)
-        plain.__class__ = nn.Embedding
-        return plain
 
 
 def convert_embeddings(module: nn.Module) -> nn.Module:
@@ -311,6 +320,9 @@ class LearnedPositionEmbedding(Embedding):
     >>> pe.add_to(torch.zeros(2, 3, 4), offset=5).shape
     torch.Size([2, 3, 4])
     """
+
+    # Properties torch.jit.script would otherwise compile (eager only).
+    __jit_unused_properties__ = ["max_seq_len", "embed_dim"]
 
     def __init__(
         self,
@@ -466,6 +478,8 @@ class TokenPositionEmbedding(nn.Module):
     True
     """
 
+    __jit_unused_properties__ = ["vocab_size", "max_seq_len", "embed_dim", "padding_idx"]
+
     def __init__(
         self,
         vocab_size: int,
@@ -561,7 +575,9 @@ class TokenPositionEmbedding(nn.Module):
             and _on_kernels(self.positions.weight)
         )
 
-    def forward(self, token_ids: Any, positions: Any = None, offset: int = 0) -> torch.Tensor:
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor | None = None, offset: int = 0
+    ) -> torch.Tensor:
         """``tokens.weight[token_ids] + positions.weight[positions]``.
 
         Parameters
@@ -579,6 +595,15 @@ class TokenPositionEmbedding(nn.Module):
         Tensor
             Shape ``token_ids.shape + (embed_dim,)``.
         """
+        if torch.jit.is_scripting():  # what torch.jit.script compiles
+            if positions is None:
+                T = token_ids.shape[-1] if token_ids.dim() > 0 else 1
+                positions = torch.arange(offset, offset + T, device=token_ids.device)
+            return self.tokens(token_ids) + self.positions(positions.expand(token_ids.shape))
+        return self._eager(token_ids, positions, offset)
+
+    @torch.jit.unused
+    def _eager(self, token_ids: Any, positions: Any, offset: int) -> torch.Tensor:
         ids = _index(token_ids)
         pos = None if positions is None else _index(positions)
         if not self._fused(ids, pos):
