@@ -31,7 +31,7 @@ has freed, zeroed whole before it is handed out again.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -63,26 +63,47 @@ _HALF_PAIR = frozenset((torch.float16, torch.bfloat16))
 # ---- tensors <-> arrays ----------------------------------------------------------
 
 
+class _Memory:
+    """A tensor's memory as NumPy's array interface describes it."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, interface: dict[str, Any]) -> None:
+        self.__array_interface__ = interface
+
+
+@functools.cache
+def _typestr(dtype: torch.dtype) -> str:
+    """NumPy's type string for a torch dtype (bfloat16: its int16 bits)."""
+    if dtype == torch.bfloat16:
+        dtype = torch.int16
+    return torch.empty(0, dtype=dtype).numpy().dtype.str
+
+
 def _array(t: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as an ndarray (no copy, any strides); a bfloat16
-    tensor as an ``ml_dtypes.bfloat16`` array, through its int16 view."""
+    """The tensor's memory as an ndarray (no copy, any strides; a bfloat16
+    tensor as an ``ml_dtypes.bfloat16`` array, through its int16 bits) that,
+    unlike ``Tensor.numpy()``, leaves the storage resizable (``numpy()`` marks
+    it fixed for good: FSDP2 frees an unsharded parameter with
+    ``storage.resize_(0)``) and does not keep it alive: for a call that holds
+    ``t`` while it reads or writes the array."""
     t = t.detach().resolve_neg().resolve_conj()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(_BFLOAT16)
-    return t.numpy()
-
-
-def _unpinned_array(t: torch.Tensor) -> np.ndarray:
-    """A fresh contiguous tensor's memory as an ndarray that, unlike
-    ``Tensor.numpy()``, leaves its storage resizable (``numpy()`` marks it
-    fixed for good) and does not keep it alive: for the caller to write while
-    it holds ``t``, then drop."""
-    dtype = _numpy_dtype(t.dtype)
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return np.empty(tuple(t.shape), dtype)
-    buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-    return np.frombuffer(memoryview(buf), dtype=dtype).reshape(tuple(t.shape))
+    item = t.element_size()
+    if t.numel() == 0:  # its data pointer may be null
+        a = np.empty(tuple(t.shape), np.dtype(_typestr(t.dtype)))
+        return a.view(_BFLOAT16) if t.dtype == torch.bfloat16 else a
+    a = np.asarray(
+        _Memory(
+            {
+                "data": (t.data_ptr(), False),
+                "shape": tuple(t.shape),
+                "strides": tuple(s * item for s in t.stride()),
+                "typestr": _typestr(t.dtype),
+                "version": 3,
+            }
+        )
+    )
+    return a.view(_BFLOAT16) if t.dtype == torch.bfloat16 else a
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -158,7 +179,7 @@ def fresh_zeros(n_rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     itemsize = _numpy_dtype(dtype).itemsize
     if n_rows * d * itemsize < _FRESH_MIN_BYTES:
         t = torch.empty((n_rows, d), dtype=dtype)
-        array = _unpinned_array(t)
+        array = _array(t)
         array.reshape(-1).view(np.uint8).fill(0)
         return t, array
     block = _core.zeroed_dlpack(n_rows, d, itemsize, dtype == torch.bfloat16)

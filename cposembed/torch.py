@@ -30,6 +30,7 @@ leaves the eager modules as they were.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -72,8 +73,9 @@ def _index(x: Any) -> torch.Tensor:
 def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
     """Whether the kernels take this call (CPU, a float dtype, strided, 2-D, not
     being traced by ``torch.export`` or ``torch.jit.trace``, whose graphs hold
-    torch's own operators for runtimes without Python: ONNX, ExecuTorch)."""
-    if table.device.type != "cpu" or table.dtype not in _ops.KERNEL_DTYPES:
+    torch's own operators for runtimes without Python: ONNX, ExecuTorch; not
+    a DTensor, which only ``lookup`` takes: see ``_sharded_lookup``)."""
+    if _is_dtensor(table) or table.device.type != "cpu" or table.dtype not in _ops.KERNEL_DTYPES:
         return False
     if table.layout != torch.strided or table.dim() != 2:
         return False
@@ -85,6 +87,32 @@ def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
         ):
             return False
     return True
+
+
+def _is_dtensor(t: torch.Tensor | None) -> bool:
+    """A DTensor (tensor parallelism), whose module a program that made one
+    has imported; the first one seen registers the operators' sharding rules
+    (``_torch_sharding``, which imports torch.distributed.tensor: 0.4 s)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(t, dtensor.DTensor):
+        return False
+    from cposembed import _torch_sharding  # noqa: F401  (registers the rules once)
+
+    return True
+
+
+def _sharded_lookup(weight: torch.Tensor, idx: torch.Tensor) -> bool:
+    """Whether a lookup of a DTensor weight runs on the kernels: on each rank's
+    local shard, by the operators' sharding rules (``_torch_sharding``), unless
+    the weight is split along its rows (``RowwiseParallel``), which
+    ``F.embedding``'s own rule takes (it masks the ids other ranks hold)."""
+    if not _is_dtensor(weight):
+        return False
+    w: Any = weight
+    if any(p.is_shard(0) for p in w.placements):
+        return False
+    i: Any = idx
+    return _on_kernels(w.to_local(), i.to_local() if _is_dtensor(i) else i) and w.dim() == 2
 
 
 def _is_integer(dtype: torch.dtype) -> bool:
@@ -125,7 +153,10 @@ def embedding(
     do not take (see the module docstring) is passed to it.
     """
     idx = _index(input)
-    on_kernels = _on_kernels(weight, idx) and not scale_grad_by_freq
+    on_kernels = _on_kernels(weight, idx) or (
+        _sharded_lookup(weight, idx) and max_norm is None and not sparse
+    )
+    on_kernels = on_kernels and not scale_grad_by_freq
     if padding_idx is not None and on_kernels:
         # Out of range, F.embedding raises its own AssertionError.
         on_kernels = -weight.shape[0] <= padding_idx < weight.shape[0]
