@@ -64,11 +64,13 @@ _HALF_PAIR = frozenset((torch.float16, torch.bfloat16))
 
 
 class _Memory:
-    """A tensor's memory as NumPy's array interface describes it."""
+    """A tensor's memory as NumPy's array interface describes it, and the tensor
+    (a reference keeps it alive, and its storage resizable)."""
 
-    __slots__ = ("__array_interface__",)
+    __slots__ = ("__array_interface__", "tensor")
 
-    def __init__(self, interface: dict[str, Any]) -> None:
+    def __init__(self, tensor: torch.Tensor, interface: dict[str, Any]) -> None:
+        self.tensor = tensor
         self.__array_interface__ = interface
 
 
@@ -85,8 +87,8 @@ def _array(t: torch.Tensor) -> np.ndarray:
     tensor as an ``ml_dtypes.bfloat16`` array, through its int16 bits) that,
     unlike ``Tensor.numpy()``, leaves the storage resizable (``numpy()`` marks
     it fixed for good: FSDP2 frees an unsharded parameter with
-    ``storage.resize_(0)``) and does not keep it alive: for a call that holds
-    ``t`` while it reads or writes the array."""
+    ``storage.resize_(0)``). The array holds the tensor it reads (``t`` or its
+    resolved copy), so its memory lives as long as the array."""
     t = t.detach().resolve_neg().resolve_conj()
     item = t.element_size()
     if t.numel() == 0:  # its data pointer may be null
@@ -94,6 +96,7 @@ def _array(t: torch.Tensor) -> np.ndarray:
         return a.view(_BFLOAT16) if t.dtype == torch.bfloat16 else a
     a = np.asarray(
         _Memory(
+            t,
             {
                 "data": (t.data_ptr(), False),
                 "shape": tuple(t.shape),

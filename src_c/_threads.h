@@ -416,9 +416,12 @@ static cpe_site *cpe_site_of(int kind, Py_ssize_t work) {
     return &cpe_sites[kind][b];
 }
 
+/* The median of the recent rates on one thread (k = 0) or several; 0
+ * while there are none. */
 static double cpe_median(const cpe_site *s, int k) {
     double v[CPE_RING], x;
     int n = s->count[k], i, j;
+    if (n == 0) return 0;
     for (i = 0; i < n; i++) {
         x = s->rate[k][i];
         for (j = i; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];

@@ -231,6 +231,12 @@ def test_one_thread_is_chosen_only_while_it_measures_faster():
             took(kind, work, k, 1_000_000 if k == 1 else 550_000)
         first = counts.index(n)
         assert first < 32 and counts[first:].count(n) >= len(counts[first:]) - 3, counts
+        # A call on one thread reported before any on several (a caller the
+        # budget left alone): counted, with no median of nothing taken.
+        _core.set_tuning(adapt=True)
+        assert choose(kind, work, n) == n
+        took(kind, work, 1, 1_000_000)
+        assert choose(kind, work, n) == n
         # Off: the plan as it is.
         _core.set_tuning(adapt=False)
         assert all(choose(kind, work, n) == n for _ in range(50))

@@ -201,6 +201,18 @@ def test_a_large_gradient_can_be_resized_as_nn_embeddings() -> None:
     e.weight.grad.resize_(BIG + 1, 8)
 
 
+def test_negative_views_are_read_as_their_values() -> None:
+    # A negative view's values are resolved into a copy that only the kernels'
+    # view of it holds: that copy must live through the call (AddressSanitizer
+    # reports a read of freed memory otherwise).
+    w = torch.randn(10, 3)
+    tok = torch.randn(2, 3, 3)
+    for _ in range(3):
+        assert torch.equal(torch.ops.cposembed.lookup(torch._neg_view(w), IDS), -w[IDS])
+        got = torch.ops.cposembed.add_positions(torch._neg_view(tok), torch._neg_view(w), None, 0)
+        assert torch.equal(got, -tok + -w[:3])
+
+
 def test_a_small_gradient_is_torchs_memory_zeroed_whatever_the_allocator_left() -> None:
     # Below 2 MiB a gradient is torch.empty zeroed on the calling thread: memory
     # torch's allocator may hand out dirty, which must not show through, and a
