@@ -103,7 +103,7 @@ def _array(t: torch.Tensor) -> np.ndarray:
                 "strides": tuple(s * item for s in t.stride()),
                 "typestr": _typestr(t.dtype),
                 "version": 3,
-            }
+            },
         )
     )
     return a.view(_BFLOAT16) if t.dtype == torch.bfloat16 else a
