@@ -32,6 +32,7 @@ has freed, zeroed whole before it is handed out again.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -251,6 +252,24 @@ def _fake(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return register
 
 
+def _small_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An output below the output pool's size as torch's own memory
+    (``torch.empty``: resizable, as ``nn.Embedding``'s outputs are), for the
+    kernel to write; None for a larger one, which is one of the kernels'
+    reusable blocks (no page faults; its storage cannot be resized)."""
+    if math.prod(shape) * _numpy_dtype(dtype).itemsize >= _core.POOL_MIN_BYTES:
+        return None
+    return torch.empty(shape, dtype=dtype)
+
+
+def _written(y: torch.Tensor | None, compute: Callable[..., np.ndarray]) -> torch.Tensor:
+    """``compute(out=...)`` into ``y``, or ``compute()``'s new array as a tensor."""
+    if y is None:
+        return _tensor(compute())
+    compute(out=_array(y))
+    return y
+
+
 @_cpu("lookup")
 def _lookup(
     table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
@@ -258,7 +277,8 @@ def _lookup(
     _check_table(table, "table")
     _check_index(positions, "positions")
     _skip_row(padding_idx, table.shape[0])
-    return _tensor(_f.lookup(_array(table), _array(positions)))
+    y = _small_output((*positions.shape, table.shape[1]), table.dtype)
+    return _written(y, functools.partial(_f.lookup, _array(table), _array(positions)))
 
 
 @_fake("lookup")
@@ -289,8 +309,11 @@ def _add_positions(
     tok_a = _array(tok)
     if {tok.dtype, table.dtype} == _HALF_PAIR:
         tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
-    out = _f.add_positions(tok_a, _array(table), _maybe_array(positions), offset=offset)
-    return _tensor(out)
+    y = _small_output(tuple(tok.shape), torch.promote_types(tok.dtype, table.dtype))
+    add = functools.partial(
+        _f.add_positions, tok_a, _array(table), _maybe_array(positions), offset=offset
+    )
+    return _written(y, add)
 
 
 @_fake("add_positions")
@@ -334,15 +357,18 @@ def _embed(
     _check_embed(token_ids, token_table, position_table, positions)
     _skip_row(padding_idx, token_table.shape[0])
     ids, pos = _array(token_ids), _maybe_array(positions)
+    shape = (*token_ids.shape, token_table.shape[1])
+    y = _small_output(shape, torch.promote_types(token_table.dtype, position_table.dtype))
     if {token_table.dtype, position_table.dtype} == _HALF_PAIR:
         # torch adds the pair in float32: the token rows converted (exactly), then
         # added; ids and positions checked as embed checks them.
         ids = _routes.checked_ids(ids, token_table.shape[0])
         pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
         rows = _f.lookup(_array(token_table), ids).astype(np.float32)
-        return _tensor(_f.add_positions(rows, _array(position_table), pos, offset=offset))
-    out = _layer.embed(ids, _array(token_table), _array(position_table), pos, offset=offset)
-    return _tensor(out)
+        add = functools.partial(_f.add_positions, rows, _array(position_table), pos, offset=offset)
+        return _written(y, add)
+    tables = (_array(token_table), _array(position_table))
+    return _written(y, functools.partial(_layer.embed, ids, *tables, pos, offset=offset))
 
 
 @_fake("embed")
