@@ -147,6 +147,23 @@ def _check_index(t: torch.Tensor | None, name: str) -> None:
         raise IndexError(f"{name} must be an integer tensor; got dtype {t.dtype}")
 
 
+def _ids(t: torch.Tensor | None, n_rows: int) -> np.ndarray | None:
+    """Ids as ``nn.Embedding`` takes them, as an array: each in ``[0, n_rows)``,
+    else ``nn.Embedding``'s ``IndexError`` (negatives too: they would count
+    from the end, a NumPy meaning torch does not give them)."""
+    if t is None:
+        return None
+    a = _array(t)
+    if a.size:
+        lo, hi = a.min(), a.max()
+        if lo < 0 or hi >= n_rows:
+            raise IndexError(
+                f"index out of range in self: got id {lo if lo < 0 else hi} for a table "
+                f"of {n_rows} rows (ids must be in [0, {n_rows}), as nn.Embedding takes them)"
+            )
+    return a
+
+
 def _check_rows(t: torch.Tensor, d: int, name: str) -> None:
     if t.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}; got {t.dtype}")
@@ -278,7 +295,8 @@ def _lookup(
     _check_index(positions, "positions")
     _skip_row(padding_idx, table.shape[0])
     y = _small_output((*positions.shape, table.shape[1]), table.dtype)
-    return _written(y, functools.partial(_f.lookup, _array(table), _array(positions)))
+    ids = _ids(positions, table.shape[0])
+    return _written(y, functools.partial(_f.lookup, _array(table), ids))
 
 
 @_fake("lookup")
@@ -310,9 +328,8 @@ def _add_positions(
     if {tok.dtype, table.dtype} == _HALF_PAIR:
         tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
     y = _small_output(tuple(tok.shape), torch.promote_types(tok.dtype, table.dtype))
-    add = functools.partial(
-        _f.add_positions, tok_a, _array(table), _maybe_array(positions), offset=offset
-    )
+    pos = _ids(positions, table.shape[0])
+    add = functools.partial(_f.add_positions, tok_a, _array(table), pos, offset=offset)
     return _written(y, add)
 
 
@@ -356,7 +373,8 @@ def _embed(
 ) -> torch.Tensor:
     _check_embed(token_ids, token_table, position_table, positions)
     _skip_row(padding_idx, token_table.shape[0])
-    ids, pos = _array(token_ids), _maybe_array(positions)
+    ids = _ids(token_ids, token_table.shape[0])
+    pos = _ids(positions, position_table.shape[0])
     shape = (*token_ids.shape, token_table.shape[1])
     y = _small_output(shape, torch.promote_types(token_table.dtype, position_table.dtype))
     if {token_table.dtype, position_table.dtype} == _HALF_PAIR:
@@ -399,7 +417,7 @@ def _table_grad(
     _routes.scatter_add(
         array,
         _array(grad_output),
-        _maybe_array(positions),
+        _ids(positions, num_rows),
         offset=offset,
         num_threads=None,
         touched=None,
@@ -436,6 +454,7 @@ def _embed_backward(
     _check_index(token_ids, "token_ids")
     _check_index(positions, "positions")
     skip = _skip_row(padding_idx, vocab_size)
+    ids, pos = _ids(token_ids, vocab_size), _ids(positions, max_seq_len)
     d = grad_output.shape[-1]
     g_tok, a_tok = fresh_zeros(vocab_size, d, token_dtype)
     g_pos, a_pos = fresh_zeros(max_seq_len, d, position_dtype)
@@ -443,8 +462,8 @@ def _embed_backward(
         a_tok,
         a_pos,
         _array(grad_output),
-        _array(token_ids),
-        _maybe_array(positions),
+        ids,
+        pos,
         offset=offset,
         num_threads=None,
         token_touched=None,

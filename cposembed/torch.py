@@ -441,8 +441,8 @@ class LearnedPositionEmbedding(Embedding):
 
         Parameters
         ----------
-        tok : Tensor of shape (..., T, embed_dim)
-            Token embeddings.
+        tok : Tensor or array_like of shape (..., T, embed_dim)
+            Token embeddings (a NumPy array is used as a tensor, without a copy).
         positions : Tensor, array_like of int, optional
             Must broadcast to ``tok.shape[:-1]``; ``None`` means
             ``offset + arange(T)``.
@@ -456,6 +456,8 @@ class LearnedPositionEmbedding(Embedding):
             table's gradient sums over every token (what ``nn.Embedding``
             gives for positions of ``tok.shape[:-1]``).
         """
+        if not isinstance(tok, torch.Tensor):  # a NumPy array or a list: as a tensor
+            tok = torch.as_tensor(tok)
         pos = None if positions is None else _index(positions)
         fused = (
             _on_kernels(self.weight, pos)
@@ -540,7 +542,7 @@ class TokenPositionEmbedding(nn.Module):
         token_table: torch.Tensor,
         position_table: torch.Tensor,
         *,
-        freeze: bool = False,
+        freeze: bool = True,
         padding_idx: int | None = None,
     ) -> TokenPositionEmbedding:
         """A layer around two tables (used, not copied), as ``nn.Embedding.from_pretrained``.
@@ -549,8 +551,8 @@ class TokenPositionEmbedding(nn.Module):
         ----------
         token_table : Tensor of shape (vocab_size, embed_dim)
         position_table : Tensor of shape (max_seq_len, embed_dim)
-        freeze : bool, default False
-            Tables without ``requires_grad``.
+        freeze : bool, default True
+            Tables without ``requires_grad`` (as ``nn.Embedding.from_pretrained``).
         padding_idx : int, optional
             A token id whose row gets no gradient.
 

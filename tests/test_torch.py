@@ -345,7 +345,10 @@ def test_token_position_attributes_and_from_pretrained() -> None:
     assert (m.vocab_size, m.max_seq_len, m.embed_dim, m.padding_idx) == (30, 16, 4, 29)
     assert type(m.tokens) is ct.Embedding and type(m.positions) is ct.LearnedPositionEmbedding
     wte, wpe = torch.randn(30, 4), torch.randn(16, 4)
-    p = ct.TokenPositionEmbedding.from_pretrained(wte, wpe, padding_idx=0)
+    # Frozen by default, as nn.Embedding.from_pretrained.
+    default = ct.TokenPositionEmbedding.from_pretrained(wte, wpe)
+    assert not default.tokens.weight.requires_grad and not default.positions.weight.requires_grad
+    p = ct.TokenPositionEmbedding.from_pretrained(wte, wpe, freeze=False, padding_idx=0)
     assert p.tokens.weight.requires_grad and p.padding_idx == 0
     assert p.tokens.weight.data_ptr() == wte.data_ptr()
     assert torch.equal(p(torch.tensor([[3, 0]])), wte[torch.tensor([[3, 0]])] + wpe[:2])
@@ -401,12 +404,43 @@ def test_learned_position_embedding_forward_and_add_to() -> None:
     assert torch.equal(pe.weight, e.weight)
 
 
-def test_negative_and_list_positions_follow_numpy_indexing() -> None:
+def test_add_to_takes_numpy_arrays_and_lists_as_tensors() -> None:
+    pe = ct.LearnedPositionEmbedding(8, 3)
+    tok = np.random.default_rng(0).standard_normal((2, 4, 3)).astype(np.float32)
+    want = torch.from_numpy(tok) + pe(torch.arange(4))
+    assert torch.equal(pe.add_to(tok), want)
+    assert torch.equal(pe.add_to(tok.tolist()), torch.tensor(tok.tolist()) + pe(torch.arange(4)))
+
+
+def test_ids_are_taken_as_nn_embedding_takes_them() -> None:
+    # In [0, num_embeddings): negatives are refused, as nn.Embedding refuses
+    # them, by every module and operator (a NumPy meaning torch does not give).
     pe = ct.LearnedPositionEmbedding(8, 3)
     w = pe.weight.detach()
-    assert torch.equal(pe([-1, 0, -8]), w[[-1, 0, -8]])
-    assert torch.equal(pe(torch.tensor(-2)), w[-2])  # 0-d: one row
+    assert torch.equal(pe([7, 0, 2]), w[[7, 0, 2]])  # lists
+    assert torch.equal(pe(torch.tensor(2)), w[2])  # 0-d: one row
     assert pe(torch.empty(0, dtype=torch.long)).shape == (0, 3)
+    layer = ct.TokenPositionEmbedding(10, 8, 3)
+    tok = torch.zeros(1, 2, 3)
+    ops = torch.ops.cposembed
+    refusals = {
+        "Embedding, -1": lambda: pe(torch.tensor([1, -1])),
+        "Embedding, 8": lambda: pe([8]),
+        "layer ids": lambda: layer(torch.tensor([[5, -100]])),
+        "layer positions": lambda: layer(torch.tensor([[5, 6]]), torch.tensor([[0, -1]])),
+        "add_to": lambda: pe.add_to(tok, torch.tensor([[0, -2]])),
+        "lookup": lambda: ops.lookup(w, torch.tensor([-3])),
+        "table_grad": lambda: ops.table_grad(tok, torch.tensor([[0, -1]]), 0, 8, w.dtype),
+        "embed_backward": lambda: ops.embed_backward(
+            tok, torch.tensor([[1, 10]]), None, 0, 10, 8, w.dtype, w.dtype
+        ),
+    }
+    for name, call in refusals.items():
+        with pytest.raises(IndexError, match=r"index out of range in self: got id -?\d+ for a"):
+            call()
+            pytest.fail(f"{name}: no error")
+    with pytest.raises(IndexError, match="index out of range in self"):  # nn.Embedding's words
+        nn.Embedding(8, 3)(torch.tensor([1, -1]))
 
 
 @pytest.mark.parametrize("padding_idx", [0, 3, -1])
@@ -480,7 +514,7 @@ def _op_samples() -> list[tuple[object, tuple, dict]]:
     t32 = torch.randn(10, 4, requires_grad=True)
     t64 = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
     wide = torch.randn(4, 20, requires_grad=True)  # wide.T: a non-contiguous table
-    pos = torch.randint(-10, 10, (3, 2))
+    pos = torch.randint(0, 10, (3, 2))
     tok = torch.randn(2, 5, 8, requires_grad=True)
     tok_nc = tok[:, :, ::2]  # non-contiguous tokens (2, 5, 4)
     ids = torch.randint(0, 20, (2, 5), dtype=torch.int32)

@@ -148,7 +148,10 @@ def test_property_half_token_position_equals_two_nn_embeddings(
     explicit = data.draw(st.booleans(), label="explicit positions")
     pad = data.draw(st.one_of(st.none(), st.integers(0, vocab - 1)), label="padding_idx")
     m = ct.TokenPositionEmbedding.from_pretrained(
-        _values((vocab, d), dtype, gen), _values((n_pos, d), dtype, gen), padding_idx=pad
+        _values((vocab, d), dtype, gen),
+        _values((n_pos, d), dtype, gen),
+        freeze=False,
+        padding_idx=pad,
     )
     e_tok = _embedding(m.tokens.weight, padding_idx=pad)
     e_pos = _embedding(m.positions.weight)
@@ -206,7 +209,10 @@ def test_property_add_to_of_every_dtype_pair_equals_tok_plus_nn_embedding(
 def test_tables_of_two_dtypes_equal_two_nn_embeddings(token_dtype, position_dtype) -> None:
     gen = torch.Generator().manual_seed(4)
     m = ct.TokenPositionEmbedding.from_pretrained(
-        _values((30, 5), token_dtype, gen), _values((9, 5), position_dtype, gen), padding_idx=1
+        _values((30, 5), token_dtype, gen),
+        _values((9, 5), position_dtype, gen),
+        freeze=False,
+        padding_idx=1,
     )
     e_tok, e_pos = _embedding(m.tokens.weight, padding_idx=1), _embedding(m.positions.weight)
     ids = torch.randint(0, 30, (3, 7), generator=gen)

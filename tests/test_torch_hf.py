@@ -130,3 +130,15 @@ def test_a_model_built_on_the_meta_device_converts() -> None:
     ct.convert_embeddings(model)
     out = model(input_ids=torch.zeros(2, 5, dtype=torch.long, device="meta"))
     assert out.logits.is_meta and out.logits.shape == (2, 5, VOCAB)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_converted_model_refuses_the_ids_the_original_refuses(name) -> None:
+    # -100 is Hugging Face's label-ignore value, easily passed as input by mistake.
+    for bad in (-100, VOCAB):
+        ids = torch.tensor([[5, 7, bad, bad]])
+        original = MODELS[name]()
+        with pytest.raises(IndexError, match="index out of range in self"):
+            original(input_ids=ids)
+        with pytest.raises(IndexError, match="index out of range in self"):
+            ct.convert_embeddings(original)(input_ids=ids)
