@@ -152,7 +152,11 @@ def table_dtype(dtype: Any) -> np.dtype:
         dt = None
     # (`dt is None` first: NumPy compares None equal to float64.)
     if dt is None or dt not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be {FLOAT_NAMES}; got {dtype!r}")
+        # A dtype NumPy knows by its name (int8, not <class 'numpy.int8'>).
+        got = repr(dtype) if dt is None else dt.name
+        if dt is not None and not dt.isnative:
+            got += ", big-endian" if dt.byteorder == ">" else ", little-endian"
+        raise TypeError(f"dtype must be {FLOAT_NAMES}; got {got}")
     return dt
 
 

@@ -41,7 +41,17 @@ def test_constructor_sizes(arg, bad):
     [np.int32, np.complex64, "foo", object, int, "bfloat17", "float8_e4m3fn", "V2", ">f2"],
 )
 def test_constructor_dtype(bad):
-    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64") as info:
+        LearnedPositionEmbedding(8, 4, dtype=bad)
+    assert "<class" not in str(info.value)  # a dtype by its name
+
+
+@pytest.mark.parametrize(
+    "bad, got",
+    [(np.int8, "got int8"), (">f2", "got float16, big-endian"), ("foo", "got 'foo'")],
+)
+def test_constructor_dtype_names_what_came(bad, got):
+    with pytest.raises(TypeError, match=f"{got}$"):
         LearnedPositionEmbedding(8, 4, dtype=bad)
 
 
