@@ -118,10 +118,6 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def _maybe_array(t: torch.Tensor | None) -> np.ndarray | None:
-    return None if t is None else _array(t)
-
-
 def _skip_row(padding_idx: int | None, n_rows: int) -> int:
     """The row that gets no gradient, in ``[0, n_rows)``, or -1 for none."""
     if padding_idx is None:
