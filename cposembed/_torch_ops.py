@@ -95,6 +95,15 @@ def _array(t: torch.Tensor) -> np.ndarray:
     if t.numel() == 0:  # its data pointer may be null
         a = np.empty(tuple(t.shape), np.dtype(_typestr(t.dtype)))
         return a.view(_BFLOAT16) if t.dtype == torch.bfloat16 else a
+    # A storage resized under the tensor (FSDP2 frees one with resize_(0)):
+    # torch's own error, never a read past its end.
+    end = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    if end * item > t.untyped_storage().nbytes():
+        raise RuntimeError(
+            f"a tensor of shape {tuple(t.shape)} is out of bounds of its storage of "
+            f"{t.untyped_storage().nbytes()} bytes (resized, or freed as FSDP2 frees "
+            "an unsharded parameter)"
+        )
     a = np.asarray(
         _Memory(
             t,

@@ -115,6 +115,30 @@ def _sharded_lookup(weight: torch.Tensor, idx: torch.Tensor) -> bool:
     return _on_kernels(w.to_local(), i.to_local() if _is_dtensor(i) else i) and w.dim() == 2
 
 
+def _values(x: Any) -> torch.Tensor:
+    """Token embeddings as a tensor: tensors as they are; NumPy arrays (their memory,
+    in native byte order; ml_dtypes' bfloat16 as torch.bfloat16) and lists as
+    ``torch.as_tensor`` takes them."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        if x.dtype == _ops._NUMPY_DTYPES[torch.bfloat16]:
+            return _ops._tensor(np.ascontiguousarray(x))
+        if not x.dtype.isnative:
+            x = x.astype(x.dtype.newbyteorder("="))
+    return torch.as_tensor(x)
+
+
+def _check_offset(positions: torch.Tensor | None, offset: int) -> None:
+    """The fused kernels' rule, for every path (also the unfused ones under
+    torch.export): an offset only with positions=None."""
+    if positions is not None and offset != 0:
+        raise ValueError(
+            f"offset={offset} only applies with positions=None; "
+            "add it to the explicit positions instead"
+        )
+
+
 def _is_integer(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
@@ -126,12 +150,12 @@ def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_t
     are converted to int64 first (uint64 ids past int64's range are out of
     range for any table, and are refused before any row is touched)."""
     if indices.dtype not in (torch.int32, torch.int64):
-        ids = indices.numpy()  # torch has no comparisons of uint64
+        ids = _ops._array(indices)  # torch has no comparisons of uint64
         if indices.dtype == torch.uint64 and ids.size and ids.max() > 2**63 - 1:
             n = weight.shape[0]
             raise IndexError(
-                f"position {ids.max()} is out of range for a table of {n} positions "
-                f"(expected -{n} <= position < {n})"
+                f"index out of range in self: got id {ids.max()} for a table of {n} rows "
+                f"(ids must be in [0, {n}), as nn.Embedding takes them)"
             )
         indices = indices.to(torch.int64)
     with torch.no_grad():
@@ -442,7 +466,8 @@ class LearnedPositionEmbedding(Embedding):
         Parameters
         ----------
         tok : Tensor or array_like of shape (..., T, embed_dim)
-            Token embeddings (a NumPy array is used as a tensor, without a copy).
+            Token embeddings (a NumPy array in native byte order is used
+            without a copy; bfloat16 arrays of ml_dtypes too).
         positions : Tensor, array_like of int, optional
             Must broadcast to ``tok.shape[:-1]``; ``None`` means
             ``offset + arange(T)``.
@@ -456,9 +481,9 @@ class LearnedPositionEmbedding(Embedding):
             table's gradient sums over every token (what ``nn.Embedding``
             gives for positions of ``tok.shape[:-1]``).
         """
-        if not isinstance(tok, torch.Tensor):  # a NumPy array or a list: as a tensor
-            tok = torch.as_tensor(tok)
+        tok = _values(tok)
         pos = None if positions is None else _index(positions)
+        _check_offset(pos, offset)
         fused = (
             _on_kernels(self.weight, pos)
             and tok.device.type == "cpu"
@@ -632,6 +657,11 @@ class TokenPositionEmbedding(nn.Module):
             if positions is None:
                 T = token_ids.shape[-1] if token_ids.dim() > 0 else 1
                 positions = torch.arange(offset, offset + T, device=token_ids.device)
+            elif offset != 0:
+                raise ValueError(
+                    "offset only applies with positions=None; "
+                    "add it to the explicit positions instead"
+                )
             return self.tokens(token_ids) + self.positions(positions.expand(token_ids.shape))
         return self._eager(token_ids, positions, offset)
 
@@ -639,6 +669,7 @@ class TokenPositionEmbedding(nn.Module):
     def _eager(self, token_ids: Any, positions: Any, offset: int) -> torch.Tensor:
         ids = _index(token_ids)
         pos = None if positions is None else _index(positions)
+        _check_offset(pos, offset)
         if not self._fused(ids, pos):
             if pos is None:
                 pos = _ops.default_positions(offset, tuple(ids.shape)).to(ids.device)

@@ -447,7 +447,7 @@ static int cpe_choose(int kind, Py_ssize_t work, int n) {
 
 /* The calls between tries of the other count, so that the tries cost about
  * CPE_PROBE_COST of the time: 4 to 32 on several threads; on one, 4 to
- * 8, or to as many as run in CPE_ALONE_SPAN_NS when the calls are short
+ * 8, or to as many as run in CPE_ALONE_SPAN_NS (at most 1024) when the calls are short
  * (several are back within 8 calls, or that span, once the CPUs are free;
  * a try on several threads while the CPUs are taken can cost a scheduler
  * wait, many times a short call). */

@@ -410,6 +410,13 @@ def test_add_to_takes_numpy_arrays_and_lists_as_tensors() -> None:
     want = torch.from_numpy(tok) + pe(torch.arange(4))
     assert torch.equal(pe.add_to(tok), want)
     assert torch.equal(pe.add_to(tok.tolist()), torch.tensor(tok.tolist()) + pe(torch.arange(4)))
+    assert torch.equal(pe.add_to(tok.astype(">f4")), want)  # big-endian: its values
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    half = ct.LearnedPositionEmbedding(8, 3, dtype=torch.bfloat16)
+    bf = tok.astype(ml_dtypes.bfloat16)  # NumPy's bfloat16, as cposembed uses it
+    got = half.add_to(bf)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.from_numpy(tok).to(torch.bfloat16) + half(torch.arange(4)))
 
 
 def test_ids_are_taken_as_nn_embedding_takes_them() -> None:

@@ -180,6 +180,30 @@ def test_jit_script_of_the_layer_with_positions_and_offset():
     assert torch.equal(s(IDS[:, :2], None, 3), m(IDS[:, :2], None, 3))
 
 
+def test_an_offset_with_explicit_positions_is_refused_on_every_path():
+    m = ct.TokenPositionEmbedding(20, 8, 4)
+    pos = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])
+
+    class WithOffset(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return self.m(ids, pos, 3)
+
+    calls = {
+        "eager": lambda: m(IDS, pos, 3),
+        "add_to": lambda: m.positions.add_to(torch.zeros(2, 4, 4), pos, 3),
+        "export": lambda: torch.export.export(WithOffset(), (IDS, pos)),
+        "script": lambda: torch.jit.script(m)(IDS, pos, 3),
+    }
+    for name, call in calls.items():
+        with pytest.raises(Exception, match="offset.*only applies with positions=None") as info:
+            call()
+        assert isinstance(info.value, ValueError) or "ValueError" in str(info.value), name
+
+
 def _dual_calls(d: torch.Tensor, t: torch.Tensor, pos: torch.Tensor):
     tok = torch.zeros(3, 3, dtype=d.dtype)
     ops = torch.ops.cposembed

@@ -201,6 +201,18 @@ def test_a_large_gradient_can_be_resized_as_nn_embeddings() -> None:
     e.weight.grad.resize_(BIG + 1, 8)
 
 
+def test_a_storage_resized_under_its_tensor_is_torchs_error_not_a_read_past_it() -> None:
+    # Storages stay resizable (FSDP2 frees one with resize_(0)): a tensor whose
+    # storage no longer holds it is refused before the kernels read it.
+    for nbytes in (64, 0):
+        w = torch.randn(1000, 64)
+        w.untyped_storage().resize_(nbytes)
+        with pytest.raises(RuntimeError, match="out of bounds of its storage"):
+            torch.ops.cposembed.lookup(w, torch.tensor([999]))
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            F.embedding(torch.tensor([999]), w)  # torch's own refusal
+
+
 def test_negative_views_are_read_as_their_values() -> None:
     # A negative view's values are resolved into a copy that only the kernels'
     # view of it holds: that copy must live through the call (AddressSanitizer

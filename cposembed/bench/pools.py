@@ -97,6 +97,11 @@ def _alone_in_fresh_process(f: Fixture, n: int) -> dict[str, list[float]]:
     return times
 
 
+def _block_means(times: list[float], size: int) -> list[float]:
+    """The mean of each run of ``size`` consecutive times (a short last run dropped)."""
+    return [float(np.mean(times[i : i + size])) for i in range(0, len(times) - size + 1, size)]
+
+
 def _peers(f: Fixture) -> dict[str, Callable[[], Any]]:
     """The other pools' work: a libgomp loop always, PyTorch's ops when torch imports."""
     peers: dict[str, Callable[[], Any]] = {
@@ -139,7 +144,8 @@ def _timer(
 ) -> Callable[[Group, int], None]:
     """Times every pools group at once, whichever is measured first (they share
     the fresh processes): the calls alone in a fresh process, then ``repeats // 2``
-    rounds in this one, the two alternating ALONE_PROCESSES times (once, --quick)."""
+    rounds in this one, the two alternating ALONE_PROCESSES times (once, --quick).
+    Both sides are means of blocks of the same number of calls."""
     calls = _calls(f)
     done = False
 
@@ -154,10 +160,11 @@ def _timer(
         _threads.set_num_threads(f.nt)
         try:
             for _ in range(n_proc):
-                alone = _alone_in_fresh_process(f, 2 * rounds + 1)
-                for (name, _peer), pair in groups.items():
-                    for g in pair:
-                        g.contenders[1].times.extend(alone[name])
+                alone = _alone_in_fresh_process(f, BESIDE_CALLS * rounds)
+                for (name, _peer), (beside, after) in groups.items():
+                    # Blocks of as many calls as the rounds' blocks, their means.
+                    beside.contenders[1].times.extend(_block_means(alone[name], BESIDE_CALLS))
+                    after.contenders[1].times.extend(_block_means(alone[name], AFTER_CALLS))
                 for _ in range(rounds):
                     for (name, peer), (beside, after) in groups.items():
                         b, a = _round(calls[name], peers[peer])
