@@ -85,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(bench_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(
-        prog="python -m cposembed", description="Learned position embeddings on C kernels."
+        prog=_prog(), description="Learned position embeddings on C kernels."
     )
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("demo", help="the handbook's example output").set_defaults(func=demo)
-    sub.add_parser("info", help="show_config(): version, OpenMP, threads, flags").set_defaults(
-        func=info
-    )
+    p_demo = sub.add_parser("demo", help="the handbook's example output")
+    p_demo.set_defaults(func=demo)
+    p_info = sub.add_parser("info", help="show_config(): version, OpenMP, threads, flags")
+    p_info.set_defaults(func=info)
     # Listed for the help only: "bench" is dispatched above, before parsing.
     sub.add_parser(
         "bench",
@@ -109,12 +109,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_train_arguments(p_train)
     p_train.set_defaults(func=train)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # The subcommand's own usage, with its options, rather than the top level's.
+        own = {"demo": p_demo, "info": p_info, "train": p_train}.get(args.command, parser)
+        own.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         # argparse's convention for a missing argument: usage and error on
         # stderr, exit status 2 (parser.error raises SystemExit(2)).
         parser.error("a subcommand is required: demo, info, bench or train")
     return int(args.func(args) or 0)
+
+
+def _prog() -> str:
+    """The command as it was run: ``python -m cposembed``, or the installed
+    ``cposembed`` script's name."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if name in ("", "-c", "__main__.py") or name.endswith(".py"):
+        return "python -m cposembed"
+    return name
 
 
 def _run_script() -> int:

@@ -365,6 +365,10 @@ def run(args: Any) -> int:
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be a positive integer", file=sys.stderr)
             return 2
+    problem = _memory_problem(args.max_seq_len, args.embed_dim, args.batch_size)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
     if not np.isfinite(lr) or (args.optimizer == "adam" and lr < 0):
         print("error: --lr must be a finite number (>= 0 for adam)", file=sys.stderr)
@@ -426,6 +430,35 @@ def run(args: Any) -> int:
             return 1
         print(f"saved the trained table to {args.save}")
     return status
+
+
+def _memory_problem(max_seq_len: int, embed_dim: int, batch_size: int) -> str | None:
+    """Why a run of these sizes cannot fit in this machine's memory, or None.
+
+    A step holds about five float32 arrays of (batch, T, T) (the head's
+    logits over positions, their softmax, the targets, the gradient) and the
+    tables about 12 bytes per position and dimension (the float64 draw, the
+    float32 table, the head); what the OS does not report is not checked."""
+    need = 4 * 5 * batch_size * max_seq_len**2 + 12 * max_seq_len * embed_dim
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not reported here (Windows)
+        return None
+    if have <= 0 or need <= have:
+        return None
+    return (
+        f"--max-seq-len {max_seq_len} with --embed-dim {embed_dim} and --batch-size "
+        f"{batch_size} needs about {_bytes(need)} of memory; this machine has {_bytes(have)}"
+    )
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if size < 1024 or unit == "EiB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
 
 
 def _output_problem(out: str | None, save: str | None) -> str | None:

@@ -200,3 +200,39 @@ def test_train_command_without_matplotlib(tmp_path):
 def test_train_command_rejects_bad_options(tmp_path):
     proc = run_cli(["train", "--steps", "0"], cwd=tmp_path)
     assert proc.returncode == 2 and "--steps" in proc.stderr
+
+
+def test_an_unknown_option_shows_its_subcommands_usage(tmp_path):
+    for command in ("train", "demo", "info"):
+        proc = run_cli([command, "--bogus"], cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.startswith(f"usage: python -m cposembed {command}"), proc.stderr
+        assert f"python -m cposembed {command}: error: unrecognized arguments: --bogus" in (
+            proc.stderr
+        )
+    assert os.listdir(tmp_path) == []
+
+
+def test_train_with_impossible_sizes_is_a_one_line_error_before_any_work(tmp_path):
+    args = ["train", "--max-seq-len", "100000000000", "--embed-dim", "100000"]
+    proc = run_cli(args, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --max-seq-len 100000000000"), lines
+    assert "of memory; this machine has" in lines[0]
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "argv0, prog",
+    [
+        ("/venv/bin/cposembed", "cposembed"),
+        ("/src/cposembed/__main__.py", "python -m cposembed"),
+        ("", "python -m cposembed"),
+    ],
+)
+def test_the_usage_names_the_command_as_it_was_run(monkeypatch, argv0, prog):
+    from cposembed import __main__ as cli
+
+    monkeypatch.setattr(cli.sys, "argv", [argv0])
+    assert cli._prog() == prog
