@@ -15,7 +15,7 @@ def demo(args: argparse.Namespace) -> int:
     """The handbook's example (its In[4]/Out[5]), on the package's class."""
     from . import LearnedPositionEmbedding
 
-    heatmap_path = _demo_heatmap_path()
+    heatmap_path = _demo_heatmap_path(args.out)
     if heatmap_path is not None:
         problem = _state.output_problem(heatmap_path, "the heatmap")
         if problem:
@@ -51,16 +51,18 @@ def demo(args: argparse.Namespace) -> int:
 DEMO_HEATMAP = "position_embeddings_heatmap.png"
 
 
-def _demo_heatmap_path() -> str | None:
-    """Where the demo writes its heatmap; None without matplotlib (an optional extra)."""
+def _demo_heatmap_path(out: str | None = None) -> str | None:
+    """Where the demo writes its heatmap (``--out``, else DEMO_HEATMAP in the
+    current folder); None without matplotlib (an optional extra)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return None
+    path = DEMO_HEATMAP if out is None else out
     try:
-        return os.path.abspath(DEMO_HEATMAP)
+        return os.path.abspath(path)
     except OSError:  # the current folder was removed: the check says so
-        return DEMO_HEATMAP
+        return path
 
 
 def train(args: argparse.Namespace) -> int:
@@ -89,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command")
     p_demo = sub.add_parser("demo", help="the handbook's example output")
+    p_demo.add_argument(
+        "--out",
+        metavar="PATH",
+        help=f"where the heatmap goes (default: {DEMO_HEATMAP} in the current folder)",
+    )
     p_demo.set_defaults(func=demo)
     p_info = sub.add_parser("info", help="show_config(): version, OpenMP, threads, flags")
     p_info.set_defaults(func=info)

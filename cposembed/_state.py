@@ -463,8 +463,9 @@ def output_problem(path: PathLike, what: str) -> str | None:
     except OSError as exc:  # no current folder (it was removed)
         return f"{what} {name!r}: {exc.strerror or exc}"
     if not os.path.isdir(folder):
-        missing = "is not a folder" if os.path.exists(folder) else "does not exist"
-        return f"{what} {name!r}: the folder {folder!r} {missing}"
+        if os.path.exists(folder):  # a file where the path needs a folder
+            return f"{what} {name!r}: {folder!r} is a file, not a folder"
+        return f"{what} {name!r}: the folder {folder!r} does not exist"
     try:
         fd, temp = _create_beside(target)
     except OSError as exc:
@@ -490,7 +491,7 @@ def folder_problem(path: PathLike, what: str) -> str | None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        return f"{what} {name!r}: {existing!r} is not a folder"
+        return f"{what} {name!r}: {existing!r} is a file, not a folder"
     try:
         fd, temp = _create_beside(os.path.join(existing, "check"))
     except OSError as exc:

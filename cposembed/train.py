@@ -94,7 +94,8 @@ def _one_blas_thread() -> Iterator[None]:
 
 
 class _Progress:
-    """A progress bar on stderr: tqdm if it is installed, else plain text."""
+    """A progress bar on stderr: tqdm if it is installed and stderr is a terminal,
+    else plain text (a line every 10 % when it is not a terminal)."""
 
     def __init__(self, total: int, stream: IO[str] | None, enabled: bool) -> None:
         self.total = total
@@ -105,7 +106,7 @@ class _Progress:
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._every = max(1, total // (50 if self._tty else 10))
         self._start = time.perf_counter()
-        if enabled:
+        if enabled and self._tty:  # tqdm redraws with carriage returns: a terminal only
             try:
                 from tqdm import tqdm
             except ImportError:

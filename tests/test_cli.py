@@ -236,3 +236,36 @@ def test_the_usage_names_the_command_as_it_was_run(monkeypatch, argv0, prog):
 
     monkeypatch.setattr(cli.sys, "argv", [argv0])
     assert cli._prog() == prog
+
+
+def test_demo_writes_its_heatmap_where_out_says(tmp_path):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "cwd").mkdir()
+    target = tmp_path / "heat.png"
+    proc = run_cli(["demo", "--out", str(target)], cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(HANDBOOK_OUT5)
+    assert target.stat().st_size > 0 and os.listdir(tmp_path / "cwd") == []
+    assert f"wrote heatmap to {target}" in proc.stdout
+    # A path that cannot be written: the error, before any output.
+    (tmp_path / "afile").write_text("")
+    bad = run_cli(["demo", "--out", str(tmp_path / "afile" / "h.png")], cwd=tmp_path / "cwd")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert "is a file, not a folder" in bad.stderr
+
+
+def test_a_path_through_a_file_says_which_part_is_a_file(tmp_path):
+    (tmp_path / "afile").write_text("")
+    proc = run_cli(["train", "--steps", "1", "--save", "afile/x.npz"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"--save 'afile/x.npz': {str(tmp_path / 'afile')!r} is a file, not a folder" in (
+        proc.stderr
+    )
+    proc = run_cli(["train", "--steps", "1", "--out", "afile/pics"], cwd=tmp_path)
+    assert proc.returncode == 2 and "is a file, not a folder" in proc.stderr, proc.stderr
+
+
+def test_the_progress_into_a_pipe_has_no_carriage_returns(tmp_path):
+    proc = run_cli(["train", "--steps", "20", "--max-seq-len", "16"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "training" in proc.stderr and "\r" not in proc.stderr
