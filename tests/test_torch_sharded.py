@@ -12,6 +12,27 @@ from helpers import run_on_two_ranks
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
+# The end of each rank's run: both ranks' verdicts, gathered on rank 0 and
+# written to `out`; then out without the exit-time teardown of PyTorch's
+# distributed threads.
+_FINISH = """
+import json, os, sys
+import torch.distributed as dist
+
+
+def finish(result, rank, world, out):
+    verdicts = [None] * world
+    dist.all_gather_object(verdicts, result)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(verdicts, f)
+    sys.stdout.flush()
+    os._exit(0)
+
+"""
+
 _FSDP = """
 import json, os, sys
 import torch, torch.distributed as dist
@@ -90,23 +111,14 @@ def run(rank, world, port, out):
             "grads": all(torch.equal(a, b) for s1, s2 in zip(g1, g2) for a, b in zip(s1, s2)),
             "params": all(map(torch.equal, p1, p2)),
         }
-    # Both ranks' verdicts, gathered on rank 0.
-    verdicts = [None] * world
-    dist.all_gather_object(verdicts, result)
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(verdicts, f)
-    sys.stdout.flush()
-    os._exit(0)
+    finish(result, rank, world, out)
 
 """
 
 
 def test_fully_shard_trains_as_nn_embedding(tmp_path) -> None:
     pytest.importorskip("transformers")
-    verdicts = run_on_two_ranks(_FSDP, tmp_path)
+    verdicts = run_on_two_ranks(_FINISH + _FSDP, tmp_path)
     every = {"losses": True, "grads": True, "params": True}
     want = dict.fromkeys(("Embedding", "TokenPositionEmbedding", "gpt2"), every)
     assert verdicts == [want, want], verdicts
@@ -182,22 +194,14 @@ def run(rank, world, port, out):
                     "grads": all(map(torch.equal, g1, g2)),
                     "kernels": k1,
                 }
-    verdicts = [None] * world
-    dist.all_gather_object(verdicts, result)
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(verdicts, f)
-    sys.stdout.flush()
-    os._exit(0)
+    finish(result, rank, world, out)
 
 """
 
 
 def test_tensor_parallel_plans_give_nn_embeddings_outputs_and_gradient_shards(tmp_path) -> None:
     pytest.importorskip("torch.distributed.tensor.parallel")
-    verdicts = run_on_two_ranks(_TP, tmp_path)
+    verdicts = run_on_two_ranks(_FINISH + _TP, tmp_path)
     assert verdicts[0] == verdicts[1]
     rows = verdicts[0]
     assert len(rows) == 12
