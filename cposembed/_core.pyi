@@ -21,7 +21,9 @@ _A = TypeVar("_A", bound=np.ndarray)
 SERIAL_THRESHOLD: int  # elements of work below which a call runs on one thread
 STREAM_THRESHOLD_BYTES: int  # outputs at least this large use streaming stores
 POOL_MIN_BYTES: int  # fresh outputs at least this large come from the pool
-BFLOAT16: np.dtype[Any]  # np.dtype(ml_dtypes.bfloat16), as the kernels know it
+
+def bfloat16() -> np.dtype[Any]: ...
+def loaded_bfloat16() -> np.dtype[Any] | None: ...
 
 class ScatterPlan(enum.IntEnum):
     PLAN_AUTO = 0
@@ -188,12 +190,15 @@ def set_pool(enabled: bool = True, limit_bytes: int | None = None) -> None: ...
 def clear_pool() -> None: ...
 def fail_scratch(n: int, after: int = 0) -> int: ...  # tests: n requests of scratch fail
 
-# Zeroed tables handed out through DLPack (src_c/_zeros.pxi).
 ISAS: tuple[str, ...]  # the half-precision primitives' variants: sse2, f16c, avx2
 
 def set_isa(name: str) -> str: ...  # tests: use a variant (same bits); the one used
 def isas() -> tuple[str, ...]: ...  # the variants this CPU has
+
+# Zeroed tables (src_c/_blocks.h): as NumPy arrays, and through DLPack.
+ZEROED_MIN_BYTES: int  # zeroed tables at least this large are the allocator's
+
+def zeros(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray: ...
 def zeroed_dlpack(
     rows: int, cols: int, itemsize: int, bfloat16: bool = False
 ) -> Any: ...  # a "dltensor" PyCapsule
-def zeroed_kept(keep: bool | None = None) -> int: ...

@@ -80,7 +80,7 @@ class GradientState:
             return grad, self.touched
         fresh = grad is None
         if grad is None:
-            grad = np.zeros(table.shape, dtype=v.work_dtype(table.dtype))
+            grad = _core.zeros(table.shape, v.work_dtype(table.dtype))
         check_grad(grad, table)
         touched = _core.RowMarks(table.shape[0])
         if not fresh:
@@ -156,7 +156,7 @@ class GradientState:
 def check_grad(grad: Any, table: np.ndarray) -> None:
     """A gradient a backward may accumulate into: a writable float ndarray (any of
     the four float dtypes, whatever the table's) of the table's shape."""
-    if not isinstance(grad, np.ndarray) or v.native_dtype(grad.dtype) not in v.FLOAT_DTYPES:
+    if not isinstance(grad, np.ndarray) or not v.is_float(v.native_dtype(grad.dtype)):
         raise TypeError(
             f"grad must be a {v.FLOAT_NAMES} numpy.ndarray of the table's shape "
             f"{table.shape}; got {v.describe(grad)}"
@@ -180,7 +180,7 @@ def sgd_step(table: np.ndarray, state: GradientState, grad: np.ndarray, lr: floa
     """
     if _core.sgd_step(table, grad, state.step_marks(grad), lr, state.skip_row) is None:
         rows = state.step_rows(grad, table.shape[0])
-        if table.dtype in v.HALF_DTYPES:
+        if v.is_half(table.dtype):
             work = v.work_dtype(table.dtype).type
             step = work(lr) * grad[rows].astype(work)
             table[rows] = (table[rows].astype(work) - step).astype(table.dtype)

@@ -220,7 +220,7 @@ def grad_output_dtype(grad_output: np.dtype, table: np.dtype) -> np.dtype:
     float64 if either side is float64, else in float32, and round to the table's
     dtype after each add), else (bool, integers) the table's."""
     native = v.native_dtype(grad_output)
-    return native if native in v.FLOAT_DTYPES else table
+    return native if v.is_float(native) else table
 
 
 def scatter_add_declined(

@@ -33,10 +33,10 @@ import numpy as np
 
 from . import _core
 from ._validation import (
-    BFLOAT16,
-    FLOAT_DTYPES,
     FLOAT_NAMES,
+    bfloat16,
     describe,
+    is_float,
     is_real,
     native_dtype,
     work_dtype,
@@ -71,20 +71,20 @@ PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 class State(NamedTuple):
     """A checked state, in the layout the class keeps."""
 
-    embeddings: np.ndarray  # (L, d) of FLOAT_DTYPES, native, C-contiguous, writable
+    embeddings: np.ndarray  # (L, d) of a table dtype (is_float), native, C-contiguous, writable
     grad: np.ndarray | None  # None or (L, d), real dtype (kept as given if it fits)
     touched: np.ndarray | None  # None or (L,) bool, a fresh array; only with a grad
     padding_idx: int | None  # normalised to [0, L)
 
 
 def _table(value: Any, what: str) -> np.ndarray:
-    """An ``(L, d)`` table of one of FLOAT_DTYPES, native and C-contiguous (a copy if
+    """An ``(L, d)`` table of a table dtype, native and C-contiguous (a copy if
     needed)."""
     if (
         not isinstance(value, np.ndarray)
         or value.ndim != 2
         or min(value.shape) < 1
-        or native_dtype(value.dtype) not in FLOAT_DTYPES
+        or not is_float(native_dtype(value.dtype))
     ):
         raise ValueError(
             f"{what} must be a 2-D {FLOAT_NAMES} array with both sizes >= 1; got {describe(value)}"
@@ -247,13 +247,13 @@ def _bfloat16_member(
     """A void table member as read: NumPy writes bfloat16 as 2-byte void (``|V2``,
     or ``>V2`` from a big-endian array), which is bfloat16 in that byte order again
     (a view) when the ``dtype`` member says so."""
-    if dtype_name != BFLOAT16.name or raw.dtype.itemsize != 2 or raw.dtype.fields is not None:
+    if dtype_name != "bfloat16" or raw.dtype.itemsize != 2 or raw.dtype.fields is not None:
         raise _Refused(
             f"member {key!r} must be a 2-D {FLOAT_NAMES} array; got shape {raw.shape} "
             f"and dtype {raw.dtype} (2-byte void is bfloat16 only where the member "
             f"'dtype' says 'bfloat16'; it says {dtype_name!r})"
         )
-    return raw.view(BFLOAT16.newbyteorder(order))
+    return raw.view(bfloat16().newbyteorder(order))
 
 
 def from_npz(

@@ -49,11 +49,10 @@ __all__ = ["KERNEL_DTYPES", "add_positions", "embed", "fresh_zeros", "lookup"]
 # Table dtypes the kernels take; other dtypes go to torch's own F.embedding.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DTYPE_NAMES = "float16, bfloat16, float32 or float64"
-# NumPy's bfloat16 is ml_dtypes' (torch has no NumPy view of a bfloat16 tensor).
-_BFLOAT16 = _core.BFLOAT16
-_NUMPY_DTYPES = {
+# NumPy's bfloat16 is ml_dtypes' (torch has no NumPy view of a bfloat16 tensor),
+# imported with the first bfloat16 tensor (_core.bfloat16()).
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.float16: np.dtype(np.float16),
-    torch.bfloat16: _BFLOAT16,
     torch.float32: np.dtype(np.float32),
     torch.float64: np.dtype(np.float64),
 }
@@ -94,7 +93,7 @@ def _array(t: torch.Tensor) -> np.ndarray:
     item = t.element_size()
     if t.numel() == 0:  # its data pointer may be null
         a = np.empty(tuple(t.shape), np.dtype(_typestr(t.dtype)))
-        return a.view(_BFLOAT16) if t.dtype == torch.bfloat16 else a
+        return a.view(_core.bfloat16()) if t.dtype == torch.bfloat16 else a
     # A storage resized under the tensor (FSDP2 frees one with resize_(0)):
     # torch's own error, never a read past its end.
     end = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
@@ -116,13 +115,13 @@ def _array(t: torch.Tensor) -> np.ndarray:
             },
         )
     )
-    return a.view(_BFLOAT16) if t.dtype == torch.bfloat16 else a
+    return a.view(_core.bfloat16()) if t.dtype == torch.bfloat16 else a
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
     """The array's memory as a tensor (no copy); ``ml_dtypes.bfloat16`` as
     torch.bfloat16, through its int16 view."""
-    if a.dtype == _BFLOAT16:
+    if a.dtype.kind == "V" and a.dtype == _core.bfloat16():
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
@@ -179,6 +178,8 @@ def _check_rows(t: torch.Tensor, d: int, name: str) -> None:
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     if dtype not in KERNEL_DTYPES:
         raise TypeError(f"gradient dtype must be {_DTYPE_NAMES}; got {dtype}")
+    if dtype == torch.bfloat16:
+        return _core.bfloat16()
     return _NUMPY_DTYPES[dtype]
 
 

@@ -14,30 +14,52 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import Any
 
 import numpy as np
 
-# Imported now, not on first use: NumPy imports submodules lazily, and a
-# process forked while another thread holds that import's lock would wait
-# for it forever in its first call.
-from numpy import ma as _ma
-
 from . import _core
 
-# NumPy's bfloat16 comes from ml_dtypes (the kernels' _core.BFLOAT16). Its kind is 'V' and
-# np.issubdtype(bfloat16, np.floating) is False, so "is it a float" is asked
-# of FLOAT_DTYPES or is_real here, never of the dtype's kind alone.
-BFLOAT16 = _core.BFLOAT16
-HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
-FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), *HALF_DTYPES)
+# NumPy's bfloat16 comes from ml_dtypes (the kernels' _core.bfloat16()), imported
+# only when a bfloat16 is asked for: no array of one can exist before. Its kind is
+# 'V' and np.issubdtype(bfloat16, np.floating) is False, so "is it a float" is
+# asked of is_float or is_real here, never of the dtype's kind alone.
+bfloat16 = _core.bfloat16
+_FLOAT16 = np.dtype(np.float16)
+_FULL_FLOATS = (np.dtype(np.float32), np.dtype(np.float64), _FLOAT16)
 FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 _INT64 = np.dtype(np.int64)
 # Element kinds NumPy can add to a float table: bool, signed, unsigned, float
 # (and bfloat16, of kind 'V').
 _REAL_KINDS = "biuf"
-# Scalars a real-valued argument (a learning rate, ...) may be.
-REAL_SCALARS = (int, float, np.integer, np.floating, BFLOAT16.type)
+# Scalars a real-valued argument (a learning rate, ...) may be, besides bfloat16.
+_REAL_SCALARS = (int, float, np.integer, np.floating)
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is NumPy's bfloat16 in native byte order."""
+    if dtype.kind != "V" or dtype.itemsize != 2:
+        return False
+    bf = _core.loaded_bfloat16()
+    return bf is not None and dtype == bf
+
+
+def is_half(dtype: np.dtype) -> bool:
+    """float16 or bfloat16, in native byte order."""
+    return dtype == _FLOAT16 or is_bfloat16(dtype)
+
+
+def is_float(dtype: np.dtype) -> bool:
+    """One of the table dtypes (:data:`FLOAT_NAMES`), in native byte order."""
+    return dtype in _FULL_FLOATS or is_bfloat16(dtype)
+
+
+def is_real_scalar(value: Any) -> bool:
+    """A real number (bools too; the callers refuse them first)."""
+    return isinstance(value, _REAL_SCALARS) or (
+        isinstance(value, np.generic) and is_bfloat16(value.dtype)
+    )
 
 
 class NotAnIntegerError(TypeError):
@@ -105,7 +127,7 @@ def check_int(
 def is_real(dtype: np.dtype) -> bool:
     """Whether ``dtype`` holds real numbers: bool, integer, float or bfloat16 (either
     byte order)."""
-    return dtype.kind in _REAL_KINDS or native_dtype(dtype) == BFLOAT16
+    return dtype.kind in _REAL_KINDS or is_bfloat16(native_dtype(dtype))
 
 
 def work_dtype(dtype: np.dtype) -> np.dtype:
@@ -119,7 +141,8 @@ def work_dtype(dtype: np.dtype) -> np.dtype:
 
 def check_not_mixed_halves(a: np.dtype, a_name: str, b: np.dtype, b_name: str) -> None:
     """float16 with bfloat16 in an add: a ``TypeError`` (they have no common dtype)."""
-    if {native_dtype(a), native_dtype(b)} == set(HALF_DTYPES):
+    a, b = native_dtype(a), native_dtype(b)
+    if is_half(a) and is_half(b) and (a == _FLOAT16) != (b == _FLOAT16):
         raise TypeError(
             f"{a_name} and {b_name} must not mix float16 with bfloat16 (they have no "
             f"common dtype; convert one, to float32 say); got {a_name} of dtype {a} and "
@@ -129,7 +152,7 @@ def check_not_mixed_halves(a: np.dtype, a_name: str, b: np.dtype, b_name: str) -
 
 def learning_rate(lr: Any) -> float:
     """A step's ``lr``: any finite real number, as a Python float."""
-    if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, REAL_SCALARS):
+    if isinstance(lr, (bool, np.bool_)) or not is_real_scalar(lr):
         raise TypeError(f"lr must be a real number; got {describe(lr)}")
     try:
         value = float(lr)
@@ -147,11 +170,11 @@ def table_dtype(dtype: Any) -> np.dtype:
     if dtype is None:
         return np.dtype(np.float32)
     try:
-        dt = np.dtype(dtype)
+        dt = bfloat16() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
     except TypeError:
         dt = None
     # (`dt is None` first: NumPy compares None equal to float64.)
-    if dt is None or dt not in FLOAT_DTYPES:
+    if dt is None or not is_float(dt):
         # A dtype NumPy knows by its name (int8, not <class 'numpy.int8'>).
         got = repr(dtype) if dt is None else dt.name
         if dt is not None and not dt.isnative:
@@ -172,8 +195,11 @@ def _int_range_text(lo: int | None, hi: int | None) -> str:
 
 def refuse_masked(value: Any, name: str) -> None:
     """Masked arrays are refused: the kernels cannot keep a mask, and dropping it
-    would turn padding into data."""
-    if isinstance(value, _ma.MaskedArray):
+    would turn padding into data. (Asked of numpy.ma only once it is imported:
+    no masked array exists before, and importing it here would cost every
+    process its import.)"""
+    ma = sys.modules.get("numpy.ma")
+    if ma is not None and isinstance(value, ma.MaskedArray):
         raise TypeError(
             f"{name} is a masked array; cposembed does not propagate masks. Pass "
             f"{name}.filled(...) or {name}.data, and apply the mask to the result"
@@ -186,13 +212,13 @@ def native_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def as_table(table: Any, name: str = "table") -> np.ndarray:
-    """A 2-D ndarray of one of :data:`FLOAT_DTYPES`, native byte order, C-contiguous
+    """A 2-D ndarray of a table dtype (:func:`is_float`), native byte order, C-contiguous
     (copied only if not)."""
     refuse_masked(table, name)
     arr = np.asarray(table)
-    if not arr.dtype.isnative and native_dtype(arr.dtype) in FLOAT_DTYPES:
+    if not arr.dtype.isnative and is_float(native_dtype(arr.dtype)):
         arr = arr.astype(native_dtype(arr.dtype))  # e.g. a big-endian checkpoint
-    if arr.dtype not in FLOAT_DTYPES:
+    if not is_float(arr.dtype):
         raise TypeError(f"{name} must have dtype {FLOAT_NAMES}; got {arr.dtype}")
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D (max_seq_len, embed_dim); got shape {arr.shape}")
@@ -320,11 +346,11 @@ def as_rows(values: Any, d: int, name: str) -> np.ndarray:
 
 def as_grad_table(grad: Any, name: str) -> np.ndarray:
     """A gradient table the call accumulates into: a writable 2-D ndarray of one of
-    :data:`FLOAT_DTYPES` (any layout or byte order; masked arrays refused)."""
+    a table dtype (:func:`is_float`; any layout or byte order; masked arrays refused)."""
     if not isinstance(grad, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray; got {describe(grad)}")
     refuse_masked(grad, name)
-    if native_dtype(grad.dtype) not in FLOAT_DTYPES:
+    if not is_float(native_dtype(grad.dtype)):
         raise TypeError(f"{name} must have dtype {FLOAT_NAMES}; got {grad.dtype}")
     if grad.ndim != 2:
         raise ValueError(f"{name} must be 2-D (L, d); got shape {grad.shape}")

@@ -49,7 +49,7 @@ def _values_of(table: Any) -> np.ndarray:
             table = table.cpu()
         torch = sys.modules.get("torch")
         if torch is not None and getattr(table, "dtype", None) is torch.bfloat16:
-            return table.contiguous().view(torch.int16).numpy().view(v.BFLOAT16)
+            return table.contiguous().view(torch.int16).numpy().view(v.bfloat16())
     return np.asarray(table)
 
 

@@ -62,7 +62,7 @@ def state_dtype(table_dtype: np.dtype) -> np.dtype:
 
 # -- hyper-parameter checks, worded as torch.optim words them -------------------
 def _real(value: Any, name: str) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, v.REAL_SCALARS):
+    if isinstance(value, (bool, np.bool_)) or not v.is_real_scalar(value):
         raise TypeError(f"{name} must be a real number; got {v.describe(value)}")
     return float(value)
 
@@ -93,7 +93,7 @@ class _RowState:
     def __init__(self, names: tuple[str, ...], shape: tuple[int, int], dtype: np.dtype) -> None:
         self.names = names
         self.dtype = dtype
-        self.buffers = {name: np.zeros(shape, dtype=dtype) for name in names}
+        self.buffers = {name: _core.zeros(shape, dtype) for name in names}
         # Plain SGD keeps no state: no rows have any.
         self.has = _core.RowMarks(shape[0] if names else 0)
 

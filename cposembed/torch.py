@@ -47,6 +47,7 @@ except ImportError as exc:  # torch is the optional extra "torch"
     ) from exc
 
 from cposembed import _torch_ops as _ops
+from cposembed import _validation
 
 __all__ = [
     "Embedding",
@@ -122,10 +123,10 @@ def _values(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
-        if x.dtype == _ops._NUMPY_DTYPES[torch.bfloat16]:
-            return _ops._tensor(np.ascontiguousarray(x))
         if not x.dtype.isnative:
             x = x.astype(x.dtype.newbyteorder("="))
+        if _validation.is_bfloat16(x.dtype):
+            return _ops._tensor(np.ascontiguousarray(x))
     return torch.as_tensor(x)
 
 

@@ -20,10 +20,9 @@ cimport cython
 cimport numpy as cnp
 
 include "_kernels.pxi"
-include "_pool.pxi"
+include "_blocks.pxi"
 include "_index.pxi"
 include "_parallel.pxi"
-include "_zeros.pxi"
 include "_marks.pxi"
 
 cnp.import_array()
@@ -32,18 +31,52 @@ cdef extern from "numpy/arrayobject.h":
     enum:
         NPY_HALF  # not in Cython's numpy declarations
 
-import ml_dtypes
+import sys
+
 import numpy as np
 
-# NumPy's bfloat16 is ml_dtypes' (a dtype registered at run time, so its
-# type number is known only now).
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-cdef int _NPY_BFLOAT16 = BFLOAT16.num
-# float64 -> bfloat16 as the installed ml_dtypes converts: 1 + 2^-8 + 2^-30
-# is 1.0 through float32 (two roundings) and 1 + 2^-7 in one.
-cpe_set_bf16_from_f64_direct(
-    int(np.array([1 + 2.0**-8 + 2.0**-30]).astype(BFLOAT16).view(np.uint16)[0]) == 0x3F81
-)
+# NumPy's bfloat16 is ml_dtypes', a dtype registered when ml_dtypes is
+# imported (its type number is known only then). Importing ml_dtypes takes
+# ten times as long as importing NumPy, so it is imported here only when a
+# bfloat16 is asked for (bfloat16()); an array of a user-defined dtype that
+# arrives while ml_dtypes is loaded looks it up too (no bfloat16 array can
+# exist before ml_dtypes is imported).
+cdef object _BFLOAT16 = None
+cdef int _NPY_BFLOAT16 = -1
+
+
+def bfloat16():
+    """NumPy's bfloat16 dtype (ml_dtypes', imported on the first call)."""
+    global _BFLOAT16, _NPY_BFLOAT16
+    if _BFLOAT16 is None:
+        import ml_dtypes
+
+        dt = np.dtype(ml_dtypes.bfloat16)
+        # float64 -> bfloat16 as the installed ml_dtypes converts: 1 + 2^-8 + 2^-30
+        # is 1.0 through float32 (two roundings) and 1 + 2^-7 in one.
+        cpe_set_bf16_from_f64_direct(
+            int(np.array([1 + 2.0**-8 + 2.0**-30]).astype(dt).view(np.uint16)[0]) == 0x3F81
+        )
+        _NPY_BFLOAT16 = dt.num
+        _BFLOAT16 = dt
+    return _BFLOAT16
+
+
+def loaded_bfloat16():
+    """bfloat16() if ml_dtypes has been imported, else None."""
+    if _BFLOAT16 is None and "ml_dtypes" in sys.modules:
+        return bfloat16()
+    return _BFLOAT16
+
+
+cdef void _look_for_bfloat16() noexcept:
+    # An array of a user-defined dtype arrived: it may be bfloat16.
+    try:
+        loaded_bfloat16()
+    except Exception:
+        pass  # an ml_dtypes that cannot be used: no bfloat16 kernels
+
+
 # The half-precision primitives' best variant for this CPU (_rows.h.tp).
 cpe_init_isa()
 ISAS = ("sse2", "f16c", "avx2")
@@ -176,6 +209,8 @@ cdef inline int _type_code(int typenum) noexcept:
 
 cdef inline bint _has_kernels(int typenum) noexcept:
     """The dtypes the kernels run on: float16, bfloat16, float32, float64."""
+    if _NPY_BFLOAT16 < 0 and cnp.PyTypeNum_ISUSERDEF(typenum):
+        _look_for_bfloat16()
     return _type_code(typenum) >= 0
 
 
@@ -306,7 +341,7 @@ cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, cnp.ndarray like):
     if nbytes < _POOL_BYTES:
         return cnp.PyArray_SimpleNew(nd, dims, typenum)
     cdef _Block blk = _new_block(nbytes)
-    cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, blk.ptr)
+    cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, blk.mem.ptr)
     cnp.set_array_base(arr, blk)  # the block returns to the pool with the array
     return arr
 

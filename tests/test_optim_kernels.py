@@ -627,3 +627,50 @@ def test_huge_vocabulary_every_step_allocates_little():
     assert not m.token_grad.any()
     state = opt.state_dict()["state"]["token_embeddings"]
     np.testing.assert_array_equal(state["rows"], touched)
+
+
+NEW_ROWS_CHILD = """
+import json, os
+import numpy as np
+import cposembed
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+L, d, n, steps = 4_000_000, 16, 256, 20
+pe = cposembed.LearnedPositionEmbedding.from_pretrained(np.full((L, d), 0.01, np.float32))
+rows = np.random.default_rng(0).permutation(L)[: 2 * steps * n].reshape(2, steps, n)
+g = np.ones((n, d), np.float32)
+before = resident()
+for step in range(steps):  # 256 rows no step touched before, every step
+    pe.zero_grad()
+    pe.backward(g, rows[0, step])
+grad = resident() - before
+opt = cposembed.Adam(pe, 1e-3)
+before = resident()
+for step in range(steps):
+    pe.backward(g, rows[1, step], optimizer=opt)
+adam = resident() - before
+state = opt.state_dict()["state"]["embeddings"]
+print(json.dumps({
+    "grad": grad, "adam": adam,
+    "grad_rows": int(np.count_nonzero(pe.grad.any(axis=1))),
+    "state_rows": len(state["rows"]),
+    "moved": int(np.count_nonzero((pe.embeddings != np.float32(0.01)).any(axis=1))),
+}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+def test_state_of_rows_touched_for_the_first_time_costs_their_pages():
+    """Gradient and Adam's moments fault in about a 4 KiB page per new row, not
+    the 2 MiB huge page around it: 20 steps of 256 new rows of a 4,000,000-row
+    table are 5,120 rows, about 20 MiB per array (NumPy's zeros, advised for
+    huge pages, grew by the whole 256 MB array, in the madvise and always
+    modes of transparent huge pages)."""
+    got = run_json(NEW_ROWS_CHILD, timeout=300)
+    assert got["state_rows"] == got["moved"] == 20 * 256
+    assert got["grad_rows"] == 256  # the last step's, after its zero_grad
+    assert got["grad"] < 64 << 20, got
+    assert got["adam"] < 64 << 20, got

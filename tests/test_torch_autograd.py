@@ -468,46 +468,41 @@ def test_hand_written_all_reduce_of_grad_equals_nn_embedding(tmp_path) -> None:
     assert run_on_two_ranks(_ALL_REDUCE, tmp_path) == {"worst": 0.0}
 
 
-def test_kept_blocks_make_room_for_a_new_size() -> None:
-    # Four slots full of one size, then a table of another size: the new size
-    # is kept in place of an old one (a process whose sizes change is not left
-    # with fresh memory for every new table).
-    from cposembed import _core
-
-    _core.zeroed_kept(False)
-    _core.zeroed_kept(True)
-    old = [torch.from_dlpack(_core.zeroed_dlpack(1024, 256, 4)) for _ in range(4)]
-    del old
-    assert _core.zeroed_kept() == 4
-    t = torch.from_dlpack(_core.zeroed_dlpack(512, 256, 2, bfloat16=True))
-    assert t.dtype == torch.bfloat16
-    ptr = t.data_ptr()
-    del t
-    assert _core.zeroed_kept() == 4
-    u = torch.from_dlpack(_core.zeroed_dlpack(512, 256, 2, bfloat16=True))
-    assert _core.zeroed_kept() == 3  # u is the kept block, taken out of its slot
-    assert u.data_ptr() == ptr and not u.any()
-    del u
-    assert _core.zeroed_kept(False) == 0
-    _core.zeroed_kept(True)
-
-
 def test_a_kept_block_is_zeroed_whole_before_it_is_handed_out_again() -> None:
+    """Gradient tables are the allocator's zeroed blocks: kept when torch frees
+    them (in the one pool of _core.pool_info), zeroed whole when handed out
+    again, never to a dense request (an output), and not kept for reuse above
+    32 MiB, where fresh memory costs only the pages written."""
     from cposembed import _core
 
-    _core.zeroed_kept(False)
-    _core.zeroed_kept(True)
-    t = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))
-    t.fill_(7.0)  # written everywhere, as a collective or a user may
-    ptr = t.data_ptr()
-    del t  # torch lets go of the block: it is kept
-    assert _core.zeroed_kept() == 1
-    u = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))
-    assert u.data_ptr() == ptr and not u.any()
-    v = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))  # u still alive: new memory
-    assert v.data_ptr() != ptr and not v.any()
-    d = torch.from_dlpack(_core.zeroed_dlpack(3, 5, 8))
-    assert d.dtype == torch.float64 and d.shape == (3, 5) and d.is_contiguous()
-    del u, v, d
-    assert _core.zeroed_kept(False) == 0  # keeping off releases every kept block
-    _core.zeroed_kept(True)
+    _, _, limit, enabled = _core.pool_info()
+    _core.set_pool(False)
+    _core.set_pool(True)
+    try:
+        t = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))
+        t.fill_(7.0)  # written everywhere, as a collective or a user may
+        ptr = t.data_ptr()
+        del t  # torch lets go of the block: it is kept
+        assert _core.pool_info()[:2] == (1, 4 << 20)
+        assert not _core.block(4 << 20).reused  # an output: not a zeroed block
+        u = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))
+        assert u.data_ptr() == ptr and not u.any()
+        assert _core.pool_info()[0] == 1  # the output's block, kept
+        v = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))  # u alive: new memory
+        assert v.data_ptr() != ptr and not v.any()
+        bf = torch.from_dlpack(_core.zeroed_dlpack(512, 256, 2, bfloat16=True))
+        d = torch.from_dlpack(_core.zeroed_dlpack(3, 5, 8))
+        assert bf.dtype == torch.bfloat16 and not bf.any()
+        assert d.dtype == torch.float64 and d.shape == (3, 5) and d.is_contiguous()
+        del u, v, bf, d
+        _core.clear_pool()
+        big = torch.from_dlpack(_core.zeroed_dlpack(9 << 10, 1024, 4))  # 36 MiB
+        big.fill_(1.0)
+        del big
+        assert _core.pool_info()[0] == 1
+        again = torch.from_dlpack(_core.zeroed_dlpack(9 << 10, 1024, 4))
+        assert _core.pool_info()[0] == 1 and not again.any()  # fresh, not the kept one
+        del again
+    finally:
+        _core.set_pool(False)
+        _core.set_pool(enabled, limit)

@@ -1,0 +1,302 @@
+/* cposembed's one allocator: every block of memory the package hands out and
+   keeps (large outputs, the calls' scratch, zeroed tables: gradients and
+   optimizer state as NumPy arrays, the PyTorch bridge's gradients through
+   DLPack), and the one policy for keeping freed blocks (docs/architecture.md,
+   "Memory").
+
+   Two kinds of block:
+   - CPE_DENSE (outputs, scratch): written whole by the call that takes it.
+     A fresh one of 4 MiB or more is 2 MiB-aligned and advised for huge
+     pages (Linux): fewer page faults and TLB misses on a buffer the kernel
+     streams through.
+   - CPE_ZEROED (tables that are touched sparsely: a few hundred rows of a
+     table of millions per step): handed out zeroed. A fresh one of 64 KiB or
+     more is anonymous memory from mmap, zero until written and advised
+     against huge pages, so that touching a row faults in its 4 KiB page,
+     not 2 MiB around it, whatever the transparent huge pages mode.
+
+   Keeping: a freed block is kept for a later request of its kind (at most
+   CPE_KEEP_SLOTS blocks and cpe_keep_limit bytes in all). When the places or
+   the bytes are full, it takes the place of kept blocks smaller than itself
+   (released, smallest first), or is released if only larger ones would make
+   room: what a miss costs grows with the size. A request takes the smallest
+   kept block of its kind that fits without wasting more than half; a zeroed
+   request takes one only up to CPE_ZERO_REUSE_MAX bytes, since it must be
+   zeroed whole (a larger one is fresh memory, which costs only the pages
+   written).
+
+   The kept list is guarded by a lock that is only ever tried, never waited
+   for: a request or a release that finds it taken (another thread is in
+   here) goes to the OS instead. So a deleter running on any thread without
+   the GIL (DLPack's) is safe, and a fork at any moment leaves the child
+   nothing to wait for (a child forked while the lock was held forgets the
+   kept list: cpe_blocks_after_fork). */
+
+#ifndef CPE_BLOCKS_H
+#define CPE_BLOCKS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(_WIN32)
+#include <windows.h>
+#else
+#include <pthread.h>
+#include <sys/mman.h>
+#endif
+
+enum { CPE_DENSE = 0, CPE_ZEROED = 1 };
+
+/* A block: its memory, its size, how to release it, its kind. */
+typedef struct {
+    void *ptr;
+    size_t capacity;
+    int mapped; /* 1: from mmap (munmap it); 0: from malloc (free it) */
+    int kind;
+} cpe_Mem;
+
+#define CPE_KEEP_SLOTS 8
+#define CPE_ZERO_REUSE_MAX ((size_t)32 << 20)
+#define CPE_ZERO_MMAP_MIN ((size_t)64 << 10)
+#define CPE_HUGE_MIN ((size_t)4 << 20)
+
+static cpe_Mem cpe_kept[CPE_KEEP_SLOTS];
+static int cpe_kept_n = 0;
+static size_t cpe_keep_limit = (size_t)1 << 30;
+static int cpe_keep_on = 1;
+static volatile long cpe_kept_lock = 0;
+
+#if defined(_MSC_VER)
+static int cpe_kept_try_lock(void) { return InterlockedExchange(&cpe_kept_lock, 1) == 0; }
+static void cpe_kept_unlock(void) { InterlockedExchange(&cpe_kept_lock, 0); }
+#else
+static int cpe_kept_try_lock(void) {
+    return __atomic_exchange_n(&cpe_kept_lock, 1, __ATOMIC_ACQUIRE) == 0;
+}
+static void cpe_kept_unlock(void) { __atomic_store_n(&cpe_kept_lock, 0, __ATOMIC_RELEASE); }
+#endif
+
+static void cpe_release(cpe_Mem m) {
+    if (m.ptr == NULL) return;
+#if !defined(_WIN32)
+    if (m.mapped) {
+        munmap(m.ptr, m.capacity);
+        return;
+    }
+#endif
+    free(m.ptr);
+}
+
+/* Fresh memory of the kind (zeroed for CPE_ZEROED); m.ptr NULL when there is
+   none. */
+static cpe_Mem cpe_fresh(size_t nbytes, int kind) {
+    cpe_Mem m = {NULL, nbytes, 0, kind};
+    if (kind == CPE_ZEROED) {
+#if defined(MAP_ANONYMOUS)
+        if (nbytes >= CPE_ZERO_MMAP_MIN) {
+            void *p = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                           -1, 0);
+            if (p != MAP_FAILED) {
+#if defined(MADV_NOHUGEPAGE)
+                madvise(p, nbytes, MADV_NOHUGEPAGE);
+#endif
+                m.ptr = p;
+                m.mapped = 1;
+                return m;
+            }
+        }
+#endif
+        m.ptr = calloc(nbytes > 0 ? nbytes : 1, 1);
+        return m;
+    }
+#if defined(_WIN32)
+    m.ptr = malloc(nbytes > 0 ? nbytes : 1);
+#else
+    {
+        size_t align = nbytes >= CPE_HUGE_MIN ? ((size_t)2 << 20) : 64;
+        if (posix_memalign(&m.ptr, align, nbytes > 0 ? nbytes : 1) != 0) m.ptr = NULL;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+        if (m.ptr != NULL && nbytes >= CPE_HUGE_MIN) madvise(m.ptr, nbytes, MADV_HUGEPAGE);
+#endif
+    }
+#endif
+    return m;
+}
+
+static size_t cpe_kept_bytes(void) {
+    size_t total = 0;
+    int i;
+    for (i = 0; i < cpe_kept_n; i++) total += cpe_kept[i].capacity;
+    return total;
+}
+
+static void cpe_kept_drop(int i) {
+    cpe_kept[i] = cpe_kept[--cpe_kept_n];
+}
+
+/* A kept block of the kind that fits `nbytes` without wasting more than
+   half, taken off the list; m.ptr NULL if none. */
+static cpe_Mem cpe_take(size_t nbytes, int kind) {
+    cpe_Mem m = {NULL, 0, 0, kind};
+    int i, best = -1;
+    if (!cpe_keep_on || (kind == CPE_ZEROED && nbytes > CPE_ZERO_REUSE_MAX) || !cpe_kept_try_lock())
+        return m;
+    for (i = 0; i < cpe_kept_n; i++) {
+        const cpe_Mem *k = &cpe_kept[i];
+        if (k->kind == kind && nbytes <= k->capacity && k->capacity / 2 <= nbytes &&
+            (best < 0 || k->capacity < cpe_kept[best].capacity))
+            best = i;
+    }
+    if (best >= 0) {
+        m = cpe_kept[best];
+        cpe_kept_drop(best);
+    }
+    cpe_kept_unlock();
+    return m;
+}
+
+/* A block of at least `nbytes` of the kind, kept or fresh; *reused says which.
+   A kept block for a zeroed request is zeroed here (its first `nbytes`). */
+static cpe_Mem cpe_block_get(size_t nbytes, int kind, int *reused) {
+    cpe_Mem m = cpe_take(nbytes, kind);
+    *reused = m.ptr != NULL;
+    if (m.ptr == NULL) return cpe_fresh(nbytes, kind);
+    if (kind == CPE_ZEROED) memset(m.ptr, 0, nbytes);
+    return m;
+}
+
+/* Keeps a freed block (the policy above) or releases it. */
+static void cpe_block_put(cpe_Mem m) {
+    int i, smallest, n_small = 0;
+    size_t small_bytes = 0, kept;
+    if (m.ptr == NULL) return;
+    if (!cpe_keep_on || m.capacity > cpe_keep_limit || !cpe_kept_try_lock()) {
+        cpe_release(m);
+        return;
+    }
+    kept = cpe_kept_bytes();
+    for (i = 0; i < cpe_kept_n; i++) {
+        if (cpe_kept[i].capacity < m.capacity) {
+            n_small++;
+            small_bytes += cpe_kept[i].capacity;
+        }
+    }
+    if (cpe_kept_n - n_small >= CPE_KEEP_SLOTS || kept - small_bytes + m.capacity > cpe_keep_limit) {
+        cpe_kept_unlock();
+        cpe_release(m);
+        return;
+    }
+    while (cpe_kept_n >= CPE_KEEP_SLOTS || kept + m.capacity > cpe_keep_limit) {
+        smallest = 0;
+        for (i = 1; i < cpe_kept_n; i++)
+            if (cpe_kept[i].capacity < cpe_kept[smallest].capacity) smallest = i;
+        kept -= cpe_kept[smallest].capacity;
+        cpe_release(cpe_kept[smallest]);
+        cpe_kept_drop(smallest);
+    }
+    cpe_kept[cpe_kept_n++] = m;
+    cpe_kept_unlock();
+}
+
+/* Every kept block released; 0 if another thread held the list (try again). */
+static int cpe_blocks_clear(void) {
+    if (!cpe_kept_try_lock()) return 0;
+    while (cpe_kept_n > 0) cpe_release(cpe_kept[--cpe_kept_n]);
+    cpe_kept_unlock();
+    return 1;
+}
+
+#if !defined(_WIN32)
+static void cpe_blocks_after_fork(void) {
+    if (cpe_kept_lock) { /* the fork came mid-change: the list may be torn */
+        cpe_kept_n = 0;
+        cpe_kept_unlock();
+    }
+}
+#endif
+
+static void cpe_blocks_init(void) {
+#if !defined(_WIN32)
+    pthread_atfork(NULL, NULL, cpe_blocks_after_fork);
+#endif
+}
+
+/* ---- zeroed tables for DLPack consumers (torch.from_dlpack) ---------------
+   dlpack.h (v0.8), the part used here. */
+typedef struct { int32_t device_type; int32_t device_id; } cpe_DLDevice;
+typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } cpe_DLDataType;
+typedef struct {
+    void *data;
+    cpe_DLDevice device;
+    int32_t ndim;
+    cpe_DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} cpe_DLTensor;
+typedef struct cpe_DLManagedTensor {
+    cpe_DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct cpe_DLManagedTensor *self);
+} cpe_DLManagedTensor;
+
+/* The managed tensor and its block, in one allocation. */
+typedef struct {
+    cpe_DLManagedTensor managed;
+    int64_t shape[2];
+    cpe_Mem mem;
+} cpe_DLBlock;
+
+/* The DLPack deleter, called by the consumer when its last tensor using the
+   block is gone (plain C, on any thread, no GIL). */
+static void cpe_dl_free(cpe_DLManagedTensor *self) {
+    cpe_DLBlock *b = (cpe_DLBlock *)self;
+    cpe_block_put(b->mem);
+    free(b);
+}
+
+/* A zeroed C-order rows x cols table of `bits`-bit elements of DLPack type
+   `code` (2: kDLFloat, 4: kDLBfloat), or NULL when there is no memory. */
+static cpe_DLManagedTensor *cpe_dl_zeroed(int64_t rows, int64_t cols, int code, int bits) {
+    size_t nbytes = (size_t)rows * (size_t)cols * (size_t)(bits / 8);
+    int reused;
+    cpe_DLBlock *b = (cpe_DLBlock *)calloc(1, sizeof *b);
+    if (b == NULL) return NULL;
+    b->mem = cpe_block_get(nbytes, CPE_ZEROED, &reused);
+    if (b->mem.ptr == NULL) {
+        free(b);
+        return NULL;
+    }
+    b->shape[0] = rows;
+    b->shape[1] = cols;
+    b->managed.dl_tensor.data = b->mem.ptr;
+    b->managed.dl_tensor.device.device_type = 1; /* kDLCPU */
+    b->managed.dl_tensor.ndim = 2;
+    b->managed.dl_tensor.dtype.code = (uint8_t)code;
+    b->managed.dl_tensor.dtype.bits = (uint8_t)bits;
+    b->managed.dl_tensor.dtype.lanes = 1;
+    b->managed.dl_tensor.shape = b->shape;
+    b->managed.dl_tensor.strides = NULL; /* C order */
+    b->managed.deleter = cpe_dl_free;
+    return &b->managed;
+}
+
+/* An unconsumed capsule frees its block; a consumer renames the capsule
+   ("used_dltensor") and calls the deleter itself. */
+static void cpe_dl_capsule_free(PyObject *capsule) {
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+        cpe_DLManagedTensor *m =
+            (cpe_DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+        if (m != NULL && m->deleter != NULL) m->deleter(m);
+    } else {
+        PyErr_Clear();
+    }
+}
+
+static PyObject *cpe_dl_capsule(cpe_DLManagedTensor *m) {
+    PyObject *capsule = PyCapsule_New(m, "dltensor", cpe_dl_capsule_free);
+    if (capsule == NULL) m->deleter(m);
+    return capsule;
+}
+
+#endif

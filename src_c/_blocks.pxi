@@ -1,0 +1,213 @@
+# The Python face of the allocator in _blocks.h (included by _core.pyx): the
+# blocks behind large outputs and zeroed tables, the entries' scratch, and
+# the switches the tests and CPOSEMBED_REUSE_OUTPUTS use.
+
+from cpython.buffer cimport PyBuffer_FillInfo
+from libc.stdint cimport int64_t
+
+cdef extern from "_blocks.h" nogil:
+    enum:
+        CPE_DENSE
+        CPE_ZEROED
+        CPE_KEEP_SLOTS
+    ctypedef struct cpe_Mem:
+        void* ptr
+        size_t capacity
+        int mapped
+        int kind
+    ctypedef struct cpe_DLManagedTensor:
+        pass
+    cpe_Mem cpe_block_get(size_t nbytes, int kind, int* reused)
+    void cpe_block_put(cpe_Mem m)
+    int cpe_blocks_clear()
+    void cpe_blocks_init()
+    cpe_DLManagedTensor* cpe_dl_zeroed(int64_t rows, int64_t cols, int code, int bits)
+    int cpe_kept_n
+    size_t cpe_keep_limit
+    int cpe_keep_on
+    size_t cpe_kept_bytes()
+
+cdef extern from "_blocks.h":
+    object cpe_dl_capsule(cpe_DLManagedTensor* block)
+
+cpe_blocks_init()
+
+
+cdef class _Block:
+    """Owner of one block; exposes `used` bytes of it as a writable buffer. The
+    block goes back to the allocator when the last array (or view) using its
+    memory is gone: the ndarray's base is the _Block, whose __dealloc__ runs
+    exactly then."""
+    cdef cpe_Mem mem
+    cdef size_t used
+    cdef readonly bint reused
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        PyBuffer_FillInfo(view, self, self.mem.ptr, <Py_ssize_t>self.used, 0, flags)
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+    def __dealloc__(self):
+        cpe_block_put(self.mem)
+        self.mem.ptr = NULL
+
+
+cdef _Block _new_block(Py_ssize_t nbytes, int kind=CPE_DENSE):
+    """A _Block of at least `nbytes` (> 0) bytes of the kind, kept or fresh."""
+    cdef _Block b = _Block.__new__(_Block)
+    cdef int reused = 0
+    with nogil:  # a kept block for a zeroed table is zeroed here
+        b.mem = cpe_block_get(<size_t>nbytes, kind, &reused)
+    if b.mem.ptr == NULL:
+        raise MemoryError(f"cannot allocate {nbytes} bytes")
+    b.reused = reused
+    b.used = <size_t>nbytes
+    return b
+
+
+def block(Py_ssize_t nbytes):
+    """A dense _Block of at least `nbytes` (> 0) bytes, kept or fresh (tests)."""
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive; got {nbytes}")
+    return _new_block(nbytes)
+
+
+# Zeroed tables at least this large are the allocator's (fresh ones: pages
+# that fault in only where written); smaller ones are np.zeros.
+ZEROED_MIN_BYTES = 1 << 22
+
+
+def zeros(shape, dtype):
+    """``np.zeros(shape, dtype)`` for a table touched sparsely (a gradient, an
+    optimizer's state): at ``ZEROED_MIN_BYTES`` or more, a zeroed block whose
+    pages fault in only where rows are written, 4 KiB at a time."""
+    dt = np.dtype(dtype)
+    nbytes = dt.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes < ZEROED_MIN_BYTES:
+        return np.zeros(shape, dt)
+    return np.frombuffer(_new_block(nbytes, CPE_ZEROED), dt).reshape(shape)
+
+
+def zeroed_dlpack(rows, cols, itemsize, bfloat16=False):
+    """A zeroed C-order ``(rows, cols)`` float table as a DLPack capsule.
+
+    ``itemsize``: 2 (float16, or bfloat16 if ``bfloat16``), 4 (float32) or 8
+    (float64). Pass the capsule to ``torch.from_dlpack``; when the last
+    tensor using the memory is gone, its block goes back to the allocator.
+    """
+    cdef cpe_DLManagedTensor* blk
+    cdef int code, bits
+    for name, value in (("rows", rows), ("cols", cols)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be a non-negative int; got {value!r}")
+    if type(itemsize) is not int or itemsize not in (2, 4, 8):
+        raise ValueError(f"itemsize must be 2, 4 or 8; got {itemsize!r}")
+    if bfloat16 and itemsize != 2:
+        raise ValueError(f"a bfloat16 table has itemsize 2; got {itemsize!r}")
+    nbytes = rows * cols * itemsize
+    if nbytes >= 1 << 62:
+        raise MemoryError(f"a ({rows}, {cols}) table of {nbytes} bytes does not fit in memory")
+    code, bits = (4 if bfloat16 else 2), 8 * itemsize
+    cdef int64_t r = rows, c = cols
+    with nogil:
+        blk = cpe_dl_zeroed(r, c, code, bits)
+    if blk == NULL:
+        raise MemoryError(f"no memory for a ({rows}, {cols}) table of {nbytes} bytes")
+    return cpe_dl_capsule(blk)
+
+
+def pool_info():
+    """(number of kept blocks, bytes they hold, byte limit, keeping on)."""
+    return cpe_kept_n, cpe_kept_bytes(), cpe_keep_limit, bool(cpe_keep_on)
+
+
+def set_pool(bint enabled=True, limit_bytes=None):
+    """Turn keeping on/off and set the byte limit; turning it off releases
+    every kept block."""
+    global cpe_keep_on, cpe_keep_limit
+    cpe_keep_on = enabled
+    if limit_bytes is not None:
+        cpe_keep_limit = <size_t>max(0, limit_bytes)
+    if not enabled:
+        clear_pool()
+
+
+def clear_pool():
+    """Release every kept block."""
+    while not cpe_blocks_clear():
+        pass  # another thread is putting a block back: a moment
+
+
+# The entries' scratch (the buffer of a call's positions, the scatter-adds'
+# counts and lists, the SGD step's rows): blocks of this many bytes and more
+# are the allocator's dense blocks, kept between calls. Given back to glibc,
+# blocks of a few hundred KiB are returned to the OS and faulted in again by
+# the next call of the same size.
+cdef enum:
+    _SCRATCH_KEPT = 65536
+
+
+# Requests of scratch that fail on purpose, after _scratch_spared more
+# succeed (fail_scratch): how the tests reach every entry's MemoryError.
+cdef Py_ssize_t _scratch_failures = 0
+cdef Py_ssize_t _scratch_spared = 0
+
+
+cdef void* _scratch_take(size_t nbytes, size_t* capacity) noexcept:
+    """At least `nbytes` (> 0) of scratch, its size in `capacity`; NULL if
+    out of memory. Give it back with _scratch_give."""
+    global _scratch_failures, _scratch_spared
+    cdef cpe_Mem m
+    cdef int reused
+    if _scratch_failures:
+        if _scratch_spared:
+            _scratch_spared -= 1
+        else:
+            _scratch_failures -= 1
+            return NULL
+    if nbytes < _SCRATCH_KEPT:
+        capacity[0] = nbytes
+        return malloc(nbytes)
+    m = cpe_block_get(nbytes, CPE_DENSE, &reused)
+    capacity[0] = m.capacity
+    return m.ptr
+
+
+cdef void _scratch_give(void* p, size_t capacity) noexcept:
+    """Scratch from _scratch_take, back to the allocator or freed."""
+    cdef cpe_Mem m
+    if p == NULL:
+        return
+    if capacity < _SCRATCH_KEPT:
+        free(p)
+        return
+    m.ptr = p
+    m.capacity = capacity
+    m.mapped = 0
+    m.kind = CPE_DENSE
+    cpe_block_put(m)
+
+
+cdef void* _scratch_or_raise(size_t nbytes, size_t* capacity, str what) except NULL:
+    """_scratch_take, or MemoryError("cannot allocate <what>"). Every entry
+    takes its scratch this way, with the GIL held and before its kernel
+    starts: the kernels never allocate, so they stay noexcept nogil and
+    nothing on their hot paths checks for an error or takes the GIL."""
+    cdef void* p = _scratch_take(nbytes, capacity)
+    if p == NULL:
+        raise MemoryError(f"cannot allocate {what}")
+    return p
+
+
+def fail_scratch(Py_ssize_t n, Py_ssize_t after=0):
+    """Make `n` requests of scratch fail, as if out of memory, once `after`
+    more have succeeded (tests); n=0 ends it. Returns how many failures were
+    still to come."""
+    global _scratch_failures, _scratch_spared
+    cdef Py_ssize_t pending = _scratch_failures
+    _scratch_failures = max(0, n)
+    _scratch_spared = max(0, after)
+    return pending
