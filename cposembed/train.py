@@ -321,6 +321,10 @@ def _matplotlib_available() -> bool:
     return True
 
 
+# Seeds NumPy's RandomState takes (the table's draw, LearnedPositionEmbedding's seed=).
+MAX_SEED = 2**32 - 1
+
+
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     parser.add_argument(
@@ -329,7 +333,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--embed-dim", type=int, default=64, help="dimensions per position (default 64)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help=f"random seed in [0, {MAX_SEED}] (default 0)"
+    )
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
@@ -366,6 +372,9 @@ def run(args: Any) -> int:
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be a positive integer", file=sys.stderr)
             return 2
+    if not 0 <= args.seed <= MAX_SEED:
+        print(f"error: --seed must be in [0, {MAX_SEED}]; got {args.seed}", file=sys.stderr)
+        return 2
     problem = _memory_problem(args.max_seq_len, args.embed_dim, args.batch_size)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -423,7 +432,7 @@ def run(args: Any) -> int:
             print(f"wrote {path}")
     else:
         print('matplotlib is not installed: skipped the pictures (pip install ".[plot]")')
-    if args.save:
+    if args.save is not None:
         try:
             result.pe.save(args.save)
         except OSError as exc:
@@ -470,6 +479,6 @@ def _output_problem(out: str | None, save: str | None) -> str | None:
         problems.append(_state.folder_problem(out, "--out"))
         if os.path.isdir(out):  # else created, empty
             problems += [_state.output_problem(os.path.join(out, n), "--out") for n in PICTURES]
-    if save:
+    if save is not None:
         problems.append(_state.output_problem(save, "--save"))
     return next((p for p in problems if p), None)

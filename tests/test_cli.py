@@ -202,6 +202,29 @@ def test_train_command_rejects_bad_options(tmp_path):
     assert proc.returncode == 2 and "--steps" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seed", "-1"], "error: --seed must be in [0, 4294967295]; got -1"),
+        (["--seed", "4294967296"], "error: --seed must be in [0, 4294967295]; got 4294967296"),
+        (["--save", ""], "error: --save: expected a file name; got an empty path"),
+        (["--lr", "nan"], "error: --lr must be a finite number (>= 0 for adam)"),
+        (["--batch-size", "-3"], "error: --batch-size must be a positive integer"),
+    ],
+)
+def test_train_refuses_each_bad_option_in_one_line_before_any_work(tmp_path, args, message):
+    proc = run_cli(["train", "--steps", "1", *args], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.splitlines() == [message]
+    assert os.listdir(tmp_path) == []
+
+
+def test_train_takes_the_largest_seed(tmp_path):
+    proc = run_cli(["train", "--steps", "1", "--seed", "4294967295", "--no-progress"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "seed 4294967295" in proc.stdout
+
+
 def test_an_unknown_option_shows_its_subcommands_usage(tmp_path):
     for command in ("train", "demo", "info"):
         proc = run_cli([command, "--bogus"], cwd=tmp_path)
