@@ -20,10 +20,12 @@
    the bytes are full, it takes the place of kept blocks smaller than itself
    (released, smallest first), or is released if only larger ones would make
    room: what a miss costs grows with the size. A request takes the smallest
-   kept block of its kind that fits without wasting more than half; a zeroed
-   request takes one only up to CPE_ZERO_REUSE_MAX bytes, since it must be
-   zeroed whole (a larger one is fresh memory, which costs only the pages
-   written).
+   kept block of its kind that fits without wasting more than half, unless it
+   asks for fresh memory: a kept block handed out zeroed is zeroed whole, which
+   pays where the table is asked for again and again and written densely (the
+   PyTorch bridge's gradients, one per backward), while fresh memory costs
+   only the pages written (a gradient or optimizer state that lives as long as
+   its layer and is touched a few rows at a time).
 
    The kept list is guarded by a lock that is only ever tried, never waited
    for: a request or a release that finds it taken (another thread is in
@@ -56,7 +58,6 @@ typedef struct {
 } cpe_Mem;
 
 #define CPE_KEEP_SLOTS 8
-#define CPE_ZERO_REUSE_MAX ((size_t)32 << 20)
 #define CPE_ZERO_MMAP_MIN ((size_t)64 << 10)
 #define CPE_HUGE_MIN ((size_t)4 << 20)
 
@@ -139,8 +140,7 @@ static void cpe_kept_drop(int i) {
 static cpe_Mem cpe_take(size_t nbytes, int kind) {
     cpe_Mem m = {NULL, 0, 0, kind};
     int i, best = -1;
-    if (!cpe_keep_on || (kind == CPE_ZEROED && nbytes > CPE_ZERO_REUSE_MAX) || !cpe_kept_try_lock())
-        return m;
+    if (!cpe_keep_on || !cpe_kept_try_lock()) return m;
     for (i = 0; i < cpe_kept_n; i++) {
         const cpe_Mem *k = &cpe_kept[i];
         if (k->kind == kind && nbytes <= k->capacity && k->capacity / 2 <= nbytes &&
@@ -155,10 +155,12 @@ static cpe_Mem cpe_take(size_t nbytes, int kind) {
     return m;
 }
 
-/* A block of at least `nbytes` of the kind, kept or fresh; *reused says which.
-   A kept block for a zeroed request is zeroed here (its first `nbytes`). */
-static cpe_Mem cpe_block_get(size_t nbytes, int kind, int *reused) {
-    cpe_Mem m = cpe_take(nbytes, kind);
+/* A block of at least `nbytes` of the kind, kept (unless `fresh`) or fresh;
+   *reused says which. A kept block for a zeroed request is zeroed here (its
+   first `nbytes`). */
+static cpe_Mem cpe_block_get(size_t nbytes, int kind, int fresh, int *reused) {
+    cpe_Mem m = {NULL, 0, 0, kind};
+    if (!fresh) m = cpe_take(nbytes, kind);
     *reused = m.ptr != NULL;
     if (m.ptr == NULL) return cpe_fresh(nbytes, kind);
     if (kind == CPE_ZEROED) memset(m.ptr, 0, nbytes);
@@ -262,7 +264,7 @@ static cpe_DLManagedTensor *cpe_dl_zeroed(int64_t rows, int64_t cols, int code, 
     int reused;
     cpe_DLBlock *b = (cpe_DLBlock *)calloc(1, sizeof *b);
     if (b == NULL) return NULL;
-    b->mem = cpe_block_get(nbytes, CPE_ZEROED, &reused);
+    b->mem = cpe_block_get(nbytes, CPE_ZEROED, 0, &reused);
     if (b->mem.ptr == NULL) {
         free(b);
         return NULL;

@@ -17,7 +17,7 @@ cdef extern from "_blocks.h" nogil:
         int kind
     ctypedef struct cpe_DLManagedTensor:
         pass
-    cpe_Mem cpe_block_get(size_t nbytes, int kind, int* reused)
+    cpe_Mem cpe_block_get(size_t nbytes, int kind, int fresh, int* reused)
     void cpe_block_put(cpe_Mem m)
     int cpe_blocks_clear()
     void cpe_blocks_init()
@@ -53,12 +53,13 @@ cdef class _Block:
         self.mem.ptr = NULL
 
 
-cdef _Block _new_block(Py_ssize_t nbytes, int kind=CPE_DENSE):
-    """A _Block of at least `nbytes` (> 0) bytes of the kind, kept or fresh."""
+cdef _Block _new_block(Py_ssize_t nbytes, int kind=CPE_DENSE, bint fresh=False):
+    """A _Block of at least `nbytes` (> 0) bytes of the kind, kept (unless
+    `fresh`) or fresh."""
     cdef _Block b = _Block.__new__(_Block)
     cdef int reused = 0
     with nogil:  # a kept block for a zeroed table is zeroed here
-        b.mem = cpe_block_get(<size_t>nbytes, kind, &reused)
+        b.mem = cpe_block_get(<size_t>nbytes, kind, fresh, &reused)
     if b.mem.ptr == NULL:
         raise MemoryError(f"cannot allocate {nbytes} bytes")
     b.reused = reused
@@ -73,22 +74,23 @@ def block(Py_ssize_t nbytes):
     return _new_block(nbytes)
 
 
-# Zeroed tables at least this large are the allocator's (fresh ones: pages
+# Zeroed tables at least this large are the allocator's (fresh memory: pages
 # that fault in only where written); smaller ones are np.zeros.
 ZEROED_MIN_BYTES = 1 << 22
 
 
 def zeros(shape, dtype):
     """``np.zeros(shape, dtype)`` for a table touched sparsely (a gradient, an
-    optimizer's state): at ``ZEROED_MIN_BYTES`` or more, a zeroed block whose
-    pages fault in only where rows are written, 4 KiB at a time."""
+    optimizer's state, made once and kept): at ``ZEROED_MIN_BYTES`` or more,
+    fresh memory whose pages fault in only where rows are written, 4 KiB at a
+    time."""
     dt = np.dtype(dtype)
     nbytes = dt.itemsize
     for n in shape:
         nbytes *= n
     if nbytes < ZEROED_MIN_BYTES:
         return np.zeros(shape, dt)
-    return np.frombuffer(_new_block(nbytes, CPE_ZEROED), dt).reshape(shape)
+    return np.frombuffer(_new_block(nbytes, CPE_ZEROED, True), dt).reshape(shape)
 
 
 def zeroed_dlpack(rows, cols, itemsize, bfloat16=False):
@@ -171,7 +173,7 @@ cdef void* _scratch_take(size_t nbytes, size_t* capacity) noexcept:
     if nbytes < _SCRATCH_KEPT:
         capacity[0] = nbytes
         return malloc(nbytes)
-    m = cpe_block_get(nbytes, CPE_DENSE, &reused)
+    m = cpe_block_get(nbytes, CPE_DENSE, 0, &reused)
     capacity[0] = m.capacity
     return m.ptr
 

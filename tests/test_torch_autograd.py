@@ -13,6 +13,7 @@ import os
 import pathlib
 import textwrap
 
+import numpy as np
 import pytest
 from helpers import assert_clean_exit, last_json, run_on_two_ranks, run_python
 
@@ -471,8 +472,9 @@ def test_hand_written_all_reduce_of_grad_equals_nn_embedding(tmp_path) -> None:
 def test_a_kept_block_is_zeroed_whole_before_it_is_handed_out_again() -> None:
     """Gradient tables are the allocator's zeroed blocks: kept when torch frees
     them (in the one pool of _core.pool_info), zeroed whole when handed out
-    again, never to a dense request (an output), and not kept for reuse above
-    32 MiB, where fresh memory costs only the pages written."""
+    again, and never to a dense request (an output) nor to a layer's gradient
+    or an optimizer's state (_core.zeros: fresh memory, whose pages fault in
+    only where rows are written)."""
     from cposembed import _core
 
     _, _, limit, enabled = _core.pool_info()
@@ -496,13 +498,13 @@ def test_a_kept_block_is_zeroed_whole_before_it_is_handed_out_again() -> None:
         assert d.dtype == torch.float64 and d.shape == (3, 5) and d.is_contiguous()
         del u, v, bf, d
         _core.clear_pool()
-        big = torch.from_dlpack(_core.zeroed_dlpack(9 << 10, 1024, 4))  # 36 MiB
-        big.fill_(1.0)
-        del big
+        kept = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))
+        kept.fill_(1.0)
+        del kept
         assert _core.pool_info()[0] == 1
-        again = torch.from_dlpack(_core.zeroed_dlpack(9 << 10, 1024, 4))
-        assert _core.pool_info()[0] == 1 and not again.any()  # fresh, not the kept one
-        del again
+        state = _core.zeros((1024, 1024), np.float32)
+        assert _core.pool_info()[0] == 1 and not state.any()  # fresh, not the kept one
+        del state
     finally:
         _core.set_pool(False)
         _core.set_pool(enabled, limit)
