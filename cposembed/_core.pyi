@@ -117,7 +117,7 @@ def distinct_rows(
     n_rows: int,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]] | None: ...
 
-# The optimizers' step (cposembed.optim): hyper is a 16-tuple (cpe_opt_hyper).
+# The optimizers' step (cposembed.optim): hyper is a dict of cpe_opt_hyper's fields.
 def optimizer_step(
     table: Any,  # plain writable (L, d)
     grad: Any,  # plain, the state's dtype: (len(rows), d) if compact, else (L, d)
@@ -126,7 +126,7 @@ def optimizer_step(
     state1: Any,  # None or plain writable (L, d), the state's dtype
     state2: Any,
     has: RowMarks | None,
-    hyper: tuple[Any, ...],
+    hyper: dict[str, Any],
     skip_row: int,
     num_threads: Any = None,
 ) -> bool | None: ...
@@ -137,7 +137,7 @@ def fused_embed_step(
     token_ids: Any,
     positions: Any,
     offset: Any,
-    hyper: tuple[Any, ...],
+    hyper: dict[str, Any],
     num_threads: Any = None,
 ) -> bool | None: ...
 

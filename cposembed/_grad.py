@@ -9,7 +9,8 @@ which row never moves is here, once.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -151,6 +152,44 @@ class GradientState:
         if self.skip_row >= 0:
             rows = rows[rows != self.skip_row]
         return rows
+
+
+class _HoldsTable(Protocol):
+    @property
+    def embeddings(self) -> np.ndarray: ...
+
+
+class Trainable:
+    """One table an optimizer updates, as a layer's ``trainable_tables()`` gives
+    it: the table (read through its holder, so that a table assigned later is
+    the one stepped) and its :class:`GradientState`."""
+
+    __slots__ = ("_holder", "gradient")
+
+    def __init__(self, holder: _HoldsTable, gradient: GradientState) -> None:
+        self._holder = holder
+        self.gradient = gradient
+
+    @property
+    def table(self) -> np.ndarray:
+        return self._holder.embeddings
+
+
+class FusedOptimizer(Protocol):
+    """What a layer's ``backward(..., optimizer=)`` takes: a cposembed optimizer."""
+
+    def fused_backward(
+        self, layer: Any, grad_output: Any, *inputs: Any, offset: Any = 0
+    ) -> None: ...
+
+
+def fused_backward_of(optimizer: Any) -> Callable[..., None]:
+    """What a layer's ``backward(..., optimizer=optimizer)`` hands its gradient to:
+    the optimizer's ``fused_backward``; a ``TypeError`` for anything else."""
+    fused = getattr(optimizer, "fused_backward", None)
+    if not callable(fused):
+        raise TypeError(f"optimizer must be a cposembed optimizer; got {v.describe(optimizer)}")
+    return fused
 
 
 def check_grad(grad: Any, table: np.ndarray) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import copyreg
 import os
 import sys
-from typing import IO, TYPE_CHECKING, Any, Union, overload
+from typing import IO, Any, Union, overload
 
 import numpy as np
 
-from . import _core, _grad, _routes, _state, optim
+from . import _core, _grad, _routes, _state
 from . import _validation as v
 from .functional import add_positions
 
@@ -18,9 +18,6 @@ SAVE_FORMAT_VERSION = 1
 _SAVE_KIND = "cposembed.LearnedPositionEmbedding"
 # Version of the pickled state (see __getstate__).
 _PICKLE_VERSION = 1
-
-if TYPE_CHECKING:
-    from .optim import Optimizer
 
 PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 
@@ -290,7 +287,12 @@ class LearnedPositionEmbedding(_core.TableCall):
 
     @overload
     def backward(
-        self, grad_output: Any, positions: Any = None, *, offset: int = 0, optimizer: Optimizer
+        self,
+        grad_output: Any,
+        positions: Any = None,
+        *,
+        offset: int = 0,
+        optimizer: _grad.FusedOptimizer,
     ) -> None: ...
 
     def backward(
@@ -299,7 +301,7 @@ class LearnedPositionEmbedding(_core.TableCall):
         positions: Any = None,
         *,
         offset: int = 0,
-        optimizer: Optimizer | None = None,
+        optimizer: _grad.FusedOptimizer | None = None,
     ) -> np.ndarray | None:
         """Accumulate the table gradient of :meth:`add_to` / ``__call__`` into :attr:`grad`.
 
@@ -343,13 +345,18 @@ class LearnedPositionEmbedding(_core.TableCall):
             then.
         """
         if optimizer is not None:
-            optim.fused_position_backward(optimizer, self, grad_output, positions, offset)
+            _grad.fused_backward_of(optimizer)(self, grad_output, positions, offset=offset)
             return None
         return self._grad.accumulate(self._embeddings, grad_output, positions, offset)
 
     def zero_grad(self) -> None:
         """Reset the accumulated gradient to zeros (keeping its buffer)."""
         self._grad.zero()
+
+    def trainable_tables(self) -> dict[str, _grad.Trainable]:
+        """The table an optimizer updates, ``"embeddings"``, with its gradient
+        state (what :mod:`cposembed.optim` reads of this layer)."""
+        return {"embeddings": _grad.Trainable(self, self._grad)}
 
     # -- learning ------------------------------------------------------------
     def sgd_step(self, lr: float) -> None:

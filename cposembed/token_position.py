@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import IO, TYPE_CHECKING, Any, Union, overload
+from typing import IO, Any, Union, overload
 
 import numpy as np
 
-from . import _grad, _routes, _state, optim
+from . import _grad, _routes, _state
 from . import _validation as v
 from .embedding import LearnedPositionEmbedding
 from .layer import embed
-
-if TYPE_CHECKING:
-    from .optim import Optimizer
 
 PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 
@@ -268,7 +265,7 @@ class TokenPositionEmbedding:
         positions: Any = None,
         *,
         offset: int = 0,
-        optimizer: Optimizer,
+        optimizer: _grad.FusedOptimizer,
     ) -> None: ...
 
     def backward(
@@ -278,7 +275,7 @@ class TokenPositionEmbedding:
         positions: Any = None,
         *,
         offset: int = 0,
-        optimizer: Optimizer | None = None,
+        optimizer: _grad.FusedOptimizer | None = None,
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """Accumulate both tables' gradients of :meth:`__call__` from one read of ``grad_output``.
 
@@ -310,12 +307,13 @@ class TokenPositionEmbedding:
             ``padding_idx`` row gets no gradient.
         """
         if optimizer is not None:
-            optim.fused_layer_backward(optimizer, self, grad_output, token_ids, positions, offset)
+            fused = _grad.fused_backward_of(optimizer)
+            fused(self, grad_output, token_ids, positions, offset=offset)
             return None
-        tokens, places = self._tokens, self._positions
-        token_state, position_state = tokens._grad, places._grad
-        token_grad, token_touched = token_state.to_accumulate(tokens.embeddings)
-        position_grad, position_touched = position_state.to_accumulate(places.embeddings)
+        tokens, places = self.trainable_tables().values()
+        token_state, position_state = tokens.gradient, places.gradient
+        token_grad, token_touched = token_state.to_accumulate(tokens.table)
+        position_grad, position_touched = position_state.to_accumulate(places.table)
         _routes.embed_backward(
             token_grad,
             position_grad,
@@ -337,6 +335,15 @@ class TokenPositionEmbedding:
         self._tokens.zero_grad()
         self._positions.zero_grad()
 
+    def trainable_tables(self) -> dict[str, _grad.Trainable]:
+        """The tables an optimizer updates, ``"token_embeddings"`` and
+        ``"position_embeddings"``, with their gradient states (what
+        :mod:`cposembed.optim` reads of this layer)."""
+        return {
+            "token_embeddings": self._tokens.trainable_tables()["embeddings"],
+            "position_embeddings": self._positions.trainable_tables()["embeddings"],
+        }
+
     def sgd_step(self, lr: float) -> None:
         """One plain SGD step on both tables, on the rows some backward touched.
 
@@ -354,9 +361,8 @@ class TokenPositionEmbedding:
         # Everything is checked before either table moves.
         step = v.learning_rate(lr)
         work = []
-        for table in (self._tokens, self._positions):
-            state = table._grad
-            work.append((table.embeddings, state, state.for_step(table.embeddings)))
+        for t in self.trainable_tables().values():
+            work.append((t.table, t.gradient, t.gradient.for_step(t.table)))
         for embeddings, state, grad in work:
             if grad is not None:
                 _grad.sgd_step(embeddings, state, grad, step)

@@ -1028,16 +1028,14 @@ cdef bint _state_ok(object buf, int typenum, Py_ssize_t L, Py_ssize_t d,
 
 
 cdef bint _read_hyper(object hyper, cpe_opt_hyper* h) noexcept:
-    # hyper: (kind, l2, decoupled, momentum_on, nesterov, neg_lr,
-    # weight_decay, momentum, damp1, decay, w1, beta2, omb2, bc2_sqrt, eps,
-    # neg_step), as cpe_opt_hyper; False if it is not.
-    if type(hyper) is not tuple or len(<tuple>hyper) != 16:
+    # hyper: a dict with a value for every field of cpe_opt_hyper (kind, l2,
+    # decoupled, momentum_on, nesterov, neg_lr, weight_decay, momentum, damp1,
+    # decay, w1, beta2, omb2, bc2_sqrt, eps, neg_step); False if it is not.
+    if type(hyper) is not dict:
         return False
     try:
-        h.kind, h.l2, h.decoupled, h.momentum_on, h.nesterov = [int(x) for x in hyper[:5]]
-        (h.neg_lr, h.weight_decay, h.momentum, h.damp1, h.decay, h.w1, h.beta2, h.omb2,
-         h.bc2_sqrt, h.eps, h.neg_step) = [float(x) for x in hyper[5:]]
-    except (TypeError, ValueError, OverflowError):
+        h[0] = hyper
+    except (TypeError, ValueError, OverflowError, KeyError):
         return False
     return h.kind == CPE_OPT_SGD or h.kind == CPE_OPT_ADAM
 
@@ -1104,7 +1102,7 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
     momentum buffer; Adam's two moments). has: None or a RowMarks of L
     rows: the rows that have state; a row it does not mark is fresh (SGD's
     momentum starts at its gradient), and every updated row is marked
-    after the step. hyper: (kind, l2, decoupled, momentum_on, nesterov,
+    after the step. hyper: a dict of (kind, l2, decoupled, momentum_on, nesterov,
     neg_lr, weight_decay, momentum, damp1, decay, w1, beta2, omb2,
     bc2_sqrt, eps, neg_step), as cpe_opt_hyper. skip_row: a row in [0, L)
     never updated, or -1.

@@ -391,8 +391,8 @@ m = TokenPositionEmbedding(V, L, d, seed=0)
 adam = Adam(m, 0.1)
 adam._step = 1
 sgd = SGD(m, 0.1, momentum=0.9)
-A = adam._hyper_tuple()
-S = sgd._hyper_tuple()
+A = adam._kernel_hyper()
+S = sgd._kernel_hyper()
 table = m.token_embeddings
 grad = np.ones((V, d), np.float32)
 rows = np.array([1, 5, 19], np.int64)
@@ -443,12 +443,19 @@ check("adam without state1", lambda: opt_call(table, grad, rows, False, None, s2
 check("adam without state2", lambda: opt_call(table, grad, rows, False, s1, None, has, A), *W)
 check("momentum without a buffer",
       lambda: opt_call(table, grad, rows, False, None, None, has, S), *W)
+def hyper_with(**fields):
+    return {**A, **fields}
+
+
+A_short = dict(A)
+del A_short["neg_step"]
 for name, hyper in [
-    ("hyper short", A[:-1]), ("hyper long", A + (0.0,)), ("hyper list", list(A)),
-    ("hyper string", A[:6] + ("x",) + A[7:]), ("hyper None", (None,) + A[1:]),
-    ("hyper kind 2", (2,) + A[1:]), ("hyper kind -1", (-1,) + A[1:]),
-    ("hyper kind huge", (2**70,) + A[1:]), ("hyper float huge", A[:6] + (10**400,) + A[7:]),
-    ("hyper not a tuple", None),
+    ("hyper short", A_short), ("hyper tuple", tuple(A.values())), ("hyper list", list(A)),
+    ("hyper string", hyper_with(weight_decay="x")), ("hyper None", hyper_with(kind=None)),
+    ("hyper kind 2", hyper_with(kind=2)), ("hyper kind -1", hyper_with(kind=-1)),
+    ("hyper kind huge", hyper_with(kind=2**70)),
+    ("hyper float huge", hyper_with(weight_decay=10**400)),
+    ("hyper not a dict", None),
 ]:
     check(name, lambda: opt_call(table, grad, rows, False, s1, s2, has, hyper), *W)
 for name, marks in [("marks length", _core.RowMarks(V + 1)), ("marks bool mask", np.zeros(V, bool))]:
@@ -515,8 +522,8 @@ check("grad_output int", lambda: fused(g=np.ones((1, 4, d), np.int32)), *FW)
 check("step short", lambda: fused(tstep=(tok, ts1, ts2, th)), *FW)
 check("step list", lambda: fused(tstep=[tok, ts1, ts2, th, -1]), *FW)
 check("skip row V", lambda: fused(tstep=(tok, ts1, ts2, th, V)), *FW)
-check("fused hyper short", lambda: fused(hyper=A[:-1]), *FW)
-check("fused hyper unknown kind", lambda: fused(hyper=(7,) + A[1:]), *FW)
+check("fused hyper short", lambda: fused(hyper=A_short), *FW)
+check("fused hyper unknown kind", lambda: fused(hyper=hyper_with(kind=7)), *FW)
 check("fused marks length", lambda: fused(tstep=(tok, ts1, ts2, _core.RowMarks(V + 1), -1)), *FW)
 check("fused adam without state", lambda: fused(tstep=(tok, None, ts2, th, -1)), *FW)
 check("position table float64",

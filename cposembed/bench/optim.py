@@ -294,6 +294,7 @@ def _adam_new_rows(f: Fixture, n_rows: int, g: np.ndarray, note: str) -> Group:
     order = f.rng.permutation(n_rows)
     old = order[:n]
     pe.backward(g, old, optimizer=adam)
+    first = same(pe.embeddings[old], _adam_first_rule(np.full((n, d), 0.01, f.dt), g))
     fresh = {"next": n}
 
     def new_rows() -> None:
@@ -305,6 +306,7 @@ def _adam_new_rows(f: Fixture, n_rows: int, g: np.ndarray, note: str) -> Group:
         "cposembed, rows stepped before", lambda: pe.backward(g, old, optimizer=adam), 0
     )
     peer.target = 1.5
+    peer.check = first  # the first step on distinct rows: torch.optim.Adam's rule
     return Group(
         "huge table: fused Adam, new rows",
         [Contender(OURS, new_rows, g.nbytes), peer],

@@ -1,0 +1,176 @@
+"""The optimizers' parts that are not the step: per-row state, the checks of
+hyper-parameters and saved states (worded as ``torch.optim`` words them), and
+the distinct rows of a fused backward's call."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from . import _validation as v
+
+# Version of what state_dict() returns and pickle stores.
+STATE_VERSION = 1
+
+
+def state_dtype(table_dtype: np.dtype) -> np.dtype:
+    """The dtype of an optimizer's state (and of its arithmetic) for a table dtype.
+
+    float64 tables keep float64 state; every other table dtype (float32,
+    float16, bfloat16) keeps float32, the dtype of its gradient.
+
+    Parameters
+    ----------
+    table_dtype : numpy.dtype
+        The dtype of the table.
+
+    Returns
+    -------
+    numpy.dtype
+        ``float64`` for a float64 table, else ``float32``.
+    """
+    return v.work_dtype(table_dtype)
+
+
+# -- hyper-parameter checks --------------------------------------------------------
+def real(value: Any, name: str) -> float:
+    if isinstance(value, (bool, np.bool_)) or not v.is_real_scalar(value):
+        raise TypeError(f"{name} must be a real number; got {v.describe(value)}")
+    return float(value)
+
+
+def at_least_zero(value: Any, name: str, message: str) -> float:
+    x = real(value, name)
+    if not (math.isfinite(x) and x >= 0.0):
+        raise ValueError(f"{message}: {value}")
+    return x
+
+
+def check_betas(pair: Any) -> tuple[float, float]:
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2); got {v.describe(pair)}")
+    out = []
+    for i, beta in enumerate(pair):
+        b = real(beta, f"betas[{i}]")
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+        out.append(b)
+    return out[0], out[1]
+
+
+# -- per-row state -----------------------------------------------------------------
+class RowState:
+    """The state of one table: a zeroed ``(L, d)`` array per buffer (``buffers``;
+    fresh memory whose pages fault in only where rows are stepped,
+    ``_core.zeros``) and the rows that have state (``has``, marked at their
+    first step)."""
+
+    def __init__(self, names: tuple[str, ...], shape: tuple[int, int], dtype: np.dtype) -> None:
+        self.names = names
+        self.dtype = dtype
+        self.buffers = {name: _core.zeros(shape, dtype) for name in names}
+        # Plain SGD keeps no state: no rows have any.
+        self.has = _core.RowMarks(shape[0] if names else 0)
+
+    def export(self) -> dict[str, np.ndarray]:
+        """Copies of the state in row order: ``rows`` and one ``(n, d)`` array per buffer."""
+        rows = np.sort(self.has.rows())
+        out = {"rows": rows}
+        for name, buf in self.buffers.items():
+            out[name] = buf[rows]
+        return out
+
+    @classmethod
+    def restore(cls, names: tuple[str, ...], table: np.ndarray, data: Any, what: str) -> RowState:
+        """The state of ``table`` from a state dict's ``data``, checked whole first."""
+        dtype = state_dtype(table.dtype)
+        checked = _checked_rows(data, names, table.shape, dtype, what)
+        state = cls(names, table.shape, dtype)
+        rows = checked["rows"]
+        if names:
+            for name in names:
+                state.buffers[name][rows] = checked[name]
+            mask = np.zeros(table.shape[0], dtype=bool)
+            mask[rows] = True
+            state.has = _core.RowMarks(table.shape[0], mask)
+        return state
+
+
+def _checked_rows(
+    data: Any, names: tuple[str, ...], shape: tuple[int, int], dt: np.dtype, what: str
+) -> dict[str, np.ndarray]:
+    """The per-row state of one table from a state dict, checked and copied."""
+    keys = {"rows", *names}
+    if not isinstance(data, dict) or set(data) != keys:
+        raise ValueError(
+            f"{what} must be a dict with the keys {sorted(keys)}; got {v.describe(data)}"
+        )
+    rows = data["rows"]
+    if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
+        raise ValueError(f"{what}['rows'] must be a 1-D integer array; got {v.describe(rows)}")
+    rows = rows.astype(np.int64)
+    n_rows, d = shape
+    if rows.size and (rows[0] < 0 or rows[-1] >= n_rows or not bool(np.all(rows[1:] > rows[:-1]))):
+        raise ValueError(
+            f"{what}['rows'] must be sorted, distinct rows in [0, {n_rows}) of the table"
+        )
+    out = {"rows": rows}
+    for name in names:
+        buf = data[name]
+        if not isinstance(buf, np.ndarray) or buf.dtype != dt or buf.shape != (rows.size, d):
+            raise ValueError(
+                f"{what}[{name!r}] must be a {dt} array of shape "
+                f"({rows.size}, {d}); got {v.describe(buf)}"
+            )
+        out[name] = np.array(buf, dtype=dt, order="C", copy=True)
+    return out
+
+
+def check_saved(state: Any, optimizer: str, hyper_keys: tuple[str, ...]) -> None:
+    """The frame of a :meth:`~cposembed.optim.Optimizer.state_dict` of an
+    ``optimizer`` (its class name) with these hyper-parameter keys."""
+    what = "optimizer state"
+    keys = ("version", "optimizer", "hyperparameters", "step", "state")
+    if not isinstance(state, dict) or set(state) != set(keys):
+        raise ValueError(
+            f"{what} must be a dict from state_dict() with the keys {', '.join(keys)}; "
+            f"got {v.describe(state)}"
+        )
+    if state["version"] != STATE_VERSION:
+        raise ValueError(
+            f"{what} has version {v.describe(state['version'])}; "
+            f"this cposembed reads {STATE_VERSION}"
+        )
+    if state["optimizer"] != optimizer:
+        raise ValueError(
+            f"{what} is of a {v.describe(state['optimizer'])} optimizer; this is a {optimizer}"
+        )
+    hyper = state["hyperparameters"]
+    if not isinstance(hyper, dict) or set(hyper) != set(hyper_keys):
+        raise ValueError(
+            f"{what}: hyperparameters must be a dict with the keys {sorted(hyper_keys)}; "
+            f"got {v.describe(hyper)}"
+        )
+
+
+# -- the rows of a fused backward's call -------------------------------------------
+def call_rows(
+    pos: np.ndarray | None, off: int, lead: tuple[int, ...], n_rows: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The distinct rows a backward of rows shaped ``lead`` adds into, and the
+    positions into a compact scratch of them (None: ``arange(T)`` over the last
+    axis, for ``positions=None``, whose rows ``off .. off + T - 1`` are distinct)."""
+    if int(np.prod(lead)) == 0:
+        return np.empty(0, dtype=np.int64), np.zeros(lead, dtype=np.int64)
+    if pos is None:
+        return np.arange(off, off + lead[-1], dtype=np.int64), None
+    flat = np.ascontiguousarray(np.broadcast_to(pos, lead), dtype=np.int64).reshape(-1)
+    flat = np.where(flat < 0, flat + n_rows, flat)  # rows in [0, n_rows)
+    found = _core.distinct_rows(flat, n_rows)
+    if found is None:  # int64 rows in range: the entry takes them
+        raise RuntimeError("distinct_rows declined its rows")
+    rows, slots, _ = found
+    return rows, slots.reshape(lead)
