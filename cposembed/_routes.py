@@ -323,6 +323,35 @@ def embed(
     return out
 
 
+def _grad_tables(
+    grad_token_table: Any, grad_position_table: Any
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """embed_backward's two gradient tables, checked (None: skipped)."""
+    gt = None if grad_token_table is None else v.as_grad_table(grad_token_table, "grad_token_table")
+    gp = None
+    if grad_position_table is not None:
+        gp = v.as_grad_table(grad_position_table, "grad_position_table")
+    if gt is not None and gp is not None and gt.shape[1] != gp.shape[1]:
+        raise ValueError(
+            f"grad_token_table and grad_position_table must share embed_dim; got "
+            f"{gt.shape[1]} and {gp.shape[1]}"
+        )
+    return gt, gp
+
+
+def _backward_ids(token_ids: Any, gt: np.ndarray | None) -> np.ndarray:
+    """embed_backward's token ids: checked against the token table, or (no token
+    table) integers that give the shape only."""
+    if gt is not None:
+        return checked_ids(token_ids, gt.shape[0])
+    ids = np.asarray(token_ids)
+    if ids.size == 0 and ids.dtype.kind == "f":
+        ids = ids.astype(np.int64)  # NumPy reads [] as an empty index
+    if ids.dtype.kind not in "iu":
+        raise IndexError(f"token_ids must be integers; got {v.describe(token_ids)}")
+    return ids
+
+
 def embed_backward(
     grad_token_table: Any,
     grad_position_table: Any,
@@ -343,42 +372,15 @@ def embed_backward(
     It calls the entry first itself, as :func:`scatter_add` does: the entry
     takes two tables, and a ``None`` table (skipped) comes here as declined.
     """
+    marks = (token_touched, position_touched, token_skip_row)
     if grad_token_table is not None and grad_position_table is not None:
-        done = _core.embed_backward(
-            grad_token_table,
-            grad_position_table,
-            grad_output,
-            token_ids,
-            positions,
-            offset,
-            num_threads,
-            token_touched,
-            position_touched,
-            token_skip_row,
-        )
-        if done is not None:
+        args = (grad_token_table, grad_position_table, grad_output, token_ids, positions)
+        if _core.embed_backward(*args, offset, num_threads, *marks) is not None:
             return
-    gt = None if grad_token_table is None else v.as_grad_table(grad_token_table, "grad_token_table")
-    gp = (
-        None
-        if grad_position_table is None
-        else v.as_grad_table(grad_position_table, "grad_position_table")
-    )
+    gt, gp = _grad_tables(grad_token_table, grad_position_table)
     tables = [x for x in (gt, gp) if x is not None]
-    if len(tables) == 2 and gt.shape[1] != gp.shape[1]:  # type: ignore[union-attr]
-        raise ValueError(
-            f"grad_token_table and grad_position_table must share embed_dim; got "
-            f"{gt.shape[1]} and {gp.shape[1]}"  # type: ignore[union-attr]
-        )
     nt = _threads.check_num_threads(num_threads)
-    if gt is not None:
-        ids = checked_ids(token_ids, gt.shape[0])
-    else:  # no token table: the ids give the shape only
-        ids = np.asarray(token_ids)
-        if ids.size == 0 and ids.dtype.kind == "f":
-            ids = ids.astype(np.int64)  # NumPy reads [] as an empty index
-        if ids.dtype.kind not in "iu":
-            raise IndexError(f"token_ids must be integers; got {v.describe(token_ids)}")
+    ids = _backward_ids(token_ids, gt)
     if not tables:
         v.as_offset(offset)
         return
@@ -410,20 +412,12 @@ def embed_backward(
         # scatter-add each, tokens first (np.add.at's order on tied tables).
         if gt is not None:
             scatter_add(
-                gt,
-                g,
-                ids,
-                offset=0,
-                num_threads=nt,
-                touched=token_touched,
-                skip_row=token_skip_row,
+                gt, g, ids, offset=0, num_threads=nt, touched=token_touched, skip_row=token_skip_row
             )
         if gp is not None:
-            rows = (
-                np.broadcast_to(v.default_positions(off, ids.shape[-1]), ids.shape)
-                if (pos is None)
-                else pos
-            )
+            rows = pos
+            if rows is None:
+                rows = np.broadcast_to(v.default_positions(off, ids.shape[-1]), ids.shape)
             scatter_add(
                 gp, g, rows, offset=0, num_threads=nt, touched=position_touched, skip_row=-1
             )
@@ -432,20 +426,7 @@ def embed_backward(
     native = v.native_dtype(gt.dtype)
     g_c = v.plain_copy(g, grad_output_dtype(g.dtype, native))
     works = [v.plain_copy(_base(table), native) for table in (gt, gp)]
-    _accepted(
-        _core.embed_backward(
-            works[0],
-            works[1],
-            g_c,
-            ids,
-            pos,
-            off,
-            nt,
-            token_touched,
-            position_touched,
-            token_skip_row,
-        )
-    )
+    _accepted(_core.embed_backward(works[0], works[1], g_c, ids, pos, off, nt, *marks))
     for table, work in zip((gt, gp), works):
         if work is not _base(table):
             np.copyto(table, work)

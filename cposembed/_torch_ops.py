@@ -22,17 +22,13 @@ registrations (what ``torch.compile`` traces) and by the
 (``jvp``: Dynamo does not trace a custom ``jvp``, so the modules use these
 classes only in eager mode).
 
-**Gradient memory.** Every table gradient is memory that nothing else
-holds, and nothing here touches it after it is returned. Gradients of 2 MiB
-or more are blocks handed to torch through DLPack (:func:`fresh_zeros`,
-``_core.zeroed_dlpack``): fresh zero pages from the OS, or a block that torch
-has freed, zeroed whole before it is handed out again.
+Tensors become arrays, and gradients get their memory, in
+:mod:`cposembed._torch_arrays`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -40,178 +36,25 @@ import numpy as np
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from cposembed import _core, _routes
+from cposembed import _routes
 from cposembed import functional as _f
 from cposembed import layer as _layer
+from cposembed._torch_arrays import (
+    HALF_PAIR,
+    KERNEL_DTYPES,
+    as_array,
+    check_index,
+    check_rows,
+    check_table,
+    checked_ids,
+    fresh_zeros,
+    numpy_dtype,
+    skip_row,
+    small_output,
+    written,
+)
 
 __all__ = ["KERNEL_DTYPES", "add_positions", "embed", "fresh_zeros", "lookup"]
-
-# Table dtypes the kernels take; other dtypes go to torch's own F.embedding.
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
-# NumPy's bfloat16 is ml_dtypes' (torch has no NumPy view of a bfloat16 tensor),
-# imported with the first bfloat16 tensor (_core.bfloat16()).
-_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.float16: np.dtype(np.float16),
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-}
-# float16 with bfloat16: NumPy has no common type (cposembed refuses the pair),
-# torch promotes both to float32.
-_HALF_PAIR = frozenset((torch.float16, torch.bfloat16))
-
-# ---- tensors <-> arrays ----------------------------------------------------------
-
-
-class _Memory:
-    """A tensor's memory as NumPy's array interface describes it, and the tensor
-    (a reference keeps it alive, and its storage resizable)."""
-
-    __slots__ = ("__array_interface__", "tensor")
-
-    def __init__(self, tensor: torch.Tensor, interface: dict[str, Any]) -> None:
-        self.tensor = tensor
-        self.__array_interface__ = interface
-
-
-@functools.cache
-def _typestr(dtype: torch.dtype) -> str:
-    """NumPy's type string for a torch dtype (bfloat16: its int16 bits)."""
-    if dtype == torch.bfloat16:
-        dtype = torch.int16
-    return torch.empty(0, dtype=dtype).numpy().dtype.str
-
-
-def _array(t: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as an ndarray (no copy, any strides; a bfloat16
-    tensor as an ``ml_dtypes.bfloat16`` array, through its int16 bits) that,
-    unlike ``Tensor.numpy()``, leaves the storage resizable (``numpy()`` marks
-    it fixed for good: FSDP2 frees an unsharded parameter with
-    ``storage.resize_(0)``). The array holds the tensor it reads (``t`` or its
-    resolved copy), so its memory lives as long as the array."""
-    t = t.detach().resolve_neg().resolve_conj()
-    item = t.element_size()
-    if t.numel() == 0:  # its data pointer may be null
-        a = np.empty(tuple(t.shape), np.dtype(_typestr(t.dtype)))
-        return a.view(_core.bfloat16()) if t.dtype == torch.bfloat16 else a
-    # A storage resized under the tensor (FSDP2 frees one with resize_(0)):
-    # torch's own error, never a read past its end.
-    end = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    if end * item > t.untyped_storage().nbytes():
-        raise RuntimeError(
-            f"a tensor of shape {tuple(t.shape)} is out of bounds of its storage of "
-            f"{t.untyped_storage().nbytes()} bytes (resized, or freed as FSDP2 frees "
-            "an unsharded parameter)"
-        )
-    a = np.asarray(
-        _Memory(
-            t,
-            {
-                "data": (t.data_ptr(), False),
-                "shape": tuple(t.shape),
-                "strides": tuple(s * item for s in t.stride()),
-                "typestr": _typestr(t.dtype),
-                "version": 3,
-            },
-        )
-    )
-    return a.view(_core.bfloat16()) if t.dtype == torch.bfloat16 else a
-
-
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    """The array's memory as a tensor (no copy); ``ml_dtypes.bfloat16`` as
-    torch.bfloat16, through its int16 view."""
-    if a.dtype.kind == "V" and a.dtype == _core.bfloat16():
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
-def _skip_row(padding_idx: int | None, n_rows: int) -> int:
-    """The row that gets no gradient, in ``[0, n_rows)``, or -1 for none."""
-    if padding_idx is None:
-        return -1
-    if not -n_rows <= padding_idx < n_rows:
-        raise ValueError(
-            f"padding_idx must be within [-{n_rows}, {n_rows}) for a table of {n_rows} rows; "
-            f"got {padding_idx}"
-        )
-    return padding_idx + n_rows if padding_idx < 0 else padding_idx
-
-
-def _check_table(t: torch.Tensor, name: str) -> None:
-    if t.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}; got {t.dtype}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D (rows, embed_dim); got shape {tuple(t.shape)}")
-
-
-def _check_index(t: torch.Tensor | None, name: str) -> None:
-    # Boolean masks would give data-dependent shapes, which fake kernels cannot.
-    if t is not None and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
-        raise IndexError(f"{name} must be an integer tensor; got dtype {t.dtype}")
-
-
-def _ids(t: torch.Tensor | None, n_rows: int) -> np.ndarray | None:
-    """Ids as ``nn.Embedding`` takes them, as an array: each in ``[0, n_rows)``,
-    else ``nn.Embedding``'s ``IndexError`` (negatives too: they would count
-    from the end, a NumPy meaning torch does not give them)."""
-    if t is None:
-        return None
-    a = _array(t)
-    if a.size:
-        lo, hi = a.min(), a.max()
-        if lo < 0 or hi >= n_rows:
-            raise IndexError(
-                f"index out of range in self: got id {lo if lo < 0 else hi} for a table "
-                f"of {n_rows} rows (ids must be in [0, {n_rows}), as nn.Embedding takes them)"
-            )
-    return a
-
-
-def _check_rows(t: torch.Tensor, d: int, name: str) -> None:
-    if t.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}; got {t.dtype}")
-    if t.dim() == 0 or t.shape[-1] != d:
-        raise ValueError(f"{name} must have shape (..., {d}); got {tuple(t.shape)}")
-
-
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    if dtype not in KERNEL_DTYPES:
-        raise TypeError(f"gradient dtype must be {_DTYPE_NAMES}; got {dtype}")
-    if dtype == torch.bfloat16:
-        return _core.bfloat16()
-    return _NUMPY_DTYPES[dtype]
-
-
-# ---- gradient memory ----------------------------------------------------------------
-
-# Below this many bytes a gradient is torch's own memory (torch.empty), zeroed
-# on the calling thread: torch.zeros fills on PyTorch's OpenMP threads, which on
-# a busy machine took 0.7-6.6 ms for 0.8-1.6 MB (a memset: 30-60 us).
-_FRESH_MIN_BYTES = 1 << 21
-
-
-def fresh_zeros(n_rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
-    """A new zeroed ``(n_rows, d)`` tensor that nothing else refers to, and
-    the same memory as an ndarray (for the kernel to write; drop it after).
-
-    Small ones are torch's memory (``torch.empty``, zeroed here, on the calling
-    thread), resizable as ``nn.Embedding``'s gradients are. Large ones are
-    handed to torch through DLPack (``_core.zeroed_dlpack``): anonymous
-    private memory from the OS, zero until written, or a block
-    torch has already freed, zeroed whole. When torch frees the last tensor
-    using it, a C deleter (no GIL needed, so never waiting on Python while
-    autograd holds its locks) keeps the block or gives it back to the OS.
-    """
-    itemsize = _numpy_dtype(dtype).itemsize
-    if n_rows * d * itemsize < _FRESH_MIN_BYTES:
-        t = torch.empty((n_rows, d), dtype=dtype)
-        array = _array(t)
-        array.reshape(-1).view(np.uint8).fill(0)
-        return t, array
-    block = _core.zeroed_dlpack(n_rows, d, itemsize, dtype == torch.bfloat16)
-    t = torch.from_dlpack(block)
-    return t, _array(t)
 
 
 # ---- the operators ----------------------------------------------------------------
@@ -275,49 +118,31 @@ def _fake(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return register
 
 
-def _small_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """An output below the output pool's size as torch's own memory
-    (``torch.empty``: resizable, as ``nn.Embedding``'s outputs are), for the
-    kernel to write; None for a larger one, which is one of the kernels'
-    reusable blocks (no page faults; its storage cannot be resized)."""
-    if math.prod(shape) * _numpy_dtype(dtype).itemsize >= _core.POOL_MIN_BYTES:
-        return None
-    return torch.empty(shape, dtype=dtype)
-
-
-def _written(y: torch.Tensor | None, compute: Callable[..., np.ndarray]) -> torch.Tensor:
-    """``compute(out=...)`` into ``y``, or ``compute()``'s new array as a tensor."""
-    if y is None:
-        return _tensor(compute())
-    compute(out=_array(y))
-    return y
-
-
 @_cpu("lookup")
 def _lookup(
     table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
 ) -> torch.Tensor:
-    _check_table(table, "table")
-    _check_index(positions, "positions")
-    _skip_row(padding_idx, table.shape[0])
-    y = _small_output((*positions.shape, table.shape[1]), table.dtype)
-    ids = _ids(positions, table.shape[0])
-    return _written(y, functools.partial(_f.lookup, _array(table), ids))
+    check_table(table, "table")
+    check_index(positions, "positions")
+    skip_row(padding_idx, table.shape[0])
+    y = small_output((*positions.shape, table.shape[1]), table.dtype)
+    ids = checked_ids(positions, table.shape[0])
+    return written(y, functools.partial(_f.lookup, as_array(table), ids))
 
 
 @_fake("lookup")
 def _lookup_fake(
     table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
 ) -> torch.Tensor:
-    _check_table(table, "table")
-    _check_index(positions, "positions")
+    check_table(table, "table")
+    check_index(positions, "positions")
     return table.new_empty((*positions.shape, table.shape[1]))
 
 
 def _check_add(tok: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> None:
-    _check_table(table, "table")
-    _check_rows(tok, table.shape[1], "tok")
-    _check_index(positions, "positions")
+    check_table(table, "table")
+    check_rows(tok, table.shape[1], "tok")
+    check_index(positions, "positions")
 
 
 @_cpu("add_positions")
@@ -329,14 +154,14 @@ def _add_positions(
     padding_idx: int | None = None,
 ) -> torch.Tensor:
     _check_add(tok, table, positions)
-    _skip_row(padding_idx, table.shape[0])
-    tok_a = _array(tok)
-    if {tok.dtype, table.dtype} == _HALF_PAIR:
+    skip_row(padding_idx, table.shape[0])
+    tok_a = as_array(tok)
+    if {tok.dtype, table.dtype} == HALF_PAIR:
         tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
-    y = _small_output(tuple(tok.shape), torch.promote_types(tok.dtype, table.dtype))
-    pos = _ids(positions, table.shape[0])
-    add = functools.partial(_f.add_positions, tok_a, _array(table), pos, offset=offset)
-    return _written(y, add)
+    y = small_output(tuple(tok.shape), torch.promote_types(tok.dtype, table.dtype))
+    pos = checked_ids(positions, table.shape[0])
+    add = functools.partial(_f.add_positions, tok_a, as_array(table), pos, offset=offset)
+    return written(y, add)
 
 
 @_fake("add_positions")
@@ -357,15 +182,15 @@ def _check_embed(
     position_table: torch.Tensor,
     positions: torch.Tensor | None,
 ) -> None:
-    _check_table(token_table, "token_table")
-    _check_table(position_table, "position_table")
+    check_table(token_table, "token_table")
+    check_table(position_table, "position_table")
     if token_table.shape[1] != position_table.shape[1]:
         raise ValueError(
             "token_table and position_table must share embed_dim; got "
             f"{token_table.shape[1]} and {position_table.shape[1]}"
         )
-    _check_index(token_ids, "token_ids")
-    _check_index(positions, "positions")
+    check_index(token_ids, "token_ids")
+    check_index(positions, "positions")
 
 
 @_cpu("embed")
@@ -378,21 +203,23 @@ def _embed(
     padding_idx: int | None = None,
 ) -> torch.Tensor:
     _check_embed(token_ids, token_table, position_table, positions)
-    _skip_row(padding_idx, token_table.shape[0])
-    ids = _ids(token_ids, token_table.shape[0])
-    pos = _ids(positions, position_table.shape[0])
+    skip_row(padding_idx, token_table.shape[0])
+    ids = checked_ids(token_ids, token_table.shape[0])
+    pos = checked_ids(positions, position_table.shape[0])
     shape = (*token_ids.shape, token_table.shape[1])
-    y = _small_output(shape, torch.promote_types(token_table.dtype, position_table.dtype))
-    if {token_table.dtype, position_table.dtype} == _HALF_PAIR:
+    y = small_output(shape, torch.promote_types(token_table.dtype, position_table.dtype))
+    if {token_table.dtype, position_table.dtype} == HALF_PAIR:
         # torch adds the pair in float32: the token rows converted (exactly), then
         # added; ids and positions checked as embed checks them.
         ids = _routes.checked_ids(ids, token_table.shape[0])
         pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
-        rows = _f.lookup(_array(token_table), ids).astype(np.float32)
-        add = functools.partial(_f.add_positions, rows, _array(position_table), pos, offset=offset)
-        return _written(y, add)
-    tables = (_array(token_table), _array(position_table))
-    return _written(y, functools.partial(_layer.embed, ids, *tables, pos, offset=offset))
+        rows = _f.lookup(as_array(token_table), ids).astype(np.float32)
+        add = functools.partial(
+            _f.add_positions, rows, as_array(position_table), pos, offset=offset
+        )
+        return written(y, add)
+    tables = (as_array(token_table), as_array(position_table))
+    return written(y, functools.partial(_layer.embed, ids, *tables, pos, offset=offset))
 
 
 @_fake("embed")
@@ -418,16 +245,16 @@ def _table_grad(
     dtype: torch.dtype,
     padding_idx: int | None = None,
 ) -> torch.Tensor:
-    _check_index(positions, "positions")
+    check_index(positions, "positions")
     grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
     _routes.scatter_add(
         array,
-        _array(grad_output),
-        _ids(positions, num_rows),
+        as_array(grad_output),
+        checked_ids(positions, num_rows),
         offset=offset,
         num_threads=None,
         touched=None,
-        skip_row=_skip_row(padding_idx, num_rows),
+        skip_row=skip_row(padding_idx, num_rows),
     )
     return grad
 
@@ -441,7 +268,7 @@ def _table_grad_fake(
     dtype: torch.dtype,
     padding_idx: int | None = None,
 ) -> torch.Tensor:
-    _numpy_dtype(dtype)
+    numpy_dtype(dtype)
     return grad_output.new_empty((num_rows, grad_output.shape[-1]), dtype=dtype)
 
 
@@ -457,17 +284,17 @@ def _embed_backward(
     position_dtype: torch.dtype,
     padding_idx: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_index(token_ids, "token_ids")
-    _check_index(positions, "positions")
-    skip = _skip_row(padding_idx, vocab_size)
-    ids, pos = _ids(token_ids, vocab_size), _ids(positions, max_seq_len)
+    check_index(token_ids, "token_ids")
+    check_index(positions, "positions")
+    skip = skip_row(padding_idx, vocab_size)
+    ids, pos = checked_ids(token_ids, vocab_size), checked_ids(positions, max_seq_len)
     d = grad_output.shape[-1]
     g_tok, a_tok = fresh_zeros(vocab_size, d, token_dtype)
     g_pos, a_pos = fresh_zeros(max_seq_len, d, position_dtype)
     _routes.embed_backward(
         a_tok,
         a_pos,
-        _array(grad_output),
+        as_array(grad_output),
         ids,
         pos,
         offset=offset,
@@ -492,8 +319,8 @@ def _embed_backward_fake(
     padding_idx: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     d = grad_output.shape[-1]
-    _numpy_dtype(token_dtype)
-    _numpy_dtype(position_dtype)
+    numpy_dtype(token_dtype)
+    numpy_dtype(position_dtype)
     return (
         grad_output.new_empty((vocab_size, d), dtype=token_dtype),
         grad_output.new_empty((max_seq_len, d), dtype=position_dtype),
@@ -558,7 +385,7 @@ def _sparse_table_grad(
     d = grad.shape[-1]
     rows = positions.expand(grad.shape[:-1]).reshape(-1).to(torch.int64)
     rows = torch.where(rows < 0, rows + num_rows, rows)
-    skip = _skip_row(pad, num_rows)
+    skip = skip_row(pad, num_rows)
     if skip >= 0:
         keep = rows != skip
         rows, values = rows[keep], grad.reshape(rows.shape[0], d)[keep]  # copies
@@ -709,7 +536,7 @@ def _looked_up_grad(
     respect to the output gradient it was summed from."""
     positions = positions.expand(shape[:-1])
     g = lookup(gg, positions).to(dtype)
-    skip = _skip_row(padding_idx, gg.shape[0])
+    skip = skip_row(padding_idx, gg.shape[0])
     if skip >= 0:
         rows = torch.where(positions < 0, positions + gg.shape[0], positions)
         g = g.masked_fill((rows == skip).unsqueeze(-1), 0)

@@ -46,6 +46,7 @@ except ImportError as exc:  # torch is the optional extra "torch"
         'pip install ".[torch]"'
     ) from exc
 
+from cposembed import _torch_arrays as _arrays
 from cposembed import _torch_ops as _ops
 from cposembed import _validation
 
@@ -76,7 +77,7 @@ def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
     being traced by ``torch.export`` or ``torch.jit.trace``, whose graphs hold
     torch's own operators for runtimes without Python: ONNX, ExecuTorch; not
     a DTensor, which only ``lookup`` takes: see ``_sharded_lookup``)."""
-    if _is_dtensor(table) or table.device.type != "cpu" or table.dtype not in _ops.KERNEL_DTYPES:
+    if _is_dtensor(table) or table.device.type != "cpu" or table.dtype not in _arrays.KERNEL_DTYPES:
         return False
     if table.layout != torch.strided or table.dim() != 2:
         return False
@@ -126,7 +127,7 @@ def _values(x: Any) -> torch.Tensor:
         if not x.dtype.isnative:
             x = x.astype(x.dtype.newbyteorder("="))
         if _validation.is_bfloat16(x.dtype):
-            return _ops._tensor(np.ascontiguousarray(x))
+            return _arrays.as_tensor(np.ascontiguousarray(x))
     return torch.as_tensor(x)
 
 
@@ -151,7 +152,7 @@ def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_t
     are converted to int64 first (uint64 ids past int64's range are out of
     range for any table, and are refused before any row is touched)."""
     if indices.dtype not in (torch.int32, torch.int64):
-        ids = _ops._array(indices)  # torch has no comparisons of uint64
+        ids = _arrays.as_array(indices)  # torch has no comparisons of uint64
         if indices.dtype == torch.uint64 and ids.size and ids.max() > 2**63 - 1:
             n = weight.shape[0]
             raise IndexError(
@@ -488,7 +489,7 @@ class LearnedPositionEmbedding(Embedding):
         fused = (
             _on_kernels(self.weight, pos)
             and tok.device.type == "cpu"
-            and tok.dtype in _ops.KERNEL_DTYPES
+            and tok.dtype in _arrays.KERNEL_DTYPES
             and not self.scale_grad_by_freq
             and not self.sparse
         )

@@ -191,8 +191,7 @@ def train(
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {optimizer!r}")
-    if lr is None:
-        lr = DEFAULT_LR[optimizer]
+    lr = DEFAULT_LR[optimizer] if lr is None else lr
     rng = np.random.default_rng(seed)
     n_pos, d, n_tok, batch = max_seq_len, embed_dim, vocab_size, batch_size
     pe = LearnedPositionEmbedding(n_pos, d, seed=seed)
@@ -201,17 +200,13 @@ def train(
     token_table = (rng.standard_normal((n_tok, d)) / np.sqrt(d)).astype(dtype)
     head_w = (rng.standard_normal((d, n_pos)) * (0.1 / np.sqrt(d))).astype(dtype)
     head_b = np.zeros(n_pos, dtype=dtype)
-    if sigma is None:
-        sigma = max(1.0, n_pos / 16)
+    sigma = max(1.0, n_pos / 16) if sigma is None else sigma
     targets = soft_targets(n_pos, sigma).astype(dtype)
-    true_pos = np.arange(n_pos)
-    n_rows = batch * n_pos
     if optimizer == "adam":
         tokens_layer = LearnedPositionEmbedding.from_pretrained(token_table, dtype=dtype)
         token_table = tokens_layer.embeddings  # the live table
         pe_adam, tokens_adam = Adam(pe, lr), Adam(tokens_layer, lr)
         head_adam = _DenseAdam([head_w, head_b], lr)
-
     bar = _Progress(steps, stream, progress)
     loss_first = loss = float("nan")
     correct = 0.0
@@ -219,44 +214,21 @@ def train(
     with _one_blas_thread():
         for step in range(1, steps + 1):
             tokens = rng.integers(0, n_tok, size=(batch, n_pos))
-            # forward
             x = pe.add_to(token_table[tokens])  # (B, T, d)
-            x2 = x.reshape(n_rows, d)
-            z = x2 @ head_w + head_b  # (B*T, L)
-            z -= z.max(axis=1, keepdims=True)
-            p = np.exp(z)
-            sum_p = p.sum(axis=1, keepdims=True)
-            p /= sum_p
-            z -= np.log(sum_p)  # log-softmax
-            q = np.broadcast_to(targets, (batch, n_pos, n_pos)).reshape(n_rows, n_pos)
-            loss = float(-(q * z).sum() / n_rows)
+            p, loss, (grad_w, grad_b, dx) = _head(x, head_w, head_b, targets)
             if step == 1:
                 loss_first = loss
-            # backward, by hand
-            dz = (p - q) / dtype.type(n_rows)
-            grad_w = x2.T @ dz
-            grad_b = dz.sum(axis=0)
-            dx = (dz @ head_w.T).reshape(batch, n_pos, d)
             if optimizer == "adam":
                 # fused backward + Adam step: only the batch's rows move
                 pe.backward(dx, optimizer=pe_adam)  # positions 0..T-1
                 tokens_layer.backward(dx, tokens, optimizer=tokens_adam)
                 head_adam.step([grad_w, grad_b])
             else:
-                pe.zero_grad()
-                pe.backward(dx)  # positions 0..T-1
-                grad_tokens = scatter_add(np.zeros_like(token_table), dx, tokens)
-                pe.sgd_step(lr)
-                token_table -= dtype.type(lr) * grad_tokens
-                head_w -= dtype.type(lr) * grad_w
-                head_b -= dtype.type(lr) * grad_b
+                _sgd_update(pe, (token_table, head_w, head_b), (grad_w, grad_b), dx, tokens, lr)
             bar.update(step, loss)
             if step == steps:
-                hits = p.reshape(batch, n_pos, n_pos).argmax(axis=2) == true_pos
-                correct = float(hits.mean())
+                correct = float((p.argmax(axis=2) == np.arange(n_pos)).mean())
     bar.close()
-    seconds = time.perf_counter() - start
-
     result = TrainResult(
         pe=pe,
         similarity_before=adjacent_similarity(before),
@@ -264,12 +236,54 @@ def train(
         loss_first=loss_first,
         loss_last=loss,
         accuracy=correct,
-        seconds=seconds,
+        seconds=time.perf_counter() - start,
         initial_table=before,
     )
     if out is not None:
         result.pictures = write_pictures(before, pe.embeddings, out)
     return result
+
+
+def _sgd_update(
+    pe: LearnedPositionEmbedding,
+    params: tuple[np.ndarray, np.ndarray, np.ndarray],
+    head_grads: tuple[np.ndarray, np.ndarray],
+    dx: np.ndarray,
+    tokens: np.ndarray,
+    lr: float,
+) -> None:
+    """Plain SGD: the position table through its own backward (positions
+    0..T-1) and sgd_step, the token table (gradient: scatter_add of ``dx``) and
+    the head (weight, bias) in place."""
+    pe.zero_grad()
+    pe.backward(dx)
+    pe.sgd_step(lr)
+    token_table = params[0]
+    grad_tokens = scatter_add(np.zeros_like(token_table), dx, tokens)
+    for param, grad in zip(params, (grad_tokens, *head_grads)):
+        param -= param.dtype.type(lr) * grad
+
+
+def _head(
+    x: np.ndarray, head_w: np.ndarray, head_b: np.ndarray, targets: np.ndarray
+) -> tuple[np.ndarray, float, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The head on ``x`` (B, T, d): its softmax over positions (B, T, L), the mean
+    cross-entropy with the soft ``targets`` and, by hand, the gradients of the
+    head's weight and bias and of ``x``."""
+    batch, n_pos, d = x.shape
+    n_rows = batch * n_pos
+    x2 = x.reshape(n_rows, d)
+    z = x2 @ head_w + head_b  # (B*T, L)
+    z -= z.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    sum_p = p.sum(axis=1, keepdims=True)
+    p /= sum_p
+    z -= np.log(sum_p)  # log-softmax
+    q = np.broadcast_to(targets, (batch, n_pos, n_pos)).reshape(n_rows, n_pos)
+    loss = float(-(q * z).sum() / n_rows)
+    dz = (p - q) / x.dtype.type(n_rows)
+    grads = (x2.T @ dz, dz.sum(axis=0), (dz @ head_w.T).reshape(batch, n_pos, d))
+    return p.reshape(batch, n_pos, -1), loss, grads
 
 
 class _DenseAdam:

@@ -23,7 +23,7 @@ from torch.nn import functional as F  # noqa: E402
 
 import cposembed.torch as ct  # noqa: E402
 
-# Above _torch_ops._FRESH_MIN_BYTES (2 MiB), so gradients are DLPack blocks.
+# Above _torch_arrays.FRESH_MIN_BYTES (2 MiB), so gradients are DLPack blocks.
 BIG = 300_000
 IDS = torch.tensor([[1, 2, 2], [0, 9, 1]])
 
