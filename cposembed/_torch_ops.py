@@ -1,357 +1,26 @@
-"""cposembed's kernels as PyTorch operators (imported by :mod:`cposembed.torch`).
-
-Five operators in the ``cposembed`` namespace, defined with
-:func:`torch.library.define` (CPU kernels, fake kernels for meta tensors and
-``torch.compile``, autograd formulas, vmap rules):
-
-- ``lookup(table, positions, padding_idx=None)``: ``table[positions]``
-- ``add_positions(tok, table, positions, offset, padding_idx=None)``:
-  ``tok + table[positions]`` (``positions=None``: ``offset + arange(T)``)
-- ``embed(token_ids, token_table, position_table, positions, offset, padding_idx=None)``:
-  ``token_table[token_ids] + position_table[positions]``
-- ``table_grad(grad_output, positions, offset, num_rows, dtype, padding_idx=None)``:
-  the dense gradient of a looked-up table (``np.add.at``, which is what
-  ``nn.Embedding``'s CPU backward computes), itself differentiable (double
-  backward)
-- ``embed_backward(...)``: both table gradients of ``embed`` from one read
-  of the output gradient
+"""The autograd of cposembed's PyTorch operators (:mod:`cposembed._torch_kernels`)
+and the differentiable calls :mod:`cposembed.torch` makes.
 
 The autograd formulas are plain functions shared by the operators'
 registrations (what ``torch.compile`` traces) and by the
 :class:`torch.autograd.Function` classes below, which add forward-mode AD
 (``jvp``: Dynamo does not trace a custom ``jvp``, so the modules use these
 classes only in eager mode).
-
-Tensors become arrays, and gradients get their memory, in
-:mod:`cposembed._torch_arrays`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
-import torch.autograd.forward_ad as fwAD
 
-from cposembed import _routes
-from cposembed import functional as _f
-from cposembed import layer as _layer
 from cposembed._torch_arrays import (
-    HALF_PAIR,
-    KERNEL_DTYPES,
-    as_array,
-    check_index,
-    check_rows,
-    check_table,
-    checked_ids,
-    fresh_zeros,
-    numpy_dtype,
     skip_row,
-    small_output,
-    written,
 )
+from cposembed._torch_kernels import LIB, ops
 
-__all__ = ["KERNEL_DTYPES", "add_positions", "embed", "fresh_zeros", "lookup"]
-
-
-# ---- the operators ----------------------------------------------------------------
-
-_LIB = torch.library.Library("cposembed", "DEF")
-_LIB.define("lookup(Tensor table, Tensor positions, int? padding_idx=None) -> Tensor")
-_LIB.define(
-    "add_positions(Tensor tok, Tensor table, Tensor? positions, SymInt offset, "
-    "int? padding_idx=None) -> Tensor"
-)
-_LIB.define(
-    "embed(Tensor token_ids, Tensor token_table, Tensor position_table, Tensor? positions, "
-    "SymInt offset, int? padding_idx=None) -> Tensor"
-)
-_LIB.define(
-    "table_grad(Tensor grad_output, Tensor? positions, SymInt offset, SymInt num_rows, "
-    "ScalarType dtype, int? padding_idx=None) -> Tensor"
-)
-_LIB.define(
-    "embed_backward(Tensor grad_output, Tensor token_ids, Tensor? positions, SymInt offset, "
-    "SymInt vocab_size, SymInt max_seq_len, ScalarType token_dtype, "
-    "ScalarType position_dtype, int? padding_idx=None) -> (Tensor, Tensor)"
-)
-ops = torch.ops.cposembed
-
-
-def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
-    """A dual tensor (forward-mode AD) reaching an operator: a clear error, not an
-    output without a tangent. The operators' autograd registrations are
-    reverse-mode only; the functions and modules of ``cposembed.torch`` carry
-    forward-mode AD (their ``jvp``)."""
-    if fwAD._current_level < 0:  # no dual level is open
-        return
-    for a in args:
-        if isinstance(a, torch.Tensor) and fwAD.unpack_dual(a).tangent is not None:
-            raise RuntimeError(
-                f"torch.ops.cposembed.{name} has no forward-mode AD: it got a dual tensor, "
-                "and its output would have no tangent. Call cposembed.torch.embedding or "
-                "the cposembed.torch modules instead: they carry forward-mode AD, with "
-                "the tangent F.embedding gives"
-            )
-
-
-def _cpu(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def kernel(*args: Any) -> Any:
-            _refuse_tangents(name, args)
-            return fn(*args)
-
-        _LIB.impl(name, kernel, "CPU")
-        return fn
-
-    return register
-
-
-def _fake(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        torch.library.register_fake(f"cposembed::{name}", fn, lib=_LIB)
-        return fn
-
-    return register
-
-
-@_cpu("lookup")
-def _lookup(
-    table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
-) -> torch.Tensor:
-    check_table(table, "table")
-    check_index(positions, "positions")
-    skip_row(padding_idx, table.shape[0])
-    y = small_output((*positions.shape, table.shape[1]), table.dtype)
-    ids = checked_ids(positions, table.shape[0])
-    return written(y, functools.partial(_f.lookup, as_array(table), ids))
-
-
-@_fake("lookup")
-def _lookup_fake(
-    table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
-) -> torch.Tensor:
-    check_table(table, "table")
-    check_index(positions, "positions")
-    return table.new_empty((*positions.shape, table.shape[1]))
-
-
-def _check_add(tok: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> None:
-    check_table(table, "table")
-    check_rows(tok, table.shape[1], "tok")
-    check_index(positions, "positions")
-
-
-@_cpu("add_positions")
-def _add_positions(
-    tok: torch.Tensor,
-    table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_add(tok, table, positions)
-    skip_row(padding_idx, table.shape[0])
-    tok_a = as_array(tok)
-    if {tok.dtype, table.dtype} == HALF_PAIR:
-        tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
-    y = small_output(tuple(tok.shape), torch.promote_types(tok.dtype, table.dtype))
-    pos = checked_ids(positions, table.shape[0])
-    add = functools.partial(_f.add_positions, tok_a, as_array(table), pos, offset=offset)
-    return written(y, add)
-
-
-@_fake("add_positions")
-def _add_positions_fake(
-    tok: torch.Tensor,
-    table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_add(tok, table, positions)
-    return tok.new_empty(tok.shape, dtype=torch.promote_types(tok.dtype, table.dtype))
-
-
-def _check_embed(
-    token_ids: torch.Tensor,
-    token_table: torch.Tensor,
-    position_table: torch.Tensor,
-    positions: torch.Tensor | None,
-) -> None:
-    check_table(token_table, "token_table")
-    check_table(position_table, "position_table")
-    if token_table.shape[1] != position_table.shape[1]:
-        raise ValueError(
-            "token_table and position_table must share embed_dim; got "
-            f"{token_table.shape[1]} and {position_table.shape[1]}"
-        )
-    check_index(token_ids, "token_ids")
-    check_index(positions, "positions")
-
-
-@_cpu("embed")
-def _embed(
-    token_ids: torch.Tensor,
-    token_table: torch.Tensor,
-    position_table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_embed(token_ids, token_table, position_table, positions)
-    skip_row(padding_idx, token_table.shape[0])
-    ids = checked_ids(token_ids, token_table.shape[0])
-    pos = checked_ids(positions, position_table.shape[0])
-    shape = (*token_ids.shape, token_table.shape[1])
-    y = small_output(shape, torch.promote_types(token_table.dtype, position_table.dtype))
-    if {token_table.dtype, position_table.dtype} == HALF_PAIR:
-        # torch adds the pair in float32: the token rows converted (exactly), then
-        # added; ids and positions checked as embed checks them.
-        ids = _routes.checked_ids(ids, token_table.shape[0])
-        pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
-        rows = _f.lookup(as_array(token_table), ids).astype(np.float32)
-        add = functools.partial(
-            _f.add_positions, rows, as_array(position_table), pos, offset=offset
-        )
-        return written(y, add)
-    tables = (as_array(token_table), as_array(position_table))
-    return written(y, functools.partial(_layer.embed, ids, *tables, pos, offset=offset))
-
-
-@_fake("embed")
-def _embed_fake(
-    token_ids: torch.Tensor,
-    token_table: torch.Tensor,
-    position_table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_embed(token_ids, token_table, position_table, positions)
-    dtype = torch.promote_types(token_table.dtype, position_table.dtype)
-    return token_table.new_empty((*token_ids.shape, token_table.shape[1]), dtype=dtype)
-
-
-@_cpu("table_grad")
-def _table_grad(
-    grad_output: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    num_rows: int,
-    dtype: torch.dtype,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    check_index(positions, "positions")
-    grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
-    _routes.scatter_add(
-        array,
-        as_array(grad_output),
-        checked_ids(positions, num_rows),
-        offset=offset,
-        num_threads=None,
-        touched=None,
-        skip_row=skip_row(padding_idx, num_rows),
-    )
-    return grad
-
-
-@_fake("table_grad")
-def _table_grad_fake(
-    grad_output: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    num_rows: int,
-    dtype: torch.dtype,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    numpy_dtype(dtype)
-    return grad_output.new_empty((num_rows, grad_output.shape[-1]), dtype=dtype)
-
-
-@_cpu("embed_backward")
-def _embed_backward(
-    grad_output: torch.Tensor,
-    token_ids: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    vocab_size: int,
-    max_seq_len: int,
-    token_dtype: torch.dtype,
-    position_dtype: torch.dtype,
-    padding_idx: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    check_index(token_ids, "token_ids")
-    check_index(positions, "positions")
-    skip = skip_row(padding_idx, vocab_size)
-    ids, pos = checked_ids(token_ids, vocab_size), checked_ids(positions, max_seq_len)
-    d = grad_output.shape[-1]
-    g_tok, a_tok = fresh_zeros(vocab_size, d, token_dtype)
-    g_pos, a_pos = fresh_zeros(max_seq_len, d, position_dtype)
-    _routes.embed_backward(
-        a_tok,
-        a_pos,
-        as_array(grad_output),
-        ids,
-        pos,
-        offset=offset,
-        num_threads=None,
-        token_touched=None,
-        position_touched=None,
-        token_skip_row=skip,
-    )
-    return g_tok, g_pos
-
-
-@_fake("embed_backward")
-def _embed_backward_fake(
-    grad_output: torch.Tensor,
-    token_ids: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    vocab_size: int,
-    max_seq_len: int,
-    token_dtype: torch.dtype,
-    position_dtype: torch.dtype,
-    padding_idx: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    d = grad_output.shape[-1]
-    numpy_dtype(token_dtype)
-    numpy_dtype(position_dtype)
-    return (
-        grad_output.new_empty((vocab_size, d), dtype=token_dtype),
-        grad_output.new_empty((max_seq_len, d), dtype=position_dtype),
-    )
-
-
-# ---- vmap: one call per batch entry ---------------------------------------------
-
-
-def _vmap_by_loop(op: Any) -> Callable[..., Any]:
-    """A vmap rule that calls ``op`` once per batch entry and stacks the results
-    (batch dimension first), for ``torch.func.vmap``, ``jacrev`` and ``jacfwd``."""
-
-    def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
-        results = []
-        for b in range(info.batch_size):
-            one = [a.select(dim, b) if dim is not None else a for a, dim in zip(args, in_dims)]
-            results.append(op(*one))
-        if isinstance(results[0], tuple):
-            stacked = tuple(torch.stack(parts) for parts in zip(*results))
-            return stacked, (0,) * len(stacked)
-        return torch.stack(results), 0
-
-    return rule
-
-
-for _name in ("lookup", "add_positions", "embed", "table_grad", "embed_backward"):
-    torch.library.register_vmap(
-        f"cposembed::{_name}", _vmap_by_loop(getattr(ops, _name).default), lib=_LIB
-    )
-
+__all__ = ["add_positions", "default_positions", "embed", "lookup"]
 
 # ---- autograd formulas ------------------------------------------------------------
 
@@ -544,22 +213,22 @@ def _looked_up_grad(
 
 
 torch.library.register_autograd(
-    "cposembed::lookup", _lookup_backward, setup_context=_lookup_setup, lib=_LIB
+    "cposembed::lookup", _lookup_backward, setup_context=_lookup_setup, lib=LIB
 )
 torch.library.register_autograd(
-    "cposembed::add_positions", _add_backward, setup_context=_add_setup, lib=_LIB
+    "cposembed::add_positions", _add_backward, setup_context=_add_setup, lib=LIB
 )
 torch.library.register_autograd(
-    "cposembed::embed", _embed_backward_formula, setup_context=_embed_setup, lib=_LIB
+    "cposembed::embed", _embed_backward_formula, setup_context=_embed_setup, lib=LIB
 )
 torch.library.register_autograd(
-    "cposembed::table_grad", _table_grad_backward, setup_context=_table_grad_setup, lib=_LIB
+    "cposembed::table_grad", _table_grad_backward, setup_context=_table_grad_setup, lib=LIB
 )
 torch.library.register_autograd(
     "cposembed::embed_backward",
     _embed_backward_backward,
     setup_context=_embed_backward_setup,
-    lib=_LIB,
+    lib=LIB,
 )
 
 

@@ -15,7 +15,7 @@
 
 and registers the operators ``torch.ops.cposembed.lookup``, ``add_positions``,
 ``embed``, ``table_grad`` and ``embed_backward`` (see
-:mod:`cposembed._torch_ops`).
+:mod:`cposembed._torch_kernels`).
 
 The kernels take float16, bfloat16, float32 and float64 weights. What they
 do not cover goes to torch's own ``F.embedding``, with the same results:

@@ -348,7 +348,13 @@ def test_many_gradients_alive_at_once() -> None:
 
 
 def test_no_private_torch_api_and_no_lock_in_the_bridge() -> None:
-    for name in ("torch.py", "_torch_ops.py", "_torch_arrays.py", "_torch_sharding.py"):
+    for name in (
+        "torch.py",
+        "_torch_ops.py",
+        "_torch_kernels.py",
+        "_torch_arrays.py",
+        "_torch_sharding.py",
+    ):
         source = (PACKAGE_DIR / name).read_text()
         for private in ("torch._C", "_storage_Use_Count", "threading", "Lock("):
             assert private not in source, f"{name} uses {private}"
