@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Callable
 
 try:
     import torch
@@ -78,33 +79,41 @@ def train(model: nn.Module, data: list[torch.Tensor]) -> list[float]:
     return losses
 
 
-def check(rank: int, world: int) -> bool:
-    """Train this rank's halves with DDP; rank 0 also trains alone and compares."""
-    torch.set_num_threads(1)
-    ddp = DistributedDataParallel(new_model())
+def my_batches(rank: int, world: int) -> list[torch.Tensor]:
+    """This rank's share of every batch."""
     half = BATCH // world
-    mine = [ids[rank * half : (rank + 1) * half] for ids in batches()]
-    train(ddp, mine)
-    if rank != 0:
-        return True
+    return [ids[rank * half : (rank + 1) * half] for ids in batches()]
+
+
+def compare(params: list[torch.Tensor], world: int, engine: str) -> bool:
+    """Rank 0: train the same model in one process on the whole batches, and
+    compare its parameters with ``params``, those the ``world`` processes trained."""
     alone = new_model()
     losses = train(alone, batches())
-    pairs = list(zip(ddp.module.parameters(), alone.parameters()))
+    pairs = list(zip(params, alone.parameters()))
     worst = max(float((a - b).detach().abs().max()) for a, b in pairs)
     ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
     print(f"one process, whole batches: losses {' '.join(f'{x:.4f}' for x in losses)}")
     print(
-        f"{world} processes (DDP, gloo) vs one: largest parameter difference "
+        f"{world} processes ({engine}, gloo) vs one: largest parameter difference "
         f"{worst:.1e}: {'match' if ok else 'MISMATCH'}"
     )
     return ok
 
 
-def worker(rank: int, world: int) -> None:
+def check(rank: int, world: int) -> bool:
+    """Train this rank's halves with DDP; rank 0 also trains alone and compares."""
+    torch.set_num_threads(1)
+    ddp = DistributedDataParallel(new_model())
+    train(ddp, my_batches(rank, world))
+    return rank != 0 or compare(list(ddp.module.parameters()), world, "DDP")
+
+
+def worker(rank: int, world: int, check: Callable[[int, int], bool] = check) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ok = False
     try:
-        ok = check(rank, world)  # the DDP model, and its hold on the group, end here
+        ok = check(rank, world)  # the model, and its hold on the group, end here
         dist.barrier()  # every rank done before any rank tears gloo down
     finally:
         dist.destroy_process_group()  # the last reference: gloo's threads are joined here
@@ -122,15 +131,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def main() -> None:
+def main(check: Callable[[int, int], bool] = check) -> None:
+    """Run ``check`` on every rank: under torchrun, or in ``WORLD`` processes of
+    its own."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     if "RANK" in os.environ:  # started by torchrun
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), check)
         return
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
     try:
-        mp.spawn(worker, args=(WORLD,), nprocs=WORLD, join=True)
+        mp.spawn(worker, args=(WORLD, check), nprocs=WORLD, join=True)
     except mp.ProcessExitedException as exc:
         print(f"a worker failed: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

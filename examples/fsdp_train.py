@@ -15,20 +15,14 @@ Run it either way:
 
 Needs PyTorch (its CPU build, then the extra from a checkout: ``pip install torch
 --index-url https://download.pytorch.org/whl/cpu && pip install ".[torch]"``); without
-it the example says so and exits. Exits 1 if the parameters differ.
+it the example says so and exits. Exits 1 if the parameters differ. The model, the
+batches and the two processes are those of ``ddp_train.py`` beside it.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
-
 try:
     import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    from torch import nn
     from torch.distributed.fsdp import fully_shard
 except ModuleNotFoundError:
     print(
@@ -37,47 +31,7 @@ except ModuleNotFoundError:
     )
     raise SystemExit(0) from None
 
-import cposembed.torch as ct
-
-# A token table of 4096 x 128 float32 (2 MiB): large enough that its gradient
-# comes from cposembed's DLPack blocks, as a real vocabulary's does.
-VOCAB, MAX_LEN, DIM = 4096, 32, 128
-BATCH, T, STEPS, LR = 8, 32, 5, 0.5
-WORLD = 2
-
-
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = ct.TokenPositionEmbedding(VOCAB, MAX_LEN, DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.embed(ids)))
-
-
-def new_model() -> TinyLM:
-    torch.manual_seed(0)  # the same initial parameters in every process
-    return TinyLM()
-
-
-def batches() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    # Skewed ids (many repeats), one token sequence per row.
-    return [(torch.randint(0, 64, (BATCH, T + 1), generator=g) ** 2) % VOCAB for _ in range(STEPS)]
-
-
-def train(model: nn.Module, data: list[torch.Tensor]) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for ids in data:
-        opt.zero_grad(set_to_none=True)
-        logits = model(ids[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
+from ddp_train import compare, main, my_batches, new_model, train
 
 
 def check(rank: int, world: int) -> bool:
@@ -86,60 +40,10 @@ def check(rank: int, world: int) -> bool:
     model = new_model()
     fully_shard(model.embed)  # the input layer's tables, sharded on their own
     fully_shard(model)
-    half = BATCH // world
-    mine = [ids[rank * half : (rank + 1) * half] for ids in batches()]
-    train(model, mine)
+    train(model, my_batches(rank, world))
     gathered = [p.full_tensor() for p in model.parameters()]  # every rank takes part
-    if rank != 0:
-        return True
-    alone = new_model()
-    losses = train(alone, batches())
-    pairs = list(zip(gathered, alone.parameters()))
-    worst = max(float((a - b).detach().abs().max()) for a, b in pairs)
-    ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
-    print(f"one process, whole batches: losses {' '.join(f'{x:.4f}' for x in losses)}")
-    print(
-        f"{world} processes (FSDP2, gloo) vs one: largest parameter difference "
-        f"{worst:.1e}: {'match' if ok else 'MISMATCH'}"
-    )
-    return ok
-
-
-def worker(rank: int, world: int) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    ok = False
-    try:
-        ok = check(rank, world)  # the model, and its hold on the group, end here
-        dist.barrier()  # every rank done before any rank tears gloo down
-    finally:
-        dist.destroy_process_group()  # the last reference: gloo's threads are joined here
-    # The result is settled and the group is gone: leave without the interpreter's
-    # and C++ runtime's exit-time teardown, where PyTorch's distributed threads
-    # have been seen to abort a finished worker (std::terminate) on a loaded machine.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if ok else 1)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def main() -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
-    if "RANK" in os.environ:  # started by torchrun
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-        return
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    try:
-        mp.spawn(worker, args=(WORLD,), nprocs=WORLD, join=True)
-    except mp.ProcessExitedException as exc:
-        print(f"a worker failed: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+    return rank != 0 or compare(gathered, world, "FSDP2")
 
 
 if __name__ == "__main__":
-    main()
+    main(check)
