@@ -8,6 +8,7 @@ deterministic gradient scatter-add, as Cython/OpenMP kernels.
 from . import plot  # matplotlib itself is imported only when drawing
 from ._config import openmp_enabled, show_config
 from ._threads import get_num_threads, set_num_threads
+from ._validation import NotAnIntegerError
 from ._version import __version__
 from .embedding import LearnedPositionEmbedding
 from .functional import add_positions, lookup, scatter_add
@@ -21,6 +22,7 @@ __all__ = [
     "Adam",
     "AdamW",
     "LearnedPositionEmbedding",
+    "NotAnIntegerError",
     "TokenPositionEmbedding",
     "__version__",
     "add_positions",

@@ -99,8 +99,8 @@ class GradientState:
         """``grad[positions[i]] += grad_output[i]``, marking the rows; the gradient."""
         grad, touched = self.to_accumulate(table)
         skip = self.skip_row
-        # The entry directly first: the route's keyword call costs ~90 ns, 15 % of
-        # a tiny backward. What it declines goes to the route's second half.
+        # The entry directly first: the route's keyword call would be a good part
+        # of a tiny backward's time. What it declines goes to the route's second half.
         if _core.scatter_add(grad, grad_output, positions, offset, None, touched, skip) is None:
             _routes.scatter_add_declined(
                 grad,

@@ -162,7 +162,7 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
 
 # Below this many bytes a gradient is torch's own memory (torch.empty), zeroed
 # on the calling thread: torch.zeros fills on PyTorch's OpenMP threads, which on
-# a busy machine took 0.7-6.6 ms for 0.8-1.6 MB (a memset: 30-60 us).
+# a busy machine wait for cores a memset of this size does not need.
 FRESH_MIN_BYTES = 1 << 21
 
 

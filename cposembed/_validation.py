@@ -62,14 +62,17 @@ def is_real_scalar(value: Any) -> bool:
     )
 
 
-class NotAnIntegerError(TypeError):
+class NotAnIntegerError(TypeError, ValueError):
     """An integer argument that is not an integer (``1.5``, ``"3"``, ``True``).
 
-    A ``TypeError`` only, so that ``except ValueError`` does not catch a wrong
-    type. The sizes whose contract promises ``ValueError`` for anything but a
-    positive integer (``max_seq_len``, ``embed_dim``, ...) ask
-    :func:`check_int` for that instead.
+    A ``TypeError``, as NumPy and PyTorch raise for a size that is not an
+    integer, and a ``ValueError``, as the handbook's class promises for
+    ``max_seq_len`` and ``embed_dim`` that are not positive integers: either
+    ``except`` catches it. An integer out of range is a plain ``ValueError``.
     """
+
+
+NotAnIntegerError.__module__ = "cposembed"  # public as cposembed.NotAnIntegerError
 
 
 def describe(value: Any) -> str:
@@ -99,13 +102,11 @@ def check_int(
     *,
     min_value: int | None = None,
     max_value: int | None = None,
-    not_integer: type[Exception] = NotAnIntegerError,
 ) -> int:
     """``value`` as a Python int, in the manner of ``sklearn.utils.check_scalar``.
 
     Anything with ``__index__`` counts (Python and NumPy integers, 0-d integer
-    arrays), except bools. Not an integer: ``not_integer`` (a ``TypeError``
-    unless the argument's contract says otherwise); outside
+    arrays), except bools. Not an integer: :class:`NotAnIntegerError`; outside
     ``[min_value, max_value]``: ``ValueError``. The message names the argument.
     """
     expected = _int_range_text(min_value, max_value)
@@ -114,11 +115,11 @@ def check_int(
         or (isinstance(value, np.ndarray) and value.ndim != 0)
         or not hasattr(value, "__index__")
     ):
-        raise not_integer(f"{name} must be {expected}; got {describe(value)}")
+        raise NotAnIntegerError(f"{name} must be {expected}; got {describe(value)}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise not_integer(f"{name} must be {expected}; got {describe(value)}") from None
+        raise NotAnIntegerError(f"{name} must be {expected}; got {describe(value)}") from None
     if (min_value is not None and n < min_value) or (max_value is not None and n > max_value):
         raise ValueError(f"{name} must be {expected}; got {n}")
     return n

@@ -61,6 +61,20 @@ def draw_table(max_seq_len: int, embed_dim: int, seed: Any = None) -> np.ndarray
     return rng.randn(max_seq_len, embed_dim) * (1.0 / np.sqrt(embed_dim))
 
 
+class _CallSignature:
+    """An instance's ``__signature__``: that of calling it (its class's
+    ``__call__``, without ``self``); None on the class, whose signature is its
+    constructor's."""
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        if obj is None:
+            return None
+        import inspect  # only when asked: inspect takes milliseconds to import
+
+        sig = inspect.signature(type(obj).__call__)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
 class LearnedPositionEmbedding(_core.TableCall):
     """Learned position embedding table with C-accelerated lookup, add and backward.
 
@@ -116,6 +130,9 @@ class LearnedPositionEmbedding(_core.TableCall):
     # The gradient, its touched rows and the padding row are one
     # _grad.GradientState, shared with TokenPositionEmbedding and the optimizers.
     __slots__ = ("_embeddings", "_grad", "__dict__", "__weakref__")
+    # pe(positions) is the C base's __call__ (TableCall): inspect.signature(pe)
+    # reads this, as it cannot read a C method of an instance.
+    __signature__ = _CallSignature()
 
     def __init__(
         self,
@@ -126,8 +143,8 @@ class LearnedPositionEmbedding(_core.TableCall):
         dtype: Any = np.float32,
         padding_idx: int | None = None,
     ) -> None:
-        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1, not_integer=ValueError)
-        d = v.check_int(embed_dim, "embed_dim", min_value=1, not_integer=ValueError)
+        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1)
+        d = v.check_int(embed_dim, "embed_dim", min_value=1)
         dt = v.table_dtype(dtype)
         pad = _padding_index(padding_idx, n_rows)
         self._embeddings = np.ascontiguousarray(draw_table(n_rows, d, seed), dtype=dt)
@@ -354,8 +371,10 @@ class LearnedPositionEmbedding(_core.TableCall):
         self._grad.zero()
 
     def trainable_tables(self) -> dict[str, _grad.Trainable]:
-        """The table an optimizer updates, ``"embeddings"``, with its gradient
-        state (what :mod:`cposembed.optim` reads of this layer)."""
+        """The table an optimizer updates, with its gradient state.
+
+        What :mod:`cposembed.optim` reads of this layer: ``{"embeddings": ...}``.
+        """
         return {"embeddings": _grad.Trainable(self, self._grad)}
 
     # -- learning ------------------------------------------------------------
@@ -420,7 +439,7 @@ class LearnedPositionEmbedding(_core.TableCall):
             ``new_max_len`` not a positive integer, an unknown ``method``, or a
             ``padding_idx`` that does not fit in the new length.
         """
-        new_len = v.check_int(new_max_len, "new_max_len", min_value=1, not_integer=ValueError)
+        new_len = v.check_int(new_max_len, "new_max_len", min_value=1)
         if method not in ("linear", "repeat"):
             raise ValueError(f'method must be "linear" or "repeat"; got {v.describe(method)}')
         pad = self.padding_idx

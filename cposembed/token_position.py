@@ -89,9 +89,9 @@ class TokenPositionEmbedding:
         dtype: Any = np.float32,
         padding_idx: int | None = None,
     ) -> None:
-        n_tokens = v.check_int(vocab_size, "vocab_size", min_value=1, not_integer=ValueError)
-        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1, not_integer=ValueError)
-        d = v.check_int(embed_dim, "embed_dim", min_value=1, not_integer=ValueError)
+        n_tokens = v.check_int(vocab_size, "vocab_size", min_value=1)
+        n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1)
+        d = v.check_int(embed_dim, "embed_dim", min_value=1)
         dt = v.table_dtype(dtype)
         rng = np.random if seed is None else np.random.RandomState(seed)
         scale = 1.0 / np.sqrt(d)
@@ -336,9 +336,11 @@ class TokenPositionEmbedding:
         self._positions.zero_grad()
 
     def trainable_tables(self) -> dict[str, _grad.Trainable]:
-        """The tables an optimizer updates, ``"token_embeddings"`` and
-        ``"position_embeddings"``, with their gradient states (what
-        :mod:`cposembed.optim` reads of this layer)."""
+        """The tables an optimizer updates, with their gradient states.
+
+        What :mod:`cposembed.optim` reads of this layer: ``"token_embeddings"``
+        and ``"position_embeddings"``.
+        """
         return {
             "token_embeddings": self._tokens.trainable_tables()["embeddings"],
             "position_embeddings": self._positions.trainable_tables()["embeddings"],

@@ -249,8 +249,8 @@ class Embedding(nn.Embedding):
     >>> e = ct.Embedding(10, 3, padding_idx=0)
     >>> isinstance(e, torch.nn.Embedding)
     True
-    >>> e
-    Embedding(10, 3, padding_idx=0)
+    >>> e  # nn.Embedding's repr, named as cposembed's
+    cposembed.Embedding(10, 3, padding_idx=0)
     >>> ref = torch.nn.Embedding(10, 3, padding_idx=0)
     >>> ref.load_state_dict(e.state_dict())
     <All keys matched successfully>
@@ -258,6 +258,11 @@ class Embedding(nn.Embedding):
     >>> torch.equal(e(ids), ref(ids))
     True
     """
+
+    def _get_name(self) -> str:
+        # The name print(model) shows (as torch's quantized modules name
+        # theirs): a converted model says which of its modules are cposembed's.
+        return f"cposembed.{type(self).__name__}"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``weight[input]``: shape ``input.shape + (embedding_dim,)``.
@@ -322,7 +327,7 @@ def convert_embeddings(module: nn.Module) -> nn.Module:
     >>> model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50))
     >>> model[1].weight = model[0].weight  # tied, as in GPT-2
     >>> ct.convert_embeddings(model)[0]
-    Embedding(50, 8)
+    cposembed.Embedding(50, 8)
     >>> model[1].weight is model[0].weight
     True
     """
@@ -335,9 +340,7 @@ def convert_embeddings(module: nn.Module) -> nn.Module:
 
 
 def _check_size(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int; got {value!r}")
-    return int(value)
+    return _validation.check_int(value, name, min_value=1)
 
 
 def _check_float_dtype(dtype: torch.dtype | None) -> None:

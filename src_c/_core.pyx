@@ -516,7 +516,10 @@ cdef class TableCall:
 
     @cython.embedsignature(False)  # docs/api.rst gives it, without `self`
     def __call__(self, positions, *, out=None):
-        """Look up position embeddings: ``embeddings[positions]``.
+        """__call__($self, positions, *, out=None)
+--
+
+Look up position embeddings: ``embeddings[positions]``.
 
         Parameters
         ----------

@@ -153,8 +153,8 @@ cdef Py_ssize_t _chunk_elems = _CHUNK_ELEMS  # set_tuning(chunk_elems=) for test
 # the gradient; the scan and the sort cut the table into this many ranges
 # per thread, and so does the layer's backward: one each (a chunk of the scan
 # or of the backward reads every gradient row its table rows need, so more
-# chunks would read more; two per thread made (32, 1024, 768) random
-# scatter-adds 1.3 x slower than one).
+# chunks would read more: docs/performance.md, "Measurements behind the
+# constants").
 cdef enum:
     _SCATTER_CHUNK_ELEMS = 524288
     _CHUNKS_PER_THREAD = 1

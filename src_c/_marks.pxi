@@ -42,11 +42,9 @@ cdef enum:
 # A scatter-add into such a table sums in a compact copy of its touched rows
 # (the sparse plan) once the table's own passes (a few of 8 bytes per table
 # row) would cost more than copying the touched rows there and back: when it
-# also has more rows per position than a row has bytes / this (measured with
-# float32 rows, one thread: 256 positions of d = 768 into
-# 4096 rows took 250 us compact, 76 us in place; into 262144 rows, 134 and 100
-# us; 1024 positions into 262144 rows, 491 and 1180 us; with d = 64 the compact
-# copy was faster from 16 rows per position on).
+# also has more rows per position than a row has bytes / this (the copy costs
+# the row's bytes twice, the passes a few bytes per table row: the measurements
+# are in docs/performance.md, "Measurements behind the constants").
 cdef enum:
     _COMPACT_ROW_BYTES_PER_ROW = 16
 

@@ -21,8 +21,8 @@ from strategies import (
 )
 
 import cposembed
-from cposembed import LearnedPositionEmbedding
-from cposembed._validation import NotAnIntegerError, check_int, describe
+from cposembed import LearnedPositionEmbedding, NotAnIntegerError
+from cposembed._validation import check_int, describe
 
 INTEGERS = [3, np.int8(3), np.uint16(3), np.int64(3), np.uint64(3), np.array(3)]
 
@@ -37,10 +37,30 @@ def test_check_int_accepts_every_integer_form(value):
 
 
 @pytest.mark.parametrize("value", NOT_INTEGERS)
-def test_check_int_refuses_non_integers_with_a_type_error_only(value):
+def test_check_int_refuses_non_integers_with_the_public_error(value):
     with pytest.raises(NotAnIntegerError, match="n must be a positive integer") as info:
         check_int(value, "n", min_value=1)
-    assert isinstance(info.value, TypeError) and not isinstance(info.value, ValueError)
+    # A TypeError as NumPy and torch raise; a ValueError as the handbook's API promises.
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+    assert type(info.value) is cposembed.NotAnIntegerError
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: LearnedPositionEmbedding(16.0, 4),
+        lambda: LearnedPositionEmbedding(16, "4"),
+        lambda: cposembed.TokenPositionEmbedding(10.0, 8, 4),
+        lambda: LearnedPositionEmbedding(16, 4).resized(8.0),
+        lambda: cposembed.set_num_threads("2"),
+        lambda: cposembed.lookup(np.ones((4, 2)), [0], num_threads=2.0),
+    ],
+)
+def test_non_integer_sizes_and_counts_raise_the_public_type_error(call):
+    with pytest.raises(TypeError) as info:
+        call()
+    assert type(info.value) is NotAnIntegerError and "must be a positive integer" in str(info.value)
+    assert NotAnIntegerError.__module__ == "cposembed"
 
 
 @pytest.mark.parametrize("value", [0, -1, np.int64(-5)])

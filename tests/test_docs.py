@@ -133,14 +133,18 @@ def test_performance_table_takes_the_median_ours_over_this_of_the_runs():
         return {"machine": {**machine, "torch": "2.13" if torch else None}, "results": rows}
 
     table = perf_table.render([run(0.3, torch=0.1), run(0.9), run(0.5)])
-    assert "| `pe(positions)` | NumPy `P[positions]` | 0.500 | <= 0.65 |" in table
-    assert "| two `nn.Embedding` | 0.100 | <= 0.2 |" in table  # the one run with torch
+    assert "| `pe(positions)` | NumPy `P[positions]` | 0.500 | 2.00 x faster | <= 0.65: met |" in (
+        table
+    )
+    assert "| two `nn.Embedding` | 0.100 | 10.0 x faster | <= 0.2: met |" in table  # one run
     words = " ".join(table.split())
     assert "median of 3 runs" in words and "(PyTorch rows: one run)" in words
     assert "below 1, cposembed is faster" in words
-    assert "faster |" not in table and "x faster" not in table  # one direction only
     no_torch = perf_table.render([run(0.3)])
     assert "nn.Embedding" not in no_torch  # a row without data is left out
+    # A miss is marked in the ratio and the target; a ratio above 1 reads as slower.
+    missed = perf_table.render([run(1.06)])
+    assert "| **1.060** | 1.06 x slower | <= 0.65: **missed** |" in missed
 
 
 def test_undocumented_names_are_reported(check_docs):
@@ -175,3 +179,31 @@ def test_license_file_is_mit_and_declared():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     assert project["license"] == "MIT"
     assert project["license-files"] == ["LICENSE"]
+
+
+def test_readme_links_the_handbook_and_installs_before_the_rest():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "](https://mbrenndoerfer.com/writing/learned-position-embeddings)" in text
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    assert heads[:2] == ["## Installation", "## Quick start"], heads
+
+
+def test_the_quick_starts_test_extra_leaves_the_torch_clients_out():
+    """The Quick start installs ``test``: no transformers or ONNX, which only matter
+    with torch; those are the ``torch-test`` extra, which CI's torch stage installs."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    clients = ("transformers", "onnx", "onnxscript", "onnxruntime")
+    assert not [r for r in extras["test"] if r.split("=")[0].rstrip("<>!~") in clients]
+    assert sorted(r.split("==")[0] for r in extras["torch-test"]) == sorted(clients)
+    run = (ROOT / ".ci" / "run").read_text() if (ROOT / ".ci" / "run").exists() else ""
+    assert not run or '".[test,torch,torch-test]"' in run
+
+
+def test_the_readme_counts_the_examples_there_are():
+    words = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+    n = len(list((ROOT / "examples").glob("*.py")))
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert f"has {words.get(n, n)} longer programs" in text

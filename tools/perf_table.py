@@ -97,6 +97,13 @@ def _runs(n: int) -> str:
     return "one run" if n == 1 else f"{n} runs"
 
 
+def _speed(ratio: float) -> str:
+    """``ours/this`` as a reader says it: "10.3 x faster", "1.06 x slower"."""
+    if ratio < 1:
+        return f"{1 / ratio:.1f} x faster" if ratio < 0.5 else f"{1 / ratio:.2f} x faster"
+    return f"{ratio:.2f} x slower"
+
+
 def render(runs: list[dict[str, Any]]) -> str:
     """The table, with the sentence that says where its numbers come from."""
     if not runs:
@@ -127,22 +134,27 @@ def render(runs: list[dict[str, Any]]) -> str:
         f"{m['cpus_available']}-core {m['cpu']} VM, {m['threads']} threads, {m['dtype']} "
         f"table {L} x {d}, positions ({B}, {T}): median of {_runs(len(runs))} of "
         f"`python -m cposembed bench` (PyTorch rows: {_runs(with_torch)}){load}. "
-        "`ours/this = time(cposembed) / time(other)`: below 1, cposembed is faster; "
-        "the target is the largest ratio the bench accepts."
+        "`ours/this = time(cposembed) / time(other)`: below 1, cposembed is faster "
+        "(`speed` says by how much); the target is the largest ratio the bench accepts, "
+        "and a **missed** one is marked."
     )
     lines = [
         *textwrap.wrap(intro, 88, break_on_hyphens=False),
         "",
-        "| Operation | Compared with | ours/this | Target |",
-        "| --- | --- | ---: | ---: |",
+        "| Operation | Compared with | ours/this | speed | Target |",
+        "| --- | --- | ---: | ---: | ---: |",
     ]
     for key, (op, other) in ROWS.items():
         if not ratios[key]:
             continue  # e.g. the PyTorch rows of runs without torch
         ratio = statistics.median(ratios[key])
         target = targets.get(key)
-        target_s = f"<= {target:g}" if target is not None else ""
-        lines.append(f"| {op} | {other} | {ratio:.3f} | {target_s} |")
+        ratio_s, target_s = f"{ratio:.3f}", ""
+        if target is not None and ratio > target:
+            ratio_s, target_s = f"**{ratio_s}**", f"<= {target:g}: **missed**"
+        elif target is not None:
+            target_s = f"<= {target:g}: met"
+        lines.append(f"| {op} | {other} | {ratio_s} | {_speed(ratio)} | {target_s} |")
     return "\n".join(lines) + "\n"
 
 
