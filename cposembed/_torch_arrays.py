@@ -1,4 +1,4 @@
-"""Tensors and NumPy arrays for the PyTorch operators (:mod:`cposembed._torch_ops`):
+"""Tensors and NumPy arrays for the PyTorch operators (:mod:`cposembed._torch_kernels`):
 the same memory seen both ways, the checks of tensor arguments, and the memory
 of gradients and outputs.
 

@@ -198,7 +198,7 @@ def refuse_masked(value: Any, name: str) -> None:
     """Masked arrays are refused: the kernels cannot keep a mask, and dropping it
     would turn padding into data. (Asked of numpy.ma only once it is imported:
     no masked array exists before, and importing it here would cost every
-    process its import.)"""
+    process its import where NumPy does not import it itself, as NumPy 2 does not.)"""
     ma = sys.modules.get("numpy.ma")
     if ma is not None and isinstance(value, ma.MaskedArray):
         raise TypeError(

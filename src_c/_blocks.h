@@ -27,9 +27,14 @@
    only the pages written (a gradient or optimizer state that lives as long as
    its layer and is touched a few rows at a time).
 
-   The kept list is guarded by a lock that is only ever tried, never waited
-   for: a request or a release that finds it taken (another thread is in
-   here) goes to the OS instead. So a deleter running on any thread without
+   Only blocks of CPE_KEEP_MIN bytes or more are kept, and never one handed
+   out as fresh memory on request (a gradient or optimizer state: freed when
+   its layer is, its memory goes back to the OS).
+
+   The kept list is guarded by a lock that requests and releases only ever
+   try, never wait for: one that finds it taken (another thread is in here)
+   goes to the OS instead (clear_pool, for tests and
+   CPOSEMBED_REUSE_OUTPUTS=0, tries again until it gets it). So a deleter running on any thread without
    the GIL (DLPack's) is safe, and a fork at any moment leaves the child
    nothing to wait for (a child forked while the lock was held forgets the
    kept list: cpe_blocks_after_fork). */
@@ -49,17 +54,21 @@
 
 enum { CPE_DENSE = 0, CPE_ZEROED = 1 };
 
-/* A block: its memory, its size, how to release it, its kind. */
+/* A block: its memory, its size, how to release it, its kind, and whether
+   it may be kept when freed. */
 typedef struct {
     void *ptr;
     size_t capacity;
     int mapped; /* 1: from mmap (munmap it); 0: from malloc (free it) */
     int kind;
+    int keep;   /* 0: released when freed (a request for fresh memory) */
 } cpe_Mem;
 
 #define CPE_KEEP_SLOTS 8
 #define CPE_ZERO_MMAP_MIN ((size_t)64 << 10)
 #define CPE_HUGE_MIN ((size_t)4 << 20)
+/* Freed blocks smaller than this are released: malloc keeps them cheaply. */
+#define CPE_KEEP_MIN ((size_t)64 << 10)
 
 static cpe_Mem cpe_kept[CPE_KEEP_SLOTS];
 static int cpe_kept_n = 0;
@@ -91,7 +100,7 @@ static void cpe_release(cpe_Mem m) {
 /* Fresh memory of the kind (zeroed for CPE_ZEROED); m.ptr NULL when there is
    none. */
 static cpe_Mem cpe_fresh(size_t nbytes, int kind) {
-    cpe_Mem m = {NULL, nbytes, 0, kind};
+    cpe_Mem m = {NULL, nbytes, 0, kind, 1};
     if (kind == CPE_ZEROED) {
 #if defined(MAP_ANONYMOUS)
         if (nbytes >= CPE_ZERO_MMAP_MIN) {
@@ -138,7 +147,7 @@ static void cpe_kept_drop(int i) {
 /* A kept block of the kind that fits `nbytes` without wasting more than
    half, taken off the list; m.ptr NULL if none. */
 static cpe_Mem cpe_take(size_t nbytes, int kind) {
-    cpe_Mem m = {NULL, 0, 0, kind};
+    cpe_Mem m = {NULL, 0, 0, kind, 1};
     int i, best = -1;
     if (!cpe_keep_on || !cpe_kept_try_lock()) return m;
     for (i = 0; i < cpe_kept_n; i++) {
@@ -159,10 +168,14 @@ static cpe_Mem cpe_take(size_t nbytes, int kind) {
    *reused says which. A kept block for a zeroed request is zeroed here (its
    first `nbytes`). */
 static cpe_Mem cpe_block_get(size_t nbytes, int kind, int fresh, int *reused) {
-    cpe_Mem m = {NULL, 0, 0, kind};
+    cpe_Mem m = {NULL, 0, 0, kind, 1};
     if (!fresh) m = cpe_take(nbytes, kind);
     *reused = m.ptr != NULL;
-    if (m.ptr == NULL) return cpe_fresh(nbytes, kind);
+    if (m.ptr == NULL) {
+        m = cpe_fresh(nbytes, kind);
+        m.keep = !fresh;
+        return m;
+    }
     if (kind == CPE_ZEROED) memset(m.ptr, 0, nbytes);
     return m;
 }
@@ -172,7 +185,13 @@ static void cpe_block_put(cpe_Mem m) {
     int i, smallest, n_small = 0;
     size_t small_bytes = 0, kept;
     if (m.ptr == NULL) return;
-    if (!cpe_keep_on || m.capacity > cpe_keep_limit || !cpe_kept_try_lock()) {
+    if (!m.keep || m.capacity < CPE_KEEP_MIN || !cpe_keep_on || m.capacity > cpe_keep_limit ||
+        !cpe_kept_try_lock()) {
+        cpe_release(m);
+        return;
+    }
+    if (!cpe_keep_on) { /* turned off (and the list cleared) since the check above */
+        cpe_kept_unlock();
         cpe_release(m);
         return;
     }

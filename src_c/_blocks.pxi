@@ -15,6 +15,7 @@ cdef extern from "_blocks.h" nogil:
         size_t capacity
         int mapped
         int kind
+        int keep
     ctypedef struct cpe_DLManagedTensor:
         pass
     cpe_Mem cpe_block_get(size_t nbytes, int kind, int fresh, int* reused)
@@ -190,6 +191,7 @@ cdef void _scratch_give(void* p, size_t capacity) noexcept:
     m.capacity = capacity
     m.mapped = 0
     m.kind = CPE_DENSE
+    m.keep = 1
     cpe_block_put(m)
 
 

@@ -80,7 +80,7 @@ SERIAL_THRESHOLD = 1 << 16
 # overwriting it (what an ordinary store does) would only double the memory
 # traffic. Below it, ordinary stores leave the result in cache for the next op.
 STREAM_THRESHOLD_BYTES = 1 << 23
-# Fresh outputs at least this large come from the reusable blocks (_pool.pxi).
+# Fresh outputs at least this large come from the allocator's blocks (_blocks.h).
 POOL_MIN_BYTES = 1 << 22
 
 cdef Py_ssize_t _SERIAL_BELOW = SERIAL_THRESHOLD

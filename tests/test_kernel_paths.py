@@ -690,6 +690,26 @@ def test_a_full_pool_keeps_the_larger_blocks(pool_on):
     assert _core.pool_info()[:2] == (2, 58 * mib)
 
 
+def test_fresh_zeroed_tables_and_small_blocks_are_not_kept(pool_on):
+    """A gradient or optimizer state (_core.zeros: fresh memory) goes back to the
+    OS when freed, and so does a block under 64 KiB; a zeroed table that torch
+    would free (a DLPack capsule) is kept."""
+    z = _core.zeros((1024, 1024), np.float32)  # 4 MiB: the allocator's
+    z[::97] = 1.0
+    assert z.shape == (1024, 1024) and z.flags.writeable and z.sum() == 11 * 1024
+    del z
+    gc.collect()
+    assert _core.pool_info()[0] == 0
+    small = _core.zeros((8, 8), np.float64)  # below the allocator's size: np.zeros
+    assert small.base is None and not small.any()
+    cap = _core.zeroed_dlpack(8, 8, 4)  # 256 bytes, freed by its deleter
+    del cap
+    assert _core.pool_info()[0] == 0
+    cap = _core.zeroed_dlpack(1024, 64, 4)  # 256 KiB: kept
+    del cap
+    assert _core.pool_info()[:2] == (1, 256 << 10)
+
+
 def test_reuse_can_be_turned_off_by_environment():
     code = (
         "import numpy as np, cposembed\n"
@@ -769,7 +789,7 @@ def test_membench_probes_cap_the_thread_count_as_num_threads_does():
     assert float(proc.stdout) == 1 << 20
 
 
-# -- zeroed tables as DLPack capsules (_zeros.pxi) -----------------------------------
+# -- zeroed tables as DLPack capsules (_blocks.h) ------------------------------------
 @pytest.mark.parametrize(
     "args, error",
     [

@@ -669,7 +669,22 @@ print(json.dumps({
 """
 
 
+def _huge_pages_mode() -> str:
+    """The transparent huge pages mode ("always", "madvise", "never"), or "" if
+    this kernel has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1 : text.find("]")]
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+@pytest.mark.skipif(
+    _huge_pages_mode() not in ("always", "madvise"),
+    reason="without transparent huge pages every array faults in 4 KiB pages",
+)
 def test_state_of_rows_touched_for_the_first_time_costs_their_pages():
     """Gradient and Adam's moments fault in about a 4 KiB page per new row, not
     the 2 MiB huge page around it: 20 steps of 256 new rows of a 4,000,000-row

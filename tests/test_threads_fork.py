@@ -336,3 +336,48 @@ def test_fork_while_another_thread_runs_the_kernels():
         timeout=60,
     )
     assert result["codes"] == [0, 0, 0, 0]
+
+
+def test_fork_while_other_threads_take_and_give_back_blocks():
+    """Children forked while two threads take and free the allocator's blocks
+    (large outputs, scratch, zeroed tables freed by their DLPack deleter): each
+    child gets correct results and keeps blocks again, whatever the parent's
+    lock was doing at the fork."""
+    result = run_json(
+        """
+        import json, os, threading
+        import numpy as np
+        import cposembed as c
+        from cposembed import _core
+        t = np.random.rand(1024, 64).astype(np.float32)
+        pos = np.random.randint(0, 1024, (17, 1024))  # a 4.25 MiB output: a block
+        stop = False
+        def worker(k):
+            while not stop:
+                r = c.lookup(t, pos, num_threads=1)
+                del r
+                cap = _core.zeroed_dlpack(256 + k, 1024, 4)  # freed by its deleter
+                del cap
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+        for th in threads:
+            th.start()
+        codes = []
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                ok = True
+                for _ in range(3):
+                    r = c.lookup(t, pos, num_threads=2)
+                    ok = ok and np.array_equal(r, t[pos])
+                    del r
+                ok = ok and _core.pool_info()[0] >= 1  # the child keeps blocks
+                os._exit(0 if ok else 3)
+            codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        stop = True
+        for th in threads:
+            th.join()
+        print(json.dumps({"codes": codes}))
+        """,
+        timeout=120,
+    )
+    assert result["codes"] == [0] * 20

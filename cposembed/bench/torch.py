@@ -157,10 +157,9 @@ def torch_layer(f: Fixture) -> list[Group]:
     conv_ours()
     conv_theirs()
     conv_peer.check = same(_grad_of(conv_e), _grad_of(plain_e), rtol=0, atol=0)
-    # bfloat16 first: the blocks its steps free (two token gradients at most)
-    # leave the float32 steps the kept-block slots they need, as a process
-    # training one model has them; the other way round the float32 blocks
-    # fill every slot, and each bfloat16 gradient would be new memory.
+    # bfloat16 first: the float32 steps' freed gradients (154 MB) then take
+    # the places of the smaller bfloat16 ones in the kept blocks, as a process
+    # training one model of one dtype has them (docs/architecture.md, "Memory").
     return [
         bf_fb,
         bf_fwd,
