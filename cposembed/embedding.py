@@ -129,7 +129,7 @@ class LearnedPositionEmbedding(_core.TableCall):
     # "__dict__" keeps instances open to other attributes.
     # The gradient, its touched rows and the padding row are one
     # _grad.GradientState, shared with TokenPositionEmbedding and the optimizers.
-    __slots__ = ("_embeddings", "_grad", "__dict__", "__weakref__")
+    __slots__ = ("_embeddings", "_grad", "_tables", "__dict__", "__weakref__")
     # pe(positions) is the C base's __call__ (TableCall): inspect.signature(pe)
     # reads this, as it cannot read a C method of an instance.
     __signature__ = _CallSignature()
@@ -154,6 +154,7 @@ class LearnedPositionEmbedding(_core.TableCall):
 
     def _init_state(self, padding_idx: int | None) -> None:
         self._grad = _grad.GradientState(-1 if padding_idx is None else padding_idx)
+        self._tables = {"embeddings": _grad.Trainable(self, self._grad)}
 
     @classmethod
     def from_pretrained(
@@ -375,7 +376,7 @@ class LearnedPositionEmbedding(_core.TableCall):
 
         What :mod:`cposembed.optim` reads of this layer: ``{"embeddings": ...}``.
         """
-        return {"embeddings": _grad.Trainable(self, self._grad)}
+        return dict(self._tables)
 
     # -- learning ------------------------------------------------------------
     def sgd_step(self, lr: float) -> None:

@@ -97,12 +97,24 @@ class TokenPositionEmbedding:
         scale = 1.0 / np.sqrt(d)
         positions = rng.randn(n_rows, d) * scale
         tokens = rng.randn(n_tokens, d) * scale
-        self._tokens = LearnedPositionEmbedding.from_pretrained(
+        token_layer = LearnedPositionEmbedding.from_pretrained(
             tokens, dtype=dt, padding_idx=padding_idx
         )
-        if self._tokens.padding_idx is not None:
-            self._tokens.embeddings[self._tokens.padding_idx] = 0
-        self._positions = LearnedPositionEmbedding.from_pretrained(positions, dtype=dt)
+        if token_layer.padding_idx is not None:
+            token_layer.embeddings[token_layer.padding_idx] = 0
+        self._set_tables(token_layer, LearnedPositionEmbedding.from_pretrained(positions, dtype=dt))
+
+    def _set_tables(
+        self, tokens: LearnedPositionEmbedding, positions: LearnedPositionEmbedding
+    ) -> None:
+        """The two tables, and what trainable_tables() gives of them (made once:
+        every backward reads it)."""
+        self._tokens = tokens
+        self._positions = positions
+        self._tables = {
+            "token_embeddings": tokens.trainable_tables()["embeddings"],
+            "position_embeddings": positions.trainable_tables()["embeddings"],
+        }
 
     @classmethod
     def from_pretrained(
@@ -143,8 +155,7 @@ class TokenPositionEmbedding:
                 f"{tokens.embed_dim} and {positions.embed_dim}"
             )
         self = cls.__new__(cls)
-        self._tokens = tokens
-        self._positions = positions
+        self._set_tables(tokens, positions)
         return self
 
     # -- the tables ----------------------------------------------------------
@@ -310,7 +321,7 @@ class TokenPositionEmbedding:
             fused = _grad.fused_backward_of(optimizer)
             fused(self, grad_output, token_ids, positions, offset=offset)
             return None
-        tokens, places = self.trainable_tables().values()
+        tokens, places = self._tables.values()
         token_state, position_state = tokens.gradient, places.gradient
         token_grad, token_touched = token_state.to_accumulate(tokens.table)
         position_grad, position_touched = position_state.to_accumulate(places.table)
@@ -341,10 +352,7 @@ class TokenPositionEmbedding:
         What :mod:`cposembed.optim` reads of this layer: ``"token_embeddings"``
         and ``"position_embeddings"``.
         """
-        return {
-            "token_embeddings": self._tokens.trainable_tables()["embeddings"],
-            "position_embeddings": self._positions.trainable_tables()["embeddings"],
-        }
+        return dict(self._tables)
 
     def sgd_step(self, lr: float) -> None:
         """One plain SGD step on both tables, on the rows some backward touched.
@@ -363,7 +371,7 @@ class TokenPositionEmbedding:
         # Everything is checked before either table moves.
         step = v.learning_rate(lr)
         work = []
-        for t in self.trainable_tables().values():
+        for t in self._tables.values():
             work.append((t.table, t.gradient, t.gradient.for_step(t.table)))
         for embeddings, state, grad in work:
             if grad is not None:
@@ -468,8 +476,7 @@ class TokenPositionEmbedding:
             )
         if tokens.dtype != positions.dtype:
             raise ValueError("pickled TokenPositionEmbedding state: the tables differ in dtype")
-        self._tokens = tokens
-        self._positions = positions
+        self._set_tables(tokens, positions)
 
     def __repr__(self) -> str:
         pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
