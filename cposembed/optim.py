@@ -13,9 +13,10 @@ PyTorch keeps it, allocated zeroed when the optimizer is made (its pages
 cost memory only where rows got gradient), and the marks of the rows that
 have state (:class:`~cposembed._core.RowMarks`); it lives in
 :mod:`cposembed._optim_state`, with the checks of saved states. The
-optimizer reaches its layer's tables through ``layer.trainable_tables()``. The update of a row is one
-C function (``_core.optimizer_step``) that both ``step()`` and the fused
-backward call, so a step costs its touched rows, never the table's rows.
+optimizer reaches its layer's tables through ``layer.trainable_tables()``.
+The update of a row is one C function (``_core.optimizer_step``) that both
+``step()`` and the fused backward call, so a step costs its touched rows,
+never the table's rows.
 
 A fused backward finds the call's distinct rows (``_core.distinct_rows``, in
 time proportional to the positions), sums the gradient into one scratch row
