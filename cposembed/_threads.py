@@ -86,7 +86,7 @@ def set_num_threads(n: int | None) -> None:
     """
     value = None if n is None else check_int(n, "num_threads", min_value=1)
     # Capped when a call runs; here only kept within a C int.
-    _core.set_user_threads(0 if value is None else min(value, 1 << 30))
+    _core.user_threads(0 if value is None else min(value, 1 << 30))
 
 
 def check_num_threads(num_threads: Any) -> int | None:

@@ -33,6 +33,10 @@ cdef extern from "_blocks.h":
 
 cpe_blocks_init()
 
+# Fresh outputs at least this large come from the allocator's blocks.
+POOL_MIN_BYTES = 1 << 22
+cdef Py_ssize_t _POOL_BYTES = POOL_MIN_BYTES
+
 
 cdef class _Block:
     """Owner of one block; exposes `used` bytes of it as a writable buffer. The

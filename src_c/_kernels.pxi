@@ -142,6 +142,19 @@ cdef enum:
     _GATHER_AHEAD = 8
 
 
+# Outputs at least this large are written with streaming (non-temporal)
+# stores: far beyond what the caches keep, so reading each line in before
+# overwriting it (what an ordinary store does) would only double the memory
+# traffic. Below it, ordinary stores leave the result in cache for the next op.
+STREAM_THRESHOLD_BYTES = 1 << 23
+cdef Py_ssize_t _STREAM_BYTES = STREAM_THRESHOLD_BYTES
+
+
+def streaming_stores_available():
+    """True if this build streams large outputs with non-temporal stores (x86-64 SSE2)."""
+    return bool(cpe_have_stream())
+
+
 # A row kernel's chunk: about this many elements of output (256 KiB of
 # float32): a few microseconds of work, so that a thread its core neglects
 # holds the others up by little, for a claim that costs tens of nanoseconds.

@@ -35,14 +35,13 @@ cdef extern from "_threads.h" nogil:
     void cpe_job_run(cpe_job* job, int t)
     int cpe_threads_here(int n)
     void cpe_region_ran(int n)
-    void cpe_set_room(int n)
+    void cpe_set_locked(int* var, int value)
     void cpe_threads_init()
     # The state (read with the GIL held; written under the lock, or by
     # the thread that owns it).
     int cpe_serial, cpe_refused, cpe_reserved, cpe_room_max, cpe_entered
     int cpe_adapting
     long cpe_alone_calls
-    void cpe_threads_set_refused(int refused)
     int cpe_os_threads()
     long long cpe_now_ns()
     int cpe_cpus_now()
@@ -75,17 +74,8 @@ cdef void _run_chunks(cpe_chunk_fn fn, void* arg, Py_ssize_t n_chunks,
 # microseconds, about what copying this much takes, and so does setting up
 # a scatter-add's chunks.
 SERIAL_THRESHOLD = 1 << 16
-# Outputs at least this large are written with streaming (non-temporal)
-# stores: far beyond what the caches keep, so reading each line in before
-# overwriting it (what an ordinary store does) would only double the memory
-# traffic. Below it, ordinary stores leave the result in cache for the next op.
-STREAM_THRESHOLD_BYTES = 1 << 23
-# Fresh outputs at least this large come from the allocator's blocks (_blocks.h).
-POOL_MIN_BYTES = 1 << 22
 
 cdef Py_ssize_t _SERIAL_BELOW = SERIAL_THRESHOLD
-cdef Py_ssize_t _STREAM_BYTES = STREAM_THRESHOLD_BYTES
-cdef Py_ssize_t _POOL_BYTES = POOL_MIN_BYTES
 
 # An explicit num_threads may ask for up to this many times the CPUs.
 cdef enum:
@@ -137,7 +127,7 @@ cdef void _read_cpus() noexcept nogil:
     n = cpe_cpus_now()
     if n >= 1 and n != _cpus:
         _cpus = n
-        cpe_set_room(_OVERSUBSCRIBE * _cpus - 1)
+        cpe_set_locked(&cpe_room_max, max(0, _OVERSUBSCRIBE * _cpus - 1))
 
 
 cdef int _default_threads() noexcept nogil:
@@ -219,14 +209,12 @@ def team(num_threads, Py_ssize_t work, Py_ssize_t chunks):
     return _threads_for(num_threads, work, chunks)
 
 
-def set_user_threads(int n):
-    """set_num_threads(n) (n >= 1, checked by the caller); 0 restores the default."""
+def user_threads(n=None):
+    """The value of set_num_threads(), or 0 if it was not called; with n,
+    sets it first (n >= 1, checked by the caller; 0 restores the default)."""
     global _user_threads
-    _user_threads = n
-
-
-def user_threads():
-    """The value of set_num_threads(), or 0 if it was not called."""
+    if n is not None:
+        _user_threads = n
     return _user_threads
 
 
@@ -238,7 +226,7 @@ def set_cpu_limit(int n):
     global _cpus, _cpus_read_at
     _cpus = max(1, n)
     _cpus_read_at = cpe_now_ns()
-    cpe_set_room(_OVERSUBSCRIBE * _cpus - 1)
+    cpe_set_locked(&cpe_room_max, max(0, _OVERSUBSCRIBE * _cpus - 1))
 
 
 def cpu_limit():
@@ -285,31 +273,23 @@ def last_team():
     return _last_team
 
 
-def went_parallel():
-    """Whether a kernel ran an OpenMP region with more than one thread in
-    this process."""
-    return bool(cpe_entered)
-
-
 def thread_info():
     """The threads' state: the OpenMP helper threads all calling threads
     together may cause (0 in a serial build) and have reserved, whether the
     OS refused a thread (then no more are reserved), whether this process is
-    a forked child that runs every call on its caller, how many calls the
-    measured choice sent to one thread, and at how many sites (kinds and
-    sizes of call) one thread is now the faster."""
+    a forked child that runs every call on its caller, whether a kernel ran
+    a region on several threads here, this process's OS threads as the fork
+    rule counts them (-1 where they cannot be), how many calls the measured
+    choice sent to one thread, and at how many sites (kinds and sizes of
+    call) one thread is now the faster."""
     return {"room": cpe_room_max if CPOSEMBED_OPENMP_ENABLED else 0,
             "reserved": cpe_reserved,
             "refused": bool(cpe_refused),
             "serial_child": bool(cpe_serial),
+            "went_parallel": bool(cpe_entered),
+            "os_threads": cpe_os_threads(),
             "alone_calls": cpe_alone_calls,
             "alone_sites": cpe_sites_alone()}
-
-
-def os_threads():
-    """The OS threads of this process as the fork rule counts them (-1 where
-    they cannot be counted)."""
-    return cpe_os_threads()
 
 
 def choose_threads(int kind, Py_ssize_t work, int n):
@@ -327,7 +307,7 @@ def took_threads(int kind, Py_ssize_t work, int threads, long long ns):
 def set_threads_refused(bint refused):
     """Act as if the OS had refused a thread (True: reserve no more helpers),
     or allow new ones again (False). For tests."""
-    cpe_threads_set_refused(refused)
+    cpe_set_locked(&cpe_refused, refused)
 
 
 def openmp_enabled():
@@ -338,8 +318,3 @@ def openmp_enabled():
 def omp_max_threads():
     """omp_get_max_threads() of the OpenMP runtime, or 1 in a serial build."""
     return omp_get_max_threads()
-
-
-def streaming_stores_available():
-    """True if this build streams large outputs with non-temporal stores (x86-64 SSE2)."""
-    return bool(cpe_have_stream())

@@ -71,43 +71,26 @@ static void cpe_job_init(cpe_job *job, cpe_chunk_fn fn, void *arg, Py_ssize_t n_
 
 #if defined(_MSC_VER) && !defined(__clang__)
 #include <intrin.h>
-static unsigned long long cpe_fetch_add(unsigned long long *p, unsigned long long v) {
-    return (unsigned long long)_InterlockedExchangeAdd64((volatile long long *)p, (long long)v);
-}
-static unsigned long long cpe_load(unsigned long long *p) {
-    return (unsigned long long)_InterlockedCompareExchange64((volatile long long *)p, 0, 0);
-}
-static int cpe_cas(unsigned long long *p, unsigned long long *seen, unsigned long long to) {
-    unsigned long long was = (unsigned long long)_InterlockedCompareExchange64(
-        (volatile long long *)p, (long long)to, (long long)*seen);
-    if (was == *seen) return 1;
-    *seen = was;
-    return 0;
-}
+#define CPE_ADD(p, v) ((unsigned long long)_InterlockedExchangeAdd64((volatile long long *)(p), (long long)(v)))
+#define CPE_LOAD(p) ((unsigned long long)_InterlockedCompareExchange64((volatile long long *)(p), 0, 0))
+#define CPE_SWAP(p, seen, to) ((unsigned long long)_InterlockedCompareExchange64( \
+    (volatile long long *)(p), (long long)(to), (long long)(seen)))
 #else
-static unsigned long long cpe_fetch_add(unsigned long long *p, unsigned long long v) {
-    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
-}
-static unsigned long long cpe_load(unsigned long long *p) {
-    return __atomic_load_n(p, __ATOMIC_RELAXED);
-}
-static int cpe_cas(unsigned long long *p, unsigned long long *seen, unsigned long long to) {
-    return __atomic_compare_exchange_n(p, seen, to, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
-}
+#define CPE_ADD(p, v) __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
+#define CPE_LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define CPE_SWAP(p, seen, to) __sync_val_compare_and_swap((p), (seen), (to))
 #endif
 
 /* The next chunk for share t (its front, else the back of another's), or
  * -1 when none is left. */
 static Py_ssize_t cpe_claim(cpe_job *job, int t) {
-    unsigned long long v = cpe_fetch_add(&job->share[t].v, 1ULL << 32);
+    unsigned long long v = CPE_ADD(&job->share[t].v, 1ULL << 32), was;
     int k;
     if ((v >> 32) < (v & 0xffffffffULL)) return (Py_ssize_t)(v >> 32);
     for (k = 1; k < job->n_shares; k++) {
         cpe_share *s = &job->share[(t + k) % job->n_shares];
-        v = cpe_load(&s->v);
-        while ((v >> 32) < (v & 0xffffffffULL)) {
-            if (cpe_cas(&s->v, &v, v - 1)) return (Py_ssize_t)(v & 0xffffffffULL) - 1;
-        }
+        for (v = CPE_LOAD(&s->v); (v >> 32) < (v & 0xffffffffULL); v = was)
+            if ((was = CPE_SWAP(&s->v, v, v - 1)) == v) return (Py_ssize_t)(v & 0xffffffffULL) - 1;
     }
     return -1;
 }
@@ -128,11 +111,18 @@ static void cpe_job_run(cpe_job *job, int t) {
  * start threads first checks, by starting and ending them, that the OS
  * allows them, and then starts the pool under the same lock; when the OS
  * refuses, the call runs on the threads it has and no caller asks again. */
+static void cpe_give_back(void *mine);
 #if CPOSEMBED_OPENMP_ENABLED && defined(_WIN32)
 #define CPE_TLS __declspec(thread)
 static SRWLOCK cpe_mu = SRWLOCK_INIT;
 static void cpe_lock(void) { AcquireSRWLockExclusive(&cpe_mu); }
 static void cpe_unlock(void) { ReleaseSRWLockExclusive(&cpe_mu); }
+static DWORD cpe_key = FLS_OUT_OF_INDEXES;
+static void WINAPI cpe_key_done(void *mine) { if (mine) cpe_give_back(mine); }
+static void cpe_key_init(void) { cpe_key = FlsAlloc(cpe_key_done); }
+static int cpe_key_set(int mine) {
+    return cpe_key != FLS_OUT_OF_INDEXES && FlsSetValue(cpe_key, (void *)(intptr_t)mine);
+}
 #elif CPOSEMBED_OPENMP_ENABLED
 #include <pthread.h>
 #include <signal.h>
@@ -142,10 +132,18 @@ static void cpe_unlock(void) { ReleaseSRWLockExclusive(&cpe_mu); }
 static pthread_mutex_t cpe_mu = PTHREAD_MUTEX_INITIALIZER;
 static void cpe_lock(void) { pthread_mutex_lock(&cpe_mu); }
 static void cpe_unlock(void) { pthread_mutex_unlock(&cpe_mu); }
+static pthread_key_t cpe_key;
+static int cpe_key_ok = 0;
+static void cpe_key_init(void) { cpe_key_ok = pthread_key_create(&cpe_key, cpe_give_back) == 0; }
+static int cpe_key_set(int mine) {
+    return cpe_key_ok && pthread_setspecific(cpe_key, (void *)(intptr_t)mine) == 0;
+}
 #else
 #define CPE_TLS
 static void cpe_lock(void) {}
 static void cpe_unlock(void) {}
+static void cpe_key_init(void) {}
+static int cpe_key_set(int mine) { (void)mine; return 0; }
 #endif
 
 static int cpe_room_max = 0;    /* helpers all callers together may reserve */
@@ -163,24 +161,6 @@ static void cpe_give_back(void *mine) {
     if (cpe_reserved < 0) cpe_reserved = 0;
     cpe_unlock();
 }
-#if CPOSEMBED_OPENMP_ENABLED && defined(_WIN32)
-static DWORD cpe_key = FLS_OUT_OF_INDEXES;
-static void WINAPI cpe_key_done(void *mine) { if (mine) cpe_give_back(mine); }
-static void cpe_key_init(void) { cpe_key = FlsAlloc(cpe_key_done); }
-static int cpe_key_set(int mine) {
-    return cpe_key != FLS_OUT_OF_INDEXES && FlsSetValue(cpe_key, (void *)(intptr_t)mine);
-}
-#elif CPOSEMBED_OPENMP_ENABLED
-static pthread_key_t cpe_key;
-static int cpe_key_ok = 0;
-static void cpe_key_init(void) { cpe_key_ok = pthread_key_create(&cpe_key, cpe_give_back) == 0; }
-static int cpe_key_set(int mine) {
-    return cpe_key_ok && pthread_setspecific(cpe_key, (void *)(intptr_t)mine) == 0;
-}
-#else
-static void cpe_key_init(void) {}
-static int cpe_key_set(int mine) { (void)mine; return 0; }
-#endif
 
 /* The OS threads of this process, or -1 where that is unknown. */
 static int cpe_os_threads(void) {
@@ -334,9 +314,10 @@ static void cpe_region_ran(int n) {
     cpe_entered = 1;
 }
 
-static void cpe_set_room(int n) {
+/* *var = value, under the lock (the budget's room, the OS refusal). */
+static void cpe_set_locked(int *var, int value) {
     cpe_lock();
-    cpe_room_max = n < 0 ? 0 : n;
+    *var = value;
     cpe_unlock();
 }
 
@@ -373,12 +354,6 @@ static void cpe_threads_init(void) {
 #else
 static void cpe_threads_init(void) { cpe_key_init(); }
 #endif
-
-static void cpe_threads_set_refused(int refused) {
-    cpe_lock();
-    cpe_refused = refused;
-    cpe_unlock();
-}
 
 /* ---- one thread or several: measured -------------------------------------------
  * Each kind of call and size (a site: the kernel, and the work's power of

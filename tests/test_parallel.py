@@ -134,7 +134,7 @@ def test_calls_complete_when_no_helper_may_start():
         grad = cposembed.scatter_add(np.zeros_like(table), g, pos, num_threads=4)
         ok = ok and np.array_equal(grad, np.full_like(table, 4))
         print(json.dumps({"ok": bool(ok), "info": _core.thread_info(),
-                          "parallel": _core.went_parallel(), "last": _core.last_team()}))
+                          "parallel": _core.thread_info()["went_parallel"], "last": _core.last_team()}))
         """
     )
     proc = run_python(["-c", code])
@@ -166,7 +166,7 @@ def test_idle_helpers_sleep_instead_of_spinning():
         time.sleep(0.5)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-        print(json.dumps({"cpu": cpu, "parallel": _core.went_parallel()}))
+        print(json.dumps({"cpu": cpu, "parallel": _core.thread_info()["went_parallel"]}))
         """
     )
     proc = run_python(["-c", code], env={"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None})
@@ -334,7 +334,7 @@ want_look = table[pos]
 # interpreter's files may not be readable by it); one thread, no helper yet.
 cposembed.scatter_add(np.zeros_like(table), g, pos, num_threads=1)
 cposembed.lookup(table, pos, num_threads=1)
-assert not _core.went_parallel()
+assert not _core.thread_info()["went_parallel"]
 os.setgroups([])
 os.setgid(65534)
 os.setuid(65534)

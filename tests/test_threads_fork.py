@@ -131,7 +131,7 @@ def test_fork_pool_after_parallel_parent():
         CHILD_THREADS
         + textwrap.dedent("""
         assert check(run_all(2))
-        assert _core.went_parallel(), "parent did not actually go parallel"
+        assert _core.thread_info()["went_parallel"], "parent did not actually go parallel"
 
         def child(i):
             # Explicit num_threads=2 as well as the default.
@@ -184,7 +184,7 @@ def test_fork_after_another_library_used_libgomp():
         """
         gomp, body = load_libgomp()
         gomp.GOMP_parallel(body, None, 2, 0)  # a 2-thread region led by this thread
-        assert not _core.went_parallel()
+        assert not _core.thread_info()["went_parallel"]
 
         def child(i):
             return check(run_all(2))
@@ -249,7 +249,7 @@ def test_a_child_of_a_parent_that_led_regions_runs_on_its_caller():
     proc = _run(
         """
         assert check(run_all(2))
-        assert _core.went_parallel()
+        assert _core.thread_info()["went_parallel"]
         pid = os.fork()
         if pid == 0:
             ok = _core.thread_info()["serial_child"] and check(run_all(2))
@@ -276,16 +276,16 @@ def test_fork_before_any_parallel_region_keeps_threads():
     """A child forked before the parent ran anything on threads uses threads too."""
     proc = _run(
         """
-        assert not _core.went_parallel()
+        assert not _core.thread_info()["went_parallel"]
         cposembed.set_num_threads(1)
         assert check(run_all(1))  # serial in the parent: no helper exists yet
-        assert not _core.went_parallel()
-        assert _core.os_threads() in (1, -1), _core.os_threads()
+        assert not _core.thread_info()["went_parallel"]
+        assert _core.thread_info()["os_threads"] in (1, -1), _core.thread_info()["os_threads"]
         cposembed.set_num_threads(None)
 
         def child(i):
             n = _threads.effective_num_threads(2, 1 << 20, 100)
-            return n == 2 and check(run_all(2)) and _core.went_parallel()
+            return n == 2 and check(run_all(2)) and _core.thread_info()["went_parallel"]
 
         for _ in range(2):
             pid = os.fork()
