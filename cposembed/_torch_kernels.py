@@ -23,6 +23,7 @@ Tensors become arrays, and gradients get their memory, in
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -72,21 +73,32 @@ LIB.define(
 ops = torch.ops.cposembed
 
 
+# Set while this thread is inside the autograd functions of ``_torch_ops``,
+# which carry forward-mode AD (their ``jvp``) around the operators.
+carries_tangents: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cposembed_carries_tangents", default=False
+)
+
+
 def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
-    """A dual tensor (forward-mode AD) reaching an operator: a clear error, not an
-    output without a tangent. The operators' autograd registrations are
-    reverse-mode only; the functions and modules of ``cposembed.torch`` carry
-    forward-mode AD (their ``jvp``)."""
-    if fwAD._current_level < 0:  # no dual level is open
+    """An operator called directly while forward-mode AD is on: a clear error,
+    not an output without a tangent. The operators' autograd registrations
+    are reverse-mode only. A dual tensor of ``torch.autograd.forward_ad``
+    shows here, but ``torch.func.jvp`` and ``jacfwd`` unwrap their tensors
+    before a kernel sees them, so any call inside an open dual level that
+    does not come through the functions of ``cposembed.torch`` is refused."""
+    if fwAD._current_level < 0 or carries_tangents.get():
         return
-    for a in args:
-        if isinstance(a, torch.Tensor) and fwAD.unpack_dual(a).tangent is not None:
-            raise RuntimeError(
-                f"torch.ops.cposembed.{name} has no forward-mode AD: it got a dual tensor, "
-                "and its output would have no tangent. Call cposembed.torch.embedding or "
-                "the cposembed.torch modules instead: they carry forward-mode AD, with "
-                "the tangent F.embedding gives"
-            )
+    dual = any(
+        isinstance(a, torch.Tensor) and fwAD.unpack_dual(a).tangent is not None for a in args
+    )
+    got = "a dual tensor" if dual else "a call inside torch.func.jvp, jacfwd or a dual level"
+    raise RuntimeError(
+        f"torch.ops.cposembed.{name} has no forward-mode AD: it got {got}, and its "
+        "output would have no tangent. Call cposembed.torch.embedding or the "
+        "cposembed.torch modules instead: they carry forward-mode AD, with the "
+        "tangent F.embedding gives"
+    )
 
 
 def _cpu(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -14,11 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from cposembed._torch_arrays import (
     skip_row,
 )
-from cposembed._torch_kernels import LIB, ops
+from cposembed._torch_kernels import LIB, carries_tangents, ops
 
 __all__ = ["add_positions", "default_positions", "embed", "lookup"]
 
@@ -396,16 +397,28 @@ def _route(op: Any, fn: type[torch.autograd.Function]) -> Callable[..., Any]:
     def call(*args: Any) -> Any:
         if torch.compiler.is_compiling():
             return op(*args)
-        return fn.apply(*args)
+        return _apply(fn, *args)
 
     return call
+
+
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)``, telling the operators, while forward-mode AD is on,
+    that ``fn`` carries their tangents."""
+    if fwAD._current_level < 0:
+        return fn.apply(*args)
+    token = carries_tangents.set(True)
+    try:
+        return fn.apply(*args)
+    finally:
+        carries_tangents.reset(token)
 
 
 def lookup(table: Any, positions: Any, padding_idx: int | None = None, sparse: bool = False) -> Any:
     """``table[positions]``, differentiable (``sparse``: a sparse gradient, eager only)."""
     if torch.compiler.is_compiling():
         return ops.lookup(table, positions, padding_idx)
-    return LookupFn.apply(table, positions, padding_idx, sparse)
+    return _apply(LookupFn, table, positions, padding_idx, sparse)
 
 
 # tok + table[positions]; token_table[token_ids] + position_table[positions];

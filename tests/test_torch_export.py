@@ -233,6 +233,41 @@ def test_forward_ad_through_an_operator_is_a_clear_error(op):
             _dual_calls(d, t, pos)[op]()
 
 
+@pytest.mark.parametrize("op", list(_dual_calls(torch.zeros(1), torch.zeros(1), IDS)))
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+def test_an_operator_under_torch_func_forward_ad_is_a_clear_error(op, transform):
+    # torch.func unwraps its tensors before the kernels see them: without the
+    # refusal the output's tangent came back as zeros.
+    t = torch.randn(5, 3, dtype=torch.float64)
+    pos = torch.tensor([1, 2, 2])
+
+    def f(d):
+        return _dual_calls(d, t, pos)[op]()  # inside torch.func's own dual level
+
+    with pytest.raises(RuntimeError, match="no forward-mode AD.*cposembed.torch"):
+        if transform == "jvp":
+            torch.func.jvp(f, (t,), (torch.ones_like(t),))
+        else:
+            torch.func.jacfwd(f)(t)
+
+
+def test_the_functions_under_torch_func_jvp_give_f_embeddings_tangent():
+    t = torch.randn(5, 3, dtype=torch.float64)
+    v = torch.randn(5, 3, dtype=torch.float64)
+    pos = torch.tensor([[1, 2, 2]])
+    layer = ct.TokenPositionEmbedding(5, 5, 3, dtype=torch.float64)
+
+    def ours(w):
+        return torch.func.functional_call(layer, {"tokens.weight": w}, (pos,))
+
+    def ref(w):
+        return F.embedding(pos, w) + layer.positions.weight[:3]
+
+    assert torch.equal(torch.func.jvp(ours, (t,), (v,))[1], torch.func.jvp(ref, (t,), (v,))[1])
+    assert torch.equal(torch.func.jvp(lambda w: ct.embedding(pos, w), (t,), (v,))[1], v[pos])
+    assert torch.equal(torch.func.jacfwd(ours)(t), torch.func.jacfwd(ref)(t))
+
+
 def test_forward_ad_through_the_functions_and_modules_is_f_embeddings():
     t = torch.randn(5, 3, dtype=torch.float64)
     v = torch.randn(5, 3, dtype=torch.float64)
