@@ -42,6 +42,13 @@ def lookup(
     out: Any,  # None, or plain writable positions.shape + (d,), apart from table
     num_threads: Any,  # None or an integer >= 1
 ) -> np.ndarray | None: ...
+def index_rows(
+    positions: Any,  # as the entries read them (_index.pxi)
+    n_rows: int,
+) -> npt.NDArray[np.int64] | None: ...  # rows in [0, n_rows), positions' shape
+def default_rows(
+    offset: Any, T: int, n_rows: int
+) -> npt.NDArray[np.int64] | None: ...  # offset + arange(T), if 0 <= offset <= n_rows - T
 
 class TableCall:
     # Base of LearnedPositionEmbedding: pe(positions) is the lookup entry on

@@ -1,15 +1,17 @@
-"""The normalising routes: what a C entry declined, made into what it takes.
+"""The normalising routes: arguments a C entry refused, made into what it takes.
 
 Each public operation (:mod:`cposembed.functional`, :mod:`cposembed.layer`,
 the classes) first calls its C entry (``cposembed._core``) with the
-arguments as given. The entry checks them and runs the kernel, or declines
-(returns None, nothing written). What it declines comes here: the arguments
-are normalised (any layout, dtype or byte order, lists, NumPy's other index
+arguments as given. The entry checks them and runs the kernel, or returns
+None with nothing written. Those calls come here: the arguments are
+normalised (any layout, dtype or byte order, lists, NumPy's other index
 forms, positions that broadcast) or the worded error is raised
 (:mod:`cposembed._validation`), and the same entry is called again, which
-now accepts. Outputs the kernel cannot write directly (an ``out`` in another
-layout, or one sharing memory with an input) are computed into a scratch
-array and copied in at the end, as NumPy does.
+now accepts them. Positions are read by the entries' own reader
+(``_core.index_rows``, ``_core.default_rows``). Outputs the kernel cannot
+write directly (an ``out`` in another layout, or one sharing memory with an
+input) are computed into a scratch array and copied in at the end, as NumPy
+does.
 
 One route per operation, its internal arguments keyword-only: ``lookup``,
 ``add``, ``scatter_add``, ``embed``, ``embed_backward``; the two backward
@@ -34,7 +36,7 @@ MAX_POSITION_DIMS = 31
 
 
 def _accepted(result: Any) -> Any:
-    # Normalised arguments are exactly what the entries take (the plain rule
+    # Normalised arguments are exactly what the entries take (the layout rule
     # is the entries' own, _core.is_plain); None here is a bug, not bad input.
     if result is None:
         raise RuntimeError("cposembed internal error: a C entry declined checked arguments")
@@ -58,7 +60,7 @@ def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def lookup(table: Any, positions: Any, *, out: Any, num_threads: Any) -> Any:
-    """:func:`cposembed.lookup` for what its C entry declined."""
+    """:func:`cposembed.lookup` for arguments its C entry refused."""
     t = v.as_table(table)
     n_rows, d = t.shape
     nt = _threads.check_num_threads(num_threads)
@@ -88,6 +90,19 @@ def _lookup_numpy(table: np.ndarray, positions: Any, out: Any) -> Any:
     return out
 
 
+def default_rows(offset: int, n_tokens: int, n_rows: int) -> np.ndarray:
+    """What ``positions=None`` means, ``offset + arange(T)``, as the entries make
+    it (``_core.default_rows``), or the ``IndexError`` if it leaves the table."""
+    rows = _core.default_rows(offset, n_tokens, n_rows)
+    if rows is None:
+        raise IndexError(
+            f"position {offset + n_tokens - 1} (offset {offset} + {n_tokens} tokens) is "
+            f"out of range for a table of {n_rows} positions "
+            f"(expected 0 <= position < {n_rows})"
+        )
+    return rows
+
+
 def row_positions(
     positions: Any,
     offset: Any,
@@ -104,8 +119,10 @@ def row_positions(
             raise ValueError(
                 f"{what} must have shape (..., T, d) when positions is None; got a 1-D array"
             )
-        v.check_default_positions(off, lead[-1], n_rows)
-        return None, off if lead[-1] else 0
+        if not lead[-1]:
+            return None, 0  # no row is read, whatever the offset
+        default_rows(off, lead[-1], n_rows)
+        return None, off
     if off:
         raise ValueError(
             f"offset={off} only applies with positions=None; "
@@ -122,7 +139,7 @@ def row_positions(
 
 
 def add(tokens: Any, table: Any, positions: Any, *, offset: Any, out: Any, num_threads: Any) -> Any:
-    """:func:`cposembed.add_positions` for what its C entry declined."""
+    """:func:`cposembed.add_positions` for arguments its C entry refused."""
     t = v.as_table(table)
     n_rows, d = t.shape
     tok = v.as_rows(tokens, d, "token_embeddings")
@@ -135,10 +152,10 @@ def add(tokens: Any, table: Any, positions: Any, *, offset: Any, out: Any, num_t
     if dtype != t.dtype:
         # e.g. float64 tokens + float32 table, or float16 tokens + float32
         # table: NumPy's own promotion decides.
-        rows = t[v.default_positions(off, tok.shape[-2])] if pos is None else t[pos]
+        rows = t[default_rows(off, tok.shape[-2], n_rows)] if pos is None else t[pos]
         return np.add(tok, rows, out=out)
     tok_c = v.plain_copy(tok, dtype)
-    rows, pos, off = _shallow(tok_c, pos, off)
+    rows, pos, off = _shallow(tok_c, pos, off, n_rows)
     if out is None:
         return _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape)
     o = _base(out)
@@ -166,7 +183,7 @@ def _rows_view(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
 
 
 def _shallow(
-    rows: np.ndarray, pos: np.ndarray | None, offset: int
+    rows: np.ndarray, pos: np.ndarray | None, offset: int, n_rows: int
 ) -> tuple[np.ndarray, np.ndarray | None, int]:
     """Rows ``(..., d)`` and their positions as the C entries take them: at most
     31 position axes. Deeper ones (NumPy 2 allows 64 axes) are broadcast and
@@ -174,7 +191,7 @@ def _shallow(
     lead = rows.shape[:-1]
     if len(lead) <= MAX_POSITION_DIMS and (pos is None or pos.ndim <= MAX_POSITION_DIMS):
         return rows, pos, offset
-    full = v.default_positions(offset, lead[-1]) if pos is None else pos
+    full = default_rows(offset, lead[-1], n_rows) if pos is None else pos
     flat = np.ascontiguousarray(np.broadcast_to(full, lead)).reshape(-1)
     return rows.reshape(-1, rows.shape[-1]), flat, 0
 
@@ -244,7 +261,7 @@ def scatter_add_declined(
     g_c = v.plain_copy(g, grad_output_dtype(g.dtype, native))
     if v.overlaps(g_c, grad_table):
         g_c = g_c.copy()
-    g_c, pos, off = _shallow(g_c, pos, off)
+    g_c, pos, off = _shallow(g_c, pos, off, n_rows)
     base = _base(grad_table)
     work = v.plain_copy(base, native)
     _accepted(_core.scatter_add(work, g_c, pos, off, nt, touched, skip_row))
@@ -300,7 +317,7 @@ def embed(
     out: Any,
     num_threads: Any,
 ) -> Any:
-    """:func:`cposembed.embed` for what its C entry declined."""
+    """:func:`cposembed.embed` for arguments its C entry refused."""
     tt, pt = _tables_pair(token_table, position_table)
     v.check_not_mixed_halves(tt.dtype, "token_table", pt.dtype, "position_table")
     nt = _threads.check_num_threads(num_threads)
@@ -312,7 +329,7 @@ def embed(
         v.check_out(out, shape, dtype)
     if tt.dtype != pt.dtype or ids.ndim > MAX_POSITION_DIMS:
         # Mixed dtypes: NumPy's own promotion decides.
-        rows = pt[v.default_positions(off, ids.shape[-1])] if pos is None else pt[pos]
+        rows = pt[default_rows(off, ids.shape[-1], pt.shape[0])] if pos is None else pt[pos]
         return np.add(tt[ids], rows, out=out)
     if out is None:
         return _accepted(_core.embed(ids, tt, pt, pos, off, None, nt))
@@ -417,7 +434,7 @@ def embed_backward(
         if gp is not None:
             rows = pos
             if rows is None:
-                rows = np.broadcast_to(v.default_positions(off, ids.shape[-1]), ids.shape)
+                rows = np.broadcast_to(default_rows(off, ids.shape[-1], gp.shape[0]), ids.shape)
             scatter_add(
                 gp, g, rows, offset=0, num_threads=nt, touched=position_touched, skip_row=-1
             )

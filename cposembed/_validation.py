@@ -238,70 +238,68 @@ def range_error(bad: int, n_rows: int, what: str = "position") -> IndexError:
 def as_positions(positions: Any, n_rows: int, what: str = "position") -> np.ndarray | None:
     """Any NumPy-style index into the rows of an ``(n_rows, d)`` table, checked.
 
-    Returns an int64 array that this call owns (the shape of the index), with
-    every value in ``[-n_rows, n_rows)``. Integers and integer arrays of any
-    dtype are checked against that range; everything else NumPy accepts along
-    the first axis (boolean masks, slices, ``None``, ``...``) becomes the
-    equivalent integer positions. ``None`` is returned for an index that also
-    reaches into the embedding axis (a tuple such as ``(slice(None), 0)``),
-    which only NumPy's own indexing serves. Floats, strings and other
-    non-indices raise ``IndexError`` as NumPy does.
+    Returns an int64 array that this call owns (the shape of the index), each
+    row wrapped into ``[0, n_rows)``. The entries' reader (``_core.index_rows``)
+    reads integers, integer arrays and lists of them and holds the range rule;
+    everything else NumPy accepts along the first axis (boolean masks, slices,
+    ``None``, ``...``) becomes the equivalent integer positions first. ``None``
+    is returned for an index that also reaches into the embedding axis (a tuple
+    such as ``(slice(None), 0)``), which only NumPy's own indexing serves.
+    Floats, strings and other non-indices raise ``IndexError`` as NumPy does.
     """
     refuse_masked(positions, "positions" if what == "position" else "token_ids")
-    if isinstance(positions, (int, np.integer)) and not isinstance(positions, bool):
-        p = int(positions)
-        if not -n_rows <= p < n_rows:
-            raise range_error(p, n_rows, what)
-        return np.array(p, dtype=_INT64)
-    arr = None
-    if isinstance(positions, np.ndarray):
-        arr = positions
-    elif isinstance(positions, list):
+    rows = _core.index_rows(positions, n_rows)
+    if rows is not None:
+        return rows
+    index = _integer_index(positions, n_rows, what)
+    if index is None:
+        return None
+    rows = _core.index_rows(index, n_rows)
+    if rows is not None:
+        return rows
+    try:
+        # Flat and in native byte order, as the reader takes any number of axes.
+        dtype = _INT64 if index.dtype == object else native_dtype(index.dtype)
+        rows = _core.index_rows(np.ascontiguousarray(index, dtype=dtype).reshape(-1), n_rows)
+    except OverflowError:
+        rows = None  # a Python int beyond int64
+    if rows is None:
+        raise range_error(_outside(index, n_rows), n_rows, what)
+    return rows.reshape(index.shape)
+
+
+def _outside(index: np.ndarray, n_rows: int) -> int:
+    # The value of `index` (which has one outside the range) that the error
+    # names, as pandas' validate_indices does: the largest if it is above the
+    # range, else the smallest.
+    hi, lo = index.max(), index.min()
+    return int(hi if _core.index_rows(hi, n_rows) is None else lo)
+
+
+def _integer_index(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
+    # `positions` (a form the entries do not read) as an array of integers
+    # (Python ints, object dtype, for values beyond int64), or None for an
+    # index that may also address the embedding axis: a tuple (one index per
+    # axis) or a boolean mask of more than one dimension.
+    if _is_int(positions):
+        return np.array(int(positions), dtype=object)
+    if isinstance(positions, np.ndarray) and positions.dtype.kind in "iu":
+        return positions
+    if isinstance(positions, list):
         try:
             arr = np.asarray(positions)
         except (ValueError, TypeError, OverflowError):
             arr = None  # ragged or huge: NumPy's own indexing gives the error
-        else:
-            if arr.size == 0 and arr.dtype.kind == "f":
-                arr = arr.astype(_INT64)  # NumPy reads [] as an empty index
-            elif arr.dtype.kind in "fO":
-                _check_huge_ints(positions, n_rows, what)
-    if arr is not None and arr.dtype.kind in "iu":
-        return _from_int_array(arr, n_rows, what)
-    return _from_general(positions, n_rows, what)
-
-
-def _from_int_array(arr: np.ndarray, n_rows: int, what: str) -> np.ndarray:
-    if arr.size and arr.dtype.kind == "u" and arr.dtype.itemsize >= 8:
-        hi = int(arr.max())  # uint64 values above int64's range would wrap
-        if hi >= n_rows:
-            raise range_error(hi, n_rows, what)
-    owned = np.array(arr, dtype=_INT64, order="C", copy=True)
-    if owned.size:
-        lo, hi = int(owned.min()), int(owned.max())
-        if hi >= n_rows:
-            raise range_error(hi, n_rows, what)
-        if lo < -n_rows:
-            raise range_error(lo, n_rows, what)
-    return owned
-
-
-def _check_huge_ints(positions: list, n_rows: int, what: str) -> None:
-    # NumPy turns a list holding an int beyond int64 into float64 or object
-    # and then rejects it as "not an integer"; it is an integer out of range.
-    try:
-        items = np.asarray(positions, dtype=object).reshape(-1)
-    except (ValueError, TypeError):
-        return
-    if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items):
-        for x in items:
-            if not -n_rows <= int(x) < n_rows:
-                raise range_error(int(x), n_rows, what)
-
-
-def _from_general(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
-    # An index that may also address the embedding axis: a tuple (one index
-    # per axis) or a boolean mask of more than one dimension.
+        if arr is not None and arr.dtype.kind in "iu":
+            return arr
+        if arr is not None and arr.size == 0 and arr.dtype.kind == "f":
+            return arr.astype(_INT64)  # NumPy reads [] as an empty index
+        if arr is not None and arr.dtype.kind in "fO":
+            # NumPy turns a list holding an int beyond int64 into float64 or
+            # object and then rejects it as "not an integer".
+            items = np.asarray(positions, dtype=object)
+            if all(_is_int(x) for x in items.flat):
+                return items
     multi_axis = isinstance(positions, tuple) or (
         isinstance(positions, np.ndarray) and positions.dtype == bool and positions.ndim > 1
     )
@@ -310,13 +308,16 @@ def _from_general(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
     # Indexing arange(n_rows) the same way yields the row numbers the index
     # selects, in the shape it selects them (masks, slices, newaxis).
     try:
-        rows = np.arange(n_rows, dtype=_INT64)[positions]
+        return np.arange(n_rows, dtype=_INT64)[positions]
     except IndexError as exc:
         if multi_axis:
             return None
         label = "positions" if what == "position" else "token_ids"
         raise IndexError(f"invalid {label} ({exc}); got {describe(positions)}") from None
-    return np.array(rows, dtype=_INT64, order="C", copy=True)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def as_offset(offset: Any) -> int:
@@ -360,12 +361,6 @@ def as_grad_table(grad: Any, name: str) -> np.ndarray:
     return grad
 
 
-def default_positions(offset: int, n_tokens: int) -> np.ndarray:
-    """``offset + arange(T)``, what ``positions=None`` means (for the paths that
-    materialise it; the C entries make it themselves)."""
-    return np.arange(offset, offset + n_tokens)
-
-
 def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``out`` must be a writable ndarray of exactly ``shape`` and ``dtype``."""
     if not isinstance(out, np.ndarray):
@@ -394,16 +389,6 @@ def broadcast_positions(pos: np.ndarray, lead: tuple[int, ...], what: str) -> np
     if pos.shape == tuple(lead):
         return pos
     return np.ascontiguousarray(np.broadcast_to(pos, lead))
-
-
-def check_default_positions(offset: int, n_tokens: int, n_rows: int) -> None:
-    """``offset + arange(T)`` must fit in the table."""
-    if n_tokens and offset + n_tokens > n_rows:
-        raise IndexError(
-            f"position {offset + n_tokens - 1} (offset {offset} + {n_tokens} tokens) is "
-            f"out of range for a table of {n_rows} positions "
-            f"(expected 0 <= position < {n_rows})"
-        )
 
 
 def overlaps(a: np.ndarray, b: np.ndarray) -> bool:

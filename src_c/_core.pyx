@@ -409,6 +409,42 @@ cdef int _row_positions(object positions, object offset, cnp.ndarray rows_array,
                           cnp.PyArray_NDIM(rows_array) - 1, ix, m)
 
 
+cdef cnp.ndarray _index_array(const Index* ix):
+    # The rows of `ix` as a new int64 array of its shape.
+    cdef cnp.ndarray a = cnp.PyArray_SimpleNew(ix.nd, <cnp.npy_intp*>ix.shape, cnp.NPY_INT64)
+    if ix.n:
+        memcpy(cnp.PyArray_DATA(a), ix.rows, ix.n * sizeof(int64_t))
+    return a
+
+
+def index_rows(positions, Py_ssize_t n_rows):
+    """``positions`` read as the entries read them (_index.pxi): an int64 array
+    of their shape, each row wrapped into [0, n_rows); None for any other form,
+    or a value outside [-n_rows, n_rows)."""
+    cdef Index ix
+    if n_rows < 0 or not _read_index(positions, n_rows, &ix):
+        return None
+    try:
+        return _index_array(&ix)
+    finally:
+        _index_free(&ix)
+
+
+def default_rows(offset, Py_ssize_t T, Py_ssize_t n_rows):
+    """What ``positions=None`` means for rows whose last lead axis is T, as the
+    entries take it (_positions_for): ``offset + arange(T)`` as an int64 array;
+    None unless offset is an integer with 0 <= offset <= n_rows - T."""
+    cdef Index ix
+    cdef Py_ssize_t m
+    cdef cnp.npy_intp lead = T
+    if T < 0 or n_rows < 0 or not _positions_for(None, offset, n_rows, &lead, 1, &ix, &m):
+        return None
+    try:
+        return _index_array(&ix)
+    finally:
+        _index_free(&ix)
+
+
 cdef inline Py_ssize_t _lead_size(cnp.ndarray a) noexcept:
     # The rows of an array of shape (..., d): the product of its leading axes.
     cdef Py_ssize_t n = 1

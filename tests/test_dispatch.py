@@ -578,3 +578,41 @@ def test_no_memory_growth_over_many_accepted_declined_and_failing_calls():
         timeout=120,
     )
     assert result["grew"] < 4 << 20, f"RSS grew by {result['grew']} bytes"
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [
+        3,
+        -1,
+        np.int16(-4),
+        [[1, -2], [0, 3]],
+        np.array([5, 250, 0], np.uint8)[::2],
+        np.arange(12, dtype=">i4").reshape(3, 4)[:, 1:] % 6,
+        np.ones((1,) * 33, np.int64),
+        slice(1, None, 2),
+        np.array([True, False] * 3),
+        [],
+    ],
+    ids=repr,
+)
+def test_routes_read_positions_with_the_entries_reader(positions):
+    """The routes' positions are NumPy's rows (wrapped into [0, L)), read by the
+    entries' own reader: what it reads directly it gives as the routes do."""
+    L = 6
+    expect = np.arange(L)[positions]
+    got = cposembed._validation.as_positions(positions, L)
+    assert got.dtype == np.int64 and got.shape == np.shape(expect)
+    assert np.array_equal(got, expect)
+    direct = _core.index_rows(positions, L)
+    assert direct is None or np.array_equal(direct, got)
+    assert _core.index_rows(7, L) is None and _core.index_rows([0, -7], L) is None
+
+
+def test_routes_take_default_positions_from_the_entries_rule():
+    """positions=None is offset + arange(T), 0 <= offset <= L - T, in one place."""
+    assert np.array_equal(_core.default_rows(2, 3, 5), [2, 3, 4])
+    assert _core.default_rows(3, 3, 5) is None and _core.default_rows(-1, 3, 5) is None
+    assert np.array_equal(_routes.default_rows(0, 0, 5), np.empty(0))
+    with pytest.raises(IndexError, match=r"position 5 \(offset 3 \+ 3 tokens\)"):
+        _routes.default_rows(3, 3, 5)
