@@ -342,6 +342,19 @@ def _table_variant(draw, base, plain=False):
     return _array_form(base, kind)
 
 
+def _entry_case(data, max_rows=10, max_dim=7):
+    """The start of an entry's contract test: ``(plain, L, d, dtype, rng, table)``,
+    the table ``(L, d)`` of a drawn float dtype in a form the entries take
+    exactly when ``plain`` is drawn True."""
+    plain = data.draw(st.booleans(), label="plain")
+    L = data.draw(st.integers(1, max_rows), label="L")
+    d = data.draw(st.integers(0, max_dim), label="d")
+    dtype = data.draw(st.sampled_from(FLOATS))
+    rng = _rng(L * 10 + d)
+    table = _table_variant(data.draw, rng.standard_normal((L, d)).astype(dtype), plain)
+    return plain, L, d, dtype, rng, table
+
+
 def _rng(seed):
     return np.random.default_rng(seed)
 

@@ -7,17 +7,13 @@ import numpy as np
 import pytest
 from helpers import (
     FLOAT_TYPES,
-    OVERLAP_KINDS,
-    OVERLAP_WORDS,
     _deep,
     _rows_for,
     _sizes,
     _table,
-    assert_numpy_or_refused,
     assert_same,
     make_out,
     needs_numpy2,
-    overlap_case,
     run_child,
     tuned,
 )
@@ -34,6 +30,7 @@ from plain import (
     _array_form,
     _declined,
     _default_rows,
+    _entry_case,
     _expected_team,
     _explicit_rows,
     _fresh,
@@ -44,7 +41,6 @@ from plain import (
     _plain_table,
     _rng,
     _same_bits,
-    _table_variant,
     _threads_ok,
 )
 from strategies import (
@@ -61,37 +57,6 @@ from strategies import (
 
 import cposembed
 from cposembed import LearnedPositionEmbedding, _core
-
-
-@pytest.mark.parametrize("kind", OVERLAP_KINDS)
-def test_add_positions_out_overlapping_positions(kind):
-    """add_positions(tok, table, pos, out=out), tok separate, out sharing memory with pos."""
-    result = overlap_case(
-        kind,
-        """
-        tok = np.arange(8.0).reshape(8, 1) + 0.5
-        out = buf[1:].reshape(8, 1)
-        expect = tok + table[pos_copy]
-        outcome(lambda: cposembed.add_positions(tok, table, pos, out=out), expect,
-                [buf, table, tok])
-        """,
-    )
-    assert_numpy_or_refused(result, ("ValueError",), OVERLAP_WORDS)
-
-
-@pytest.mark.parametrize("kind", OVERLAP_KINDS)
-def test_add_positions_in_place_on_tokens_overlapping_positions(kind):
-    """add_positions(tok, table, pos, out=tok) where tok shares memory with pos."""
-    result = overlap_case(
-        kind,
-        """
-        tok = buf[1:].reshape(8, 1)
-        expect = tok.copy() + table[pos_copy]
-        outcome(lambda: cposembed.add_positions(tok, table, pos, out=tok), expect,
-                [buf, table])
-        """,
-    )
-    assert_numpy_or_refused(result, ("ValueError",), OVERLAP_WORDS)
 
 
 # -- masked arrays -----------------------------------------------------------------
@@ -129,12 +94,7 @@ def test_add_to_masked_array_keeps_the_mask_or_refuses(positions):
 
 @given(data=st.data())
 def test_add_entry_accepts_exactly_the_plain_case(data):
-    plain = data.draw(st.booleans(), label="plain")
-    L = data.draw(st.integers(1, 10), label="L")
-    d = data.draw(st.integers(0, 7), label="d")
-    dtype = data.draw(st.sampled_from(FLOATS))
-    rng = _rng(L * 10 + d)
-    table = _table_variant(data.draw, rng.standard_normal((L, d)).astype(dtype), plain)
+    plain, L, d, dtype, rng, table = _entry_case(data)
     lead, positions, offset = _lead_and_positions(data, L, plain)
     tok = rng.standard_normal(lead + (d,)).astype(dtype)
     tok_kind = _pick(

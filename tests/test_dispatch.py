@@ -8,7 +8,11 @@ import os
 import numpy as np
 import pytest
 from helpers import (
+    OVERLAP_KINDS,
+    OVERLAP_WORDS,
+    assert_numpy_or_refused,
     make_out,
+    overlap_case,
     run_json,
 )
 from hypothesis import given
@@ -616,3 +620,65 @@ def test_routes_take_default_positions_from_the_entries_rule():
     assert np.array_equal(_routes.default_rows(0, 0, 5), np.empty(0))
     with pytest.raises(IndexError, match=r"position 5 \(offset 3 \+ 3 tokens\)"):
         _routes.default_rows(3, 3, 5)
+
+
+# Outputs and inputs that share memory with the positions, in a child process;
+# each body sees OVERLAP_SETUP's buf, pos, pos_copy and table.
+OVERLAP_CASES = {
+    # lookup(table, pos, out=out) where out shares memory with pos.
+    "lookup_out": """
+    out = buf[1:].reshape(8, 1)
+    expect = np.take(table, pos_copy, axis=0)
+    outcome(lambda: cposembed.lookup(table, pos, out=out), expect, [buf, table])
+    """,
+    # pe(pos, out=out) where out shares memory with pos.
+    "class_call_out": """
+    pe = LearnedPositionEmbedding.from_pretrained(table, dtype=np.float64)
+    out = buf[1:].reshape(8, 1)
+    expect = np.take(table, pos_copy, axis=0)
+    outcome(lambda: pe(pos, out=out), expect, [buf, pe.embeddings])
+    """,
+    # add_positions(tok, table, pos, out=out), tok separate, out sharing memory with pos.
+    "add_positions_out": """
+    tok = np.arange(8.0).reshape(8, 1) + 0.5
+    out = buf[1:].reshape(8, 1)
+    expect = tok + table[pos_copy]
+    outcome(lambda: cposembed.add_positions(tok, table, pos, out=out), expect,
+            [buf, table, tok])
+    """,
+    # add_positions(tok, table, pos, out=tok) where tok shares memory with pos.
+    "add_positions_in_place_on_tokens": """
+    tok = buf[1:].reshape(8, 1)
+    expect = tok.copy() + table[pos_copy]
+    outcome(lambda: cposembed.add_positions(tok, table, pos, out=tok), expect,
+            [buf, table])
+    """,
+    # scatter_add(grad, g, pos) where g shares memory with pos (only read, never written).
+    "scatter_add_grad_output": """
+    grad = np.zeros((4, 1))
+    g = buf[1:].reshape(8, 1)
+    expect = grad.copy()
+    np.add.at(expect, pos_copy, g.copy())
+    outcome(lambda: cposembed.scatter_add(grad, g, pos), expect, [buf, grad])
+    """,
+    # scatter_add(grad, g, pos) where the gradient table shares memory with pos.
+    "scatter_add_grad_table": """
+    grad = buf[1:5].reshape(4, 1)
+    if kind == "mixed":
+        pos[:] = [3, 1, 2, 0, 1, 3, 2, 0]  # rows 1..4 of pos are grad's rows 0..3
+        pos_copy = pos.copy()
+    g = np.arange(1.0, 9.0).reshape(8, 1)
+    expect = grad.copy()
+    np.add.at(expect, pos_copy, g)
+    outcome(lambda: cposembed.scatter_add(grad, g, pos), expect, [buf, g])
+    """,
+}
+
+
+@pytest.mark.parametrize("kind", OVERLAP_KINDS)
+@pytest.mark.parametrize("case", OVERLAP_CASES)
+def test_overlapping_positions_give_numpys_result_or_refuse(case, kind):
+    """Each call whose output or input shares memory with its positions gives
+    NumPy's result from the positions as they were, or a ValueError."""
+    result = overlap_case(kind, OVERLAP_CASES[case])
+    assert_numpy_or_refused(result, ("ValueError",), OVERLAP_WORDS)

@@ -14,20 +14,18 @@ from helpers import (
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from plain import (
-    FLOATS,
     PLAIN_THREADS,
     THREADS,
     Snapshot,
     _apart,
     _array_form,
     _declined,
+    _entry_case,
     _expected_team,
     _pick,
     _plain,
     _plain_table,
-    _rng,
     _same_bits,
-    _table_variant,
     _threads_ok,
 )
 
@@ -63,12 +61,7 @@ def test_user_assigned_grad_of_the_wrong_shape(positions):
 # ---------------------------------------------------------------- sgd_step
 @given(data=st.data())
 def test_sgd_entry_accepts_exactly_the_plain_case(data):
-    plain = data.draw(st.booleans(), label="plain")
-    L = data.draw(st.integers(1, 10), label="L")
-    d = data.draw(st.integers(0, 7), label="d")
-    dtype = data.draw(st.sampled_from(FLOATS))
-    rng = _rng(L * 10 + d)
-    table = _table_variant(data.draw, rng.standard_normal((L, d)).astype(dtype), plain)
+    plain, L, d, dtype, rng, table = _entry_case(data)
     grad = rng.standard_normal((L, d)).astype(dtype)
     grad_kind = _pick(
         data.draw,

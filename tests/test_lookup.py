@@ -8,14 +8,10 @@ import pytest
 from helpers import (
     FLOAT_TYPES,
     INDEX_DTYPES,
-    OVERLAP_KINDS,
-    OVERLAP_WORDS,
     _rows_for,
     _sizes,
     _table,
-    assert_numpy_or_refused,
     make_out,
-    overlap_case,
     tuned,
 )
 from hypothesis import assume, event, given
@@ -30,6 +26,7 @@ from plain import (
     Snapshot,
     _apart,
     _declined,
+    _entry_case,
     _expected_team,
     _fresh,
     _is_int,
@@ -42,7 +39,6 @@ from plain import (
     _rows,
     _same_bits,
     _Sub,
-    _table_variant,
     _threads_ok,
     positions_of,
 )
@@ -62,35 +58,6 @@ from cposembed import LearnedPositionEmbedding, _core
 from cposembed.reference import LearnedPositionEmbedding as Reference
 
 
-@pytest.mark.parametrize("kind", OVERLAP_KINDS)
-def test_lookup_out_overlapping_positions(kind):
-    """lookup(table, pos, out=out) where out shares memory with pos."""
-    result = overlap_case(
-        kind,
-        """
-        out = buf[1:].reshape(8, 1)
-        expect = np.take(table, pos_copy, axis=0)
-        outcome(lambda: cposembed.lookup(table, pos, out=out), expect, [buf, table])
-        """,
-    )
-    assert_numpy_or_refused(result, ("ValueError",), OVERLAP_WORDS)
-
-
-@pytest.mark.parametrize("kind", OVERLAP_KINDS)
-def test_class_call_out_overlapping_positions(kind):
-    """pe(pos, out=out) where out shares memory with pos."""
-    result = overlap_case(
-        kind,
-        """
-        pe = LearnedPositionEmbedding.from_pretrained(table, dtype=np.float64)
-        out = buf[1:].reshape(8, 1)
-        expect = np.take(table, pos_copy, axis=0)
-        outcome(lambda: pe(pos, out=out), expect, [buf, pe.embeddings])
-        """,
-    )
-    assert_numpy_or_refused(result, ("ValueError",), OVERLAP_WORDS)
-
-
 @st.composite
 def any_positions(draw, n_rows, plain=False):
     shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
@@ -103,11 +70,7 @@ def any_positions(draw, n_rows, plain=False):
 # ------------------------------------------------------------------ lookup
 @given(data=st.data())
 def test_lookup_entry_accepts_exactly_the_plain_case(data):
-    plain = data.draw(st.booleans(), label="plain")
-    L = data.draw(st.integers(1, 12), label="L")
-    d = data.draw(st.integers(0, 9), label="d")
-    dtype = data.draw(st.sampled_from(FLOATS))
-    table = _table_variant(data.draw, _rng(L * d).standard_normal((L, d)).astype(dtype), plain)
+    plain, L, d, dtype, _, table = _entry_case(data, max_rows=12, max_dim=9)
     positions = data.draw(any_positions(L, plain), label="positions")
     rows = _rows(positions, L)
     try:

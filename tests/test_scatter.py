@@ -8,17 +8,13 @@ import pytest
 from helpers import (
     FLOAT_TYPES,
     INDEX_DTYPES,
-    OVERLAP_KINDS,
-    OVERLAP_WORDS,
     _deep,
     _rows_for,
     _sizes,
     _table,
     add_at,
-    assert_numpy_or_refused,
     assert_same,
     needs_numpy2,
-    overlap_case,
     reference_scatter,
     tuned,
 )
@@ -35,6 +31,7 @@ from plain import (
     _array_form,
     _declined,
     _default_rows,
+    _entry_case,
     _expected_team,
     _explicit_rows,
     _lead_and_positions,
@@ -44,7 +41,6 @@ from plain import (
     _rng,
     _same_bits,
     _scatter_expect,
-    _table_variant,
     _threads_ok,
 )
 from strategies import (
@@ -62,53 +58,12 @@ from strategies import (
 import cposembed
 from cposembed import LearnedPositionEmbedding, _core
 
-
-@pytest.mark.parametrize("kind", OVERLAP_KINDS)
-def test_scatter_add_grad_output_overlapping_positions(kind):
-    """scatter_add(grad, g, pos) where g shares memory with pos (only read, never written)."""
-    result = overlap_case(
-        kind,
-        """
-        grad = np.zeros((4, 1))
-        g = buf[1:].reshape(8, 1)
-        expect = grad.copy()
-        np.add.at(expect, pos_copy, g.copy())
-        outcome(lambda: cposembed.scatter_add(grad, g, pos), expect, [buf, grad])
-        """,
-    )
-    assert_numpy_or_refused(result, ("ValueError",), OVERLAP_WORDS)
-
-
-@pytest.mark.parametrize("kind", OVERLAP_KINDS)
-def test_scatter_add_grad_table_overlapping_positions(kind):
-    """scatter_add(grad, g, pos) where the gradient table shares memory with pos."""
-    result = overlap_case(
-        kind,
-        """
-        grad = buf[1:5].reshape(4, 1)
-        if kind == "mixed":
-            pos[:] = [3, 1, 2, 0, 1, 3, 2, 0]  # rows 1..4 of pos are grad's rows 0..3
-            pos_copy = pos.copy()
-        g = np.arange(1.0, 9.0).reshape(8, 1)
-        expect = grad.copy()
-        np.add.at(expect, pos_copy, g)
-        outcome(lambda: cposembed.scatter_add(grad, g, pos), expect, [buf, g])
-        """,
-    )
-    assert_numpy_or_refused(result, ("ValueError",), OVERLAP_WORDS)
-
-
 PLANS = [_core.PLAN_AUTO, _core.PLAN_DISTINCT, _core.PLAN_SCAN, _core.PLAN_SORT]
 
 
 @given(data=st.data())
 def test_scatter_entry_accepts_exactly_the_plain_case(data):
-    plain = data.draw(st.booleans(), label="plain")
-    L = data.draw(st.integers(1, 10), label="L")
-    d = data.draw(st.integers(0, 7), label="d")
-    dtype = data.draw(st.sampled_from(FLOATS))
-    rng = _rng(L * 10 + d)
-    grad = _table_variant(data.draw, rng.standard_normal((L, d)).astype(dtype), plain)
+    plain, L, d, dtype, rng, grad = _entry_case(data)
     lead, positions, offset = _lead_and_positions(data, L, plain)
     g = rng.standard_normal(lead + (d,)).astype(dtype)
     g_kind = _pick(
