@@ -100,9 +100,9 @@ class GradientState:
         grad, touched = self.to_accumulate(table)
         skip = self.skip_row
         # The entry directly first: the route's keyword call would be a good part
-        # of a tiny backward's time. What it declines goes to the route's second half.
+        # of a tiny backward's time. Arguments it refuses go to the route.
         if _core.scatter_add(grad, grad_output, positions, offset, None, touched, skip) is None:
-            _routes.scatter_add_declined(
+            _routes.scatter_add(
                 grad,
                 grad_output,
                 positions,

@@ -196,6 +196,15 @@ def _shallow(
     return rows.reshape(-1, rows.shape[-1]), flat, 0
 
 
+def grad_output_dtype(grad_output: np.dtype, table: np.dtype) -> np.dtype:
+    """The dtype a gradient enters the scatter-add entries in: its own (native) if
+    it is one of the four float dtypes (the entries add as ``np.add.at`` does, in
+    float64 if either side is float64, else in float32, and round to the table's
+    dtype after each add), else (bool, integers) the table's."""
+    native = v.native_dtype(grad_output)
+    return native if v.is_float(native) else table
+
+
 def scatter_add(
     grad_table: Any,
     grad_output: Any,
@@ -207,51 +216,16 @@ def scatter_add(
     skip_row: int,
 ) -> None:
     """:func:`cposembed.scatter_add` that also marks the rows it touched and skips one:
-    the C entry, then the route for what it declined.
+    the C entry, else the worded error, or the normalised arguments and the entry
+    once more.
 
     ``touched``: a :class:`~cposembed._core.RowMarks` of L rows (or None) in
     which the rows that received a contribution are marked; ``skip_row``: a row that gets
     no gradient (zeroed after the sum; ``padding_idx``), or -1.
     """
-    if (
-        _core.scatter_add(
-            grad_table, grad_output, positions, offset, num_threads, touched, skip_row
-        )
-        is not None
-    ):
+    args = (grad_table, grad_output, positions, offset, num_threads, touched, skip_row)
+    if _core.scatter_add(*args) is not None:
         return
-    scatter_add_declined(
-        grad_table,
-        grad_output,
-        positions,
-        offset=offset,
-        num_threads=num_threads,
-        touched=touched,
-        skip_row=skip_row,
-    )
-
-
-def grad_output_dtype(grad_output: np.dtype, table: np.dtype) -> np.dtype:
-    """The dtype a gradient enters the scatter-add entries in: its own (native) if
-    it is one of the four float dtypes (the entries add as ``np.add.at`` does, in
-    float64 if either side is float64, else in float32, and round to the table's
-    dtype after each add), else (bool, integers) the table's."""
-    native = v.native_dtype(grad_output)
-    return native if v.is_float(native) else table
-
-
-def scatter_add_declined(
-    grad_table: Any,
-    grad_output: Any,
-    positions: Any,
-    *,
-    offset: Any,
-    num_threads: Any,
-    touched: _core.RowMarks | None,
-    skip_row: int,
-) -> None:
-    """The half of :func:`scatter_add` after its entry declined: the worded
-    error, or the normalised arguments and the entry once more."""
     v.as_grad_table(grad_table, "grad_table")
     native = v.native_dtype(grad_table.dtype)
     n_rows, d = grad_table.shape

@@ -8,30 +8,20 @@ Each process takes half of every batch. After the last SGD step, the shards are
 gathered and rank 0 trains the same model in one process on the whole batches
 and checks that both ended with the same parameters.
 
-Run it either way:
+Run it as ``ddp_train.py`` beside it, whose model, batches, two processes and
+needs (PyTorch's CPU build and the ``torch`` extra) it shares:
 
     torchrun --standalone --nproc-per-node 2 examples/fsdp_train.py
     python examples/fsdp_train.py          # spawns the two processes itself
 
-Needs PyTorch (its CPU build, then the extra from a checkout: ``pip install torch
---index-url https://download.pytorch.org/whl/cpu && pip install ".[torch]"``); without
-it the example says so and exits. Exits 1 if the parameters differ. The model, the
-batches and the two processes are those of ``ddp_train.py`` beside it.
+Exits 1 if the parameters differ.
 """
 
 from __future__ import annotations
 
-try:
-    import torch
-    from torch.distributed.fsdp import fully_shard
-except ModuleNotFoundError:
-    print(
-        "skipped: this example needs torch (pip install torch --index-url "
-        'https://download.pytorch.org/whl/cpu && pip install ".[torch]")'
-    )
-    raise SystemExit(0) from None
-
-from ddp_train import compare, main, my_batches, new_model, train
+# ddp_train says so and exits if torch is missing.
+from ddp_train import compare, main, my_batches, new_model, torch, train
+from torch.distributed.fsdp import fully_shard
 
 
 def check(rank: int, world: int) -> bool:

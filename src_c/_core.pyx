@@ -329,6 +329,22 @@ cdef bint _writable_out(object out, int typenum, int nd, const cnp.npy_intp* dim
     return _apart(o, table)
 
 
+cdef object _output(object out, int typenum, int nd, cnp.npy_intp* dims, cnp.ndarray table,
+                    object other, object num_threads, Py_ssize_t n_rows, Py_ssize_t d,
+                    int* nt):
+    """Where an entry writes n_rows rows of d and on how many threads (*nt,
+    _threads_for): a fresh array of shape dims[:nd] and the table's dtype if
+    `out` is None, `out` if _writable_out and apart from `other` (an ndarray,
+    or None); None if `out` is neither or num_threads is refused."""
+    if out is not None and not (
+            _writable_out(out, typenum, nd, dims, table)
+            and (other is None or _apart(<cnp.ndarray>out, <cnp.ndarray>other))):
+        return None
+    result = _new_output(nd, dims, table) if out is None else out
+    nt[0] = _threads_for(num_threads, n_rows * d, n_rows)
+    return result if nt[0] else None
+
+
 cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, cnp.ndarray like):
     """A fresh C-contiguous array of `like`'s dtype; large ones from the reusable blocks."""
     cdef int typenum = cnp.PyArray_TYPE(like)
@@ -518,15 +534,10 @@ cdef object _lookup_entry(object table, object positions, object out, object num
         return None
     try:
         ix.shape[ix.nd] = d
-        if out is None:
-            o = _new_output(ix.nd + 1, ix.shape, t)
-        elif _writable_out(out, typenum, ix.nd + 1, ix.shape, t):
-            o = <cnp.ndarray>out
-        else:
+        result = _output(out, typenum, ix.nd + 1, ix.shape, t, None, num_threads, ix.n, d, &nt)
+        if result is None:
             return None
-        nt = _threads_for(num_threads, ix.n * d, ix.n)
-        if not nt:
-            return None
+        o = result
         if ix.n and d:
             _kernel_call(&c, K_LOOKUP, cnp.PyArray_DATA(o), cnp.PyArray_DATA(t), ix.rows,
                          ix.n, ix.n, d, nt)
@@ -619,20 +630,13 @@ def add(tokens, table, positions, offset, out, num_threads):
     if not _row_positions(positions, offset, k, L, &ix, &m):
         return None
     try:
-        if out is None:
-            o = _new_output(nd, cnp.PyArray_DIMS(k), t)
-        elif in_place or _writable_out(out, typenum, nd, cnp.PyArray_DIMS(k), t):
-            o = <cnp.ndarray>out
-            if in_place and (not cnp.PyArray_ISWRITEABLE(o) or not _apart(o, t)):
-                return None
-            if not in_place and not _apart(o, k):
-                return None
-        else:
-            return None
+        # In place, `out` is the tokens themselves; else it must not meet them.
         N = _lead_size(k)
-        nt = _threads_for(num_threads, N * d, N)
-        if not nt:
+        result = _output(out, typenum, nd, cnp.PyArray_DIMS(k), t, None if in_place else k,
+                         num_threads, N, d, &nt)
+        if result is None:
             return None
+        o = result
         if N and d and m:
             _kernel_call(&c, K_ADD, cnp.PyArray_DATA(o), cnp.PyArray_DATA(k), ix.rows, N, m,
                          d, nt)
@@ -900,16 +904,11 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
         return None
     try:
         ids.shape[ids.nd] = d
-        if out is None:
-            o = _new_output(ids.nd + 1, ids.shape, tt)
-        elif _writable_out(out, typenum, ids.nd + 1, ids.shape, tt) and _apart(
-                <cnp.ndarray>out, pt):
-            o = <cnp.ndarray>out
-        else:
+        result = _output(out, typenum, ids.nd + 1, ids.shape, tt, pt, num_threads, ids.n, d,
+                         &nt)
+        if result is None:
             return None
-        nt = _threads_for(num_threads, ids.n * d, ids.n)
-        if not nt:
-            return None
+        o = result
         if ids.n and d and m:
             _kernel_call(&c, K_EMBED, cnp.PyArray_DATA(o), cnp.PyArray_DATA(tt), ix.rows,
                          ids.n, m, d, nt)
