@@ -22,6 +22,19 @@ _PICKLE_VERSION = 1
 __all__ = ["TokenPositionEmbedding"]
 
 
+def _part_property(part: str, name: str, doc: str) -> Any:
+    """A property that reads and sets attribute ``name`` of the layer's table
+    ``part`` (``_tokens`` or ``_positions``, a :class:`LearnedPositionEmbedding`)."""
+
+    def get(self: TokenPositionEmbedding) -> Any:
+        return getattr(getattr(self, part), name)
+
+    def set_(self: TokenPositionEmbedding, value: Any) -> None:
+        setattr(getattr(self, part), name, value)
+
+    return property(get, set_, doc=doc)
+
+
 class TokenPositionEmbedding:
     """Token and position embedding tables, looked up and added in one pass.
 
@@ -159,41 +172,22 @@ class TokenPositionEmbedding:
         return self
 
     # -- the tables ----------------------------------------------------------
-    @property
-    def token_embeddings(self) -> np.ndarray:
-        """The live token table ``(V, d)``: C-contiguous, writable."""
-        return self._tokens.embeddings
-
-    @token_embeddings.setter
-    def token_embeddings(self, value: Any) -> None:
-        self._tokens.embeddings = value
-
-    @property
-    def position_embeddings(self) -> np.ndarray:
-        """The live position table ``(L, d)``: C-contiguous, writable."""
-        return self._positions.embeddings
-
-    @position_embeddings.setter
-    def position_embeddings(self, value: Any) -> None:
-        self._positions.embeddings = value
-
-    @property
-    def token_grad(self) -> np.ndarray | None:
-        """The token table's accumulated gradient, or None before the first backward."""
-        return self._tokens.grad
-
-    @token_grad.setter
-    def token_grad(self, value: np.ndarray | None) -> None:
-        self._tokens.grad = value
-
-    @property
-    def position_grad(self) -> np.ndarray | None:
-        """The position table's accumulated gradient, or None before the first backward."""
-        return self._positions.grad
-
-    @position_grad.setter
-    def position_grad(self, value: np.ndarray | None) -> None:
-        self._positions.grad = value
+    token_embeddings = _part_property(
+        "_tokens", "embeddings", "The live token table ``(V, d)``: C-contiguous, writable."
+    )
+    position_embeddings = _part_property(
+        "_positions", "embeddings", "The live position table ``(L, d)``: C-contiguous, writable."
+    )
+    token_grad = _part_property(
+        "_tokens",
+        "grad",
+        "The token table's accumulated gradient, or None before the first backward.",
+    )
+    position_grad = _part_property(
+        "_positions",
+        "grad",
+        "The position table's accumulated gradient, or None before the first backward.",
+    )
 
     @property
     def padding_idx(self) -> int | None:
