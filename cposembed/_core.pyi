@@ -42,6 +42,9 @@ def lookup(
     out: Any,  # None, or plain writable positions.shape + (d,), apart from table
     num_threads: Any,  # None or an integer >= 1
 ) -> np.ndarray | None: ...
+
+MAX_POSITION_DIMS: int  # the most axes of positions the entries read
+
 def index_rows(
     positions: Any,  # as the entries read them (_index.pxi)
     n_rows: int,

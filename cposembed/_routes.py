@@ -32,15 +32,27 @@ from . import _validation as v
 # The C entries take positions of up to this many axes (the most NumPy 1.x
 # allows with one more for the rows). Deeper ones (NumPy 2 allows 64) are
 # served by NumPy's indexing in lookups, flattened for the other operations.
-MAX_POSITION_DIMS = 31
+MAX_POSITION_DIMS = _core.MAX_POSITION_DIMS
 
 
 def _accepted(result: Any) -> Any:
     # Normalised arguments are exactly what the entries take (the layout rule
     # is the entries' own, _core.is_plain); None here is a bug, not bad input.
     if result is None:
-        raise RuntimeError("cposembed internal error: a C entry declined checked arguments")
+        raise RuntimeError("cposembed internal error: a C entry refused checked arguments")
     return result
+
+
+def _into(out: Any, entry: Any, *args: Any, num_threads: int | None) -> Any:
+    """``entry(*args, out, num_threads)`` with checked arguments: a new array if
+    ``out`` is None, else ``out``, which the entry writes itself if it can (it
+    refuses another layout, or an ``out`` over what the call reads); else the
+    result is computed aside and copied in, as NumPy does."""
+    if out is None:
+        return _accepted(entry(*args, None, num_threads))
+    if entry(*args, _base(out), num_threads) is None:
+        np.copyto(out, _accepted(entry(*args, None, num_threads)))
+    return out
 
 
 def _base(arr: np.ndarray) -> np.ndarray:
@@ -67,14 +79,9 @@ def lookup(table: Any, positions: Any, *, out: Any, num_threads: Any) -> Any:
     pos = v.as_positions(positions, n_rows)
     if pos is None or pos.ndim > MAX_POSITION_DIMS:
         return _lookup_numpy(t, positions, out)
-    if out is None:
-        return _accepted(_core.lookup(t, pos, None, nt))
-    v.check_out(out, pos.shape + (d,), t.dtype)
-    # The entry writes `out` itself if it can (it declines another layout or
-    # an `out` over the table); else the result is computed aside, as NumPy does.
-    if _core.lookup(t, pos, _base(out), nt) is None:
-        np.copyto(out, _accepted(_core.lookup(t, pos, None, nt)))
-    return out
+    if out is not None:
+        v.check_out(out, pos.shape + (d,), t.dtype)
+    return _into(out, _core.lookup, t, pos, num_threads=nt)
 
 
 def _lookup_numpy(table: np.ndarray, positions: Any, out: Any) -> Any:
@@ -165,7 +172,7 @@ def add(tokens: Any, table: Any, positions: Any, *, offset: Any, out: Any, num_t
         o_rows = o.reshape(rows.shape)
         done = _core.add(o_rows, t, pos, off, o_rows, nt)
     else:
-        # The entry writes `out` itself if it can (it declines another layout,
+        # The entry writes `out` itself if it can (it refuses another layout,
         # or an `out` over the table or the tokens).
         target = o if o.shape == rows.shape else _rows_view(o, rows.shape)
         done = None if target is None else _core.add(rows, t, pos, off, target, nt)
@@ -305,13 +312,7 @@ def embed(
         # Mixed dtypes: NumPy's own promotion decides.
         rows = pt[default_rows(off, ids.shape[-1], pt.shape[0])] if pos is None else pt[pos]
         return np.add(tt[ids], rows, out=out)
-    if out is None:
-        return _accepted(_core.embed(ids, tt, pt, pos, off, None, nt))
-    # The entry writes `out` itself if it can (it declines another layout or
-    # an `out` over either table); else the result is computed aside.
-    if _core.embed(ids, tt, pt, pos, off, _base(out), nt) is None:
-        np.copyto(out, _accepted(_core.embed(ids, tt, pt, pos, off, None, nt)))
-    return out
+    return _into(out, _core.embed, ids, tt, pt, pos, off, num_threads=nt)
 
 
 def _grad_tables(
@@ -361,7 +362,7 @@ def embed_backward(
     (padding) no gradient (-1: none).
 
     It calls the entry first itself, as :func:`scatter_add` does: the entry
-    takes two tables, and a ``None`` table (skipped) comes here as declined.
+    takes two tables, so a ``None`` table (skipped) comes here directly.
     """
     marks = (token_touched, position_touched, token_skip_row)
     if grad_token_table is not None and grad_position_table is not None:

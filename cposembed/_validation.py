@@ -1,13 +1,13 @@
 """The checks behind every worded error, in one place.
 
-The C entries (``cposembed._core``) accept the plain cases and decline the
-rest with nothing written. For what they decline, these functions either
-normalise the argument into a form the entry accepts (a native C-contiguous
-table, an owned int64 position array, a plain ``int``) or raise a
-``TypeError``, ``ValueError`` or ``IndexError`` that says what was expected
-and what came. As in pandas' ``validate_indices``, positions are checked
-with the minimum and maximum of the whole index array, so ``L`` and
-``-L - 1`` cannot slip through.
+The C entries (``cposembed._core``) run the calls whose arguments they can
+use as given and return None, with nothing written, for the rest. For those,
+these functions either normalise the argument into a form the entry takes (a
+native C-contiguous table, an owned int64 position array, a Python ``int``)
+or raise a ``TypeError``, ``ValueError`` or ``IndexError`` that says what was
+expected and what came. As in pandas' ``validate_indices``, an out-of-range
+error names the largest or the smallest position, so ``L`` and ``-L - 1``
+cannot slip through.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class NotAnIntegerError(TypeError, ValueError):
     A ``TypeError``, as NumPy and PyTorch raise for a size that is not an
     integer, and a ``ValueError``, as the handbook's class promises for
     ``max_seq_len`` and ``embed_dim`` that are not positive integers: either
-    ``except`` catches it. An integer out of range is a plain ``ValueError``.
+    ``except`` catches it. An integer out of range is a ``ValueError`` (not this class).
     """
 
 
@@ -398,7 +398,7 @@ def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def plain_copy(arr: Any, dtype: Any) -> np.ndarray:
-    """``arr`` as the entries take it for ``dtype`` (native): itself if it is plain
+    """``arr`` as the entries take it for ``dtype`` (native): itself if it already is
     (``_core.is_plain``, the entries' own rule), else a copy: an exact ndarray,
     C-contiguous and aligned (``np.ascontiguousarray`` keeps a misaligned array)."""
     if _core.is_plain(arr, dtype):

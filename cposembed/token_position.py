@@ -315,10 +315,10 @@ class TokenPositionEmbedding:
             fused = _grad.fused_backward_of(optimizer)
             fused(self, grad_output, token_ids, positions, offset=offset)
             return None
-        tokens, places = self._tables.values()
-        token_state, position_state = tokens.gradient, places.gradient
+        tokens, position_table = self._tables.values()
+        token_state, position_state = tokens.gradient, position_table.gradient
         token_grad, token_touched = token_state.to_accumulate(tokens.table)
-        position_grad, position_touched = position_state.to_accumulate(places.table)
+        position_grad, position_touched = position_state.to_accumulate(position_table.table)
         _routes.embed_backward(
             token_grad,
             position_grad,
@@ -349,7 +349,7 @@ class TokenPositionEmbedding:
         return dict(self._tables)
 
     def sgd_step(self, lr: float) -> None:
-        """One plain SGD step on both tables, on the rows some backward touched.
+        """One SGD step (no momentum, no weight decay) on both tables, on the rows some backward touched.
 
         Bitwise ``table -= lr * grad`` for each table, computed in float32
         and rounded once for float16 and bfloat16 tables (see

@@ -272,7 +272,8 @@ cdef void _kernel(const KernelCall* c, const cpe_row_ops* ops) noexcept nogil:
 
 
 cdef bint _plain_as(object obj, int typenum) noexcept:
-    """An exact ndarray of dtype `typenum`, native byte order, C-contiguous, aligned."""
+    """Canonical, as the entries take arrays: an exact ndarray of dtype `typenum`,
+    native byte order, C-contiguous, aligned."""
     if not cnp.PyArray_CheckExact(obj):
         return False
     cdef cnp.ndarray a = <cnp.ndarray>obj
@@ -295,7 +296,7 @@ cdef int _source_type(object arr) noexcept:
 
 
 cdef int _table_type(object table) noexcept:
-    """The dtype of a plain 2-D table with kernels (_has_kernels); -1 for anything else."""
+    """The dtype of a canonical 2-D table with kernels (_has_kernels); -1 for anything else."""
     if not cnp.PyArray_CheckExact(table):
         return -1
     cdef cnp.ndarray t = <cnp.ndarray>table
@@ -316,7 +317,7 @@ cdef bint _apart(cnp.ndarray a, cnp.ndarray b) noexcept:
 
 cdef bint _writable_out(object out, int typenum, int nd, const cnp.npy_intp* dims,
                         cnp.ndarray table) noexcept:
-    """`out` is plain, writable, of shape dims[:nd], and apart from the table."""
+    """`out` is canonical, writable, of shape dims[:nd], and not overlapping the table."""
     if not _plain_as(out, typenum):
         return False
     cdef cnp.ndarray o = <cnp.ndarray>out
@@ -334,7 +335,7 @@ cdef object _output(object out, int typenum, int nd, cnp.npy_intp* dims, cnp.nda
                     int* nt):
     """Where an entry writes n_rows rows of d and on how many threads (*nt,
     _threads_for): a fresh array of shape dims[:nd] and the table's dtype if
-    `out` is None, `out` if _writable_out and apart from `other` (an ndarray,
+    `out` is None, `out` if _writable_out and not overlapping `other` (an ndarray,
     or None); None if `out` is neither or num_threads is refused."""
     if out is not None and not (
             _writable_out(out, typenum, nd, dims, table)
@@ -386,7 +387,7 @@ cdef int _positions_for(object positions, object offset, Py_ssize_t L,
     ix.rows[i % m]. `positions=None`: offset + arange(T) over the last lead
     axis; else positions whose shape, without leading 1s, equals the
     trailing axes of the lead shape (anything else that broadcasts is
-    materialised by the Python layer). 1; 0: declined, nothing held;
+    materialised by the Python layer). 1; 0: refused, nothing held;
     MemoryError as _read_index."""
     cdef Py_ssize_t T, start, zero
     cdef int k, core
@@ -500,11 +501,12 @@ cdef void _zero_row(cnp.ndarray table, Py_ssize_t row) noexcept:
 
 
 def lookup(table, positions, out, num_threads):
-    """``table[positions]`` into ``out`` (or a new array), returned; None if declined.
+    """``table[positions]`` into ``out`` (or a new array), returned; None if
+    refused (nothing written).
 
-    table: a plain (L, d) float32/float64 table; positions: as _index.pxi
-    reads them, every value in [-L, L); out: None, or a plain writable array
-    of shape positions.shape + (d,) and the table's dtype, apart from the
+    table: a canonical (L, d) float32/float64 table; positions: as _index.pxi
+    reads them, every value in [-L, L); out: None, or a canonical writable array
+    of shape positions.shape + (d,) and the table's dtype, not overlapping the
     table; num_threads: None or an integer >= 1.
     """
     return _lookup_entry(table, positions, out, num_threads)
@@ -555,7 +557,7 @@ cdef class TableCall:
 
     The call is the lookup entry itself on ``self._embeddings``, with no
     Python frame in between: a tiny call costs about what NumPy's
-    ``table[i]`` does. What the entry declines goes to
+    ``table[i]`` does. Arguments the entry refuses go to
     ``self._lookup_declined(positions, out)``, the normalising route of
     :func:`cposembed.lookup`. (No fields here: the subclass keeps its state
     in ``__slots__``, whose reads Python specialises.)
@@ -589,7 +591,7 @@ Look up position embeddings: ``embeddings[positions]``.
 
 
 cdef int _rows_type(object table, object rows_array, bint any_dtype=False) noexcept:
-    # The dtype of a plain (L, d) table with kernels and of a plain array
+    # The dtype of a canonical (L, d) table with kernels and of a canonical array
     # of shape (..., d) with that dtype (tokens), or with any dtype that has
     # kernels if any_dtype (a gradient: _source_type); -1 else.
     cdef int typenum = _table_type(table)
@@ -605,14 +607,14 @@ cdef int _rows_type(object table, object rows_array, bint any_dtype=False) noexc
 
 def add(tokens, table, positions, offset, out, num_threads):
     """``tokens + table[positions]`` into ``out`` (or a new array), returned;
-    None if declined.
+    None if refused (nothing written).
 
-    tokens: a plain array of shape (..., d) with the table's dtype;
+    tokens: a canonical array of shape (..., d) with the table's dtype;
     positions: None (offset + arange(T), T = tokens.shape[-2], offset an
     integer with 0 <= offset <= L - T) or positions whose shape without
     leading 1s equals the trailing axes of tokens.shape[:-1] (offset 0);
-    out: None, ``tokens`` (in place), or a plain writable array of tokens'
-    shape and dtype, apart from tokens and the table.
+    out: None, ``tokens`` (in place), or a canonical writable array of tokens'
+    shape and dtype, overlapping neither tokens nor the table.
     """
     cdef int typenum = _rows_type(table, tokens)
     if typenum < 0:
@@ -715,10 +717,10 @@ cdef void _sum_compact(const Compact* cp, void* table, void** out, const int64_t
 def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
                 Py_ssize_t skip_row=-1, int plan=PLAN_AUTO):
     """``grad[positions[i]] += grad_output[i]`` in np.add.at's order, in place;
-    returns grad, or None if declined.
+    returns grad, or None if refused (nothing written).
 
-    grad: a plain writable (L, d) table; grad_output: a plain array of shape
-    (..., d) of any dtype with kernels, apart from grad (each add as
+    grad: a canonical writable (L, d) table; grad_output: a canonical array of
+    shape (..., d) of any dtype with kernels, not overlapping grad (each add as
     np.add.at's: in float64 if either dtype is, else in float32, rounded to
     grad's dtype); positions and offset as for add. touched: None or a
     RowMarks of L rows, in which the rows that received a contribution are
@@ -852,7 +854,8 @@ cdef Py_ssize_t _step_rows(object touched, Py_ssize_t L, Py_ssize_t skip_row,
 
 
 cdef int _pair_type(object token_table, object position_table) noexcept:
-    """The tables' dtype when both are plain with the same dtype and embed_dim; -1 else."""
+    """The tables' dtype when both are canonical with the same dtype and
+    embed_dim; -1 else."""
     cdef int typenum = _table_type(token_table)
     if typenum < 0 or _table_type(position_table) != typenum:
         return -1
@@ -865,7 +868,7 @@ cdef int _pair_type(object token_table, object position_table) noexcept:
 cdef int _ids_positions(object token_ids, Py_ssize_t V, object positions, object offset,
                         Py_ssize_t L, Index* ids, Index* ix, Py_ssize_t* m) except -1:
     """Token ids (checked against V) and _positions_for them (laid out as the
-    ids): 1; 0: declined, nothing held; MemoryError as _read_index."""
+    ids): 1; 0: refused, nothing held; MemoryError as _read_index."""
     cdef int found = -1
     ix.rows = NULL
     if not _read_index(token_ids, V, ids):
@@ -880,14 +883,14 @@ cdef int _ids_positions(object token_ids, Py_ssize_t V, object positions, object
 
 def embed(token_ids, token_table, position_table, positions, offset, out, num_threads):
     """``token_table[token_ids] + position_table[positions]`` into ``out`` (or a
-    new array), returned; None if declined.
+    new array), returned; None if refused (nothing written).
 
-    token_table (V, d) and position_table (L, d): plain, one dtype; token_ids
+    token_table (V, d) and position_table (L, d): canonical, one dtype; token_ids
     as _index.pxi reads them, in [-V, V); positions: None (offset + arange(T)
     over the last axis of the ids, 0 <= offset <= L - T) or positions whose
     shape without leading 1s equals the trailing axes of the ids' shape
-    (offset 0); out: None or a plain writable array of shape
-    token_ids.shape + (d,), apart from both tables.
+    (offset 0); out: None or a canonical writable array of shape
+    token_ids.shape + (d,), overlapping neither table.
     """
     cdef int typenum = _pair_type(token_table, position_table)
     if typenum < 0:
@@ -928,12 +931,14 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
                    Py_ssize_t token_skip_row=-1):
     """Both gradients of embed from one pass over grad_output, in place:
     ``grad_token_table[token_ids[i]] += grad_output[i]`` and the same for the
-    positions, each bitwise np.add.at; returns True, or None if declined.
+    positions, each bitwise np.add.at; returns True, or None if refused
+    (nothing written).
 
-    The two tables: plain, writable, one dtype and embed_dim, apart from each
-    other (either table alone goes through scatter_add); grad_output: a plain
+    The two tables: canonical, writable, one dtype and embed_dim, not
+    overlapping each other (either table alone goes through scatter_add);
+    grad_output: a canonical
     array of shape token_ids.shape + (d,) of any dtype with kernels (each add
-    as scatter_add's), apart from both; token_ids and positions as for embed.
+    as scatter_add's), overlapping neither; token_ids and positions as for embed.
     token_touched / position_touched:
     None or two RowMarks of V / L rows in which the rows that received a
     contribution are marked; token_skip_row: a token row that

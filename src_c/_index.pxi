@@ -1,19 +1,21 @@
-# Positions into a buffer the call owns.
+# Positions into a buffer the call owns: the one reader of integer positions.
 #
 # Every entry reads its positions once, here, with the GIL held: each value
 # is converted to int64, wrapped into [0, L) and range-checked in the same
 # pass, into a private buffer. The kernels read only that buffer, so neither
 # another thread writing the caller's array nor an output that shares memory
-# with it can change a row number after it was checked.
+# with it can change a row number after it was checked. The routes read
+# positions here too (_core.index_rows), after NumPy's other index forms
+# were made integer arrays.
 #
 # Read here: a Python int, a NumPy integer scalar, an ndarray of any
 # native-order integer dtype (any shape, strides and alignment, 0-d too), and
-# (nested) lists of Python ints and NumPy integer scalars. Anything else,
-# and any value out of range, is declined (_read_index returns 0 with
-# nothing held); the Python layer then normalises or words the error. A
-# buffer that cannot be allocated is a MemoryError, raised where the
-# allocation failed (the readers are `except -1`): the Python layer would
-# only retry what cannot succeed.
+# (nested) lists of Python ints and NumPy integer scalars. For anything else,
+# and any value out of range, _read_index returns 0 and holds nothing; the
+# route then normalises the argument or raises the worded error. A buffer
+# that cannot be allocated is a MemoryError, raised where the allocation
+# failed (the readers are `except -1`): a route could only retry what cannot
+# succeed.
 
 from libc.stdint cimport int8_t, int16_t, int32_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
@@ -63,9 +65,10 @@ cdef extern from *:
     bint cpe_np_int_value(object o, long long* value)
 
 # Dimensions of a positions array: NumPy 1.x allows 32 (2.x: 64), and the
-# result has one more.
+# result has one more. The routes serve deeper ones (MAX_POSITION_DIMS).
 cdef enum:
     _MAX_DIMS = 31
+MAX_POSITION_DIMS = _MAX_DIMS
 # Positions held inside the Index itself (no allocation for small calls).
 cdef enum:
     _INLINE = 512
@@ -293,7 +296,7 @@ cdef int _read_list(list lst, Py_ssize_t L, Index* ix) except -1:
 
 
 cdef int _read_index(object positions, Py_ssize_t L, Index* ix) except -1:
-    """Positions into `ix` (rows wrapped into [0, L)): 1; 0: declined, nothing
+    """Positions into `ix` (rows wrapped into [0, L)): 1; 0: not read, nothing
     held; MemoryError if no buffer for them could be had."""
     ix.rows = NULL
     if _is_integer(positions):
