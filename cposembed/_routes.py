@@ -256,12 +256,13 @@ def scatter_add(
 def _tables_pair(token_table: Any, position_table: Any) -> tuple[np.ndarray, np.ndarray]:
     tt = v.as_table(token_table, "token_table")
     pt = v.as_table(position_table, "position_table")
-    if tt.shape[1] != pt.shape[1]:
-        raise ValueError(
-            f"token_table and position_table must share embed_dim; got {tt.shape[1]} "
-            f"and {pt.shape[1]}"
-        )
+    _same_dim(tt, pt, "token_table and position_table")
     return tt, pt
+
+
+def _same_dim(a: np.ndarray, b: np.ndarray, names: str) -> None:
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"{names} must share embed_dim; got {a.shape[1]} and {b.shape[1]}")
 
 
 def checked_ids(token_ids: Any, vocab_size: int) -> np.ndarray:
@@ -323,11 +324,8 @@ def _grad_tables(
     gp = None
     if grad_position_table is not None:
         gp = v.as_grad_table(grad_position_table, "grad_position_table")
-    if gt is not None and gp is not None and gt.shape[1] != gp.shape[1]:
-        raise ValueError(
-            f"grad_token_table and grad_position_table must share embed_dim; got "
-            f"{gt.shape[1]} and {gp.shape[1]}"
-        )
+    if gt is not None and gp is not None:
+        _same_dim(gt, gp, "grad_token_table and grad_position_table")
     return gt, gp
 
 

@@ -330,9 +330,9 @@ cdef bint _writable_out(object out, int typenum, int nd, const cnp.npy_intp* dim
     return _apart(o, table)
 
 
-cdef object _output(object out, int typenum, int nd, cnp.npy_intp* dims, cnp.ndarray table,
-                    object other, object num_threads, Py_ssize_t n_rows, Py_ssize_t d,
-                    int* nt):
+cdef cnp.ndarray _output(object out, int typenum, int nd, cnp.npy_intp* dims,
+                         cnp.ndarray table, object other, object num_threads,
+                         Py_ssize_t n_rows, Py_ssize_t d, int* nt):
     """Where an entry writes n_rows rows of d and on how many threads (*nt,
     _threads_for): a fresh array of shape dims[:nd] and the table's dtype if
     `out` is None, `out` if _writable_out and not overlapping `other` (an ndarray,
@@ -426,12 +426,18 @@ cdef int _row_positions(object positions, object offset, cnp.ndarray rows_array,
                           cnp.PyArray_NDIM(rows_array) - 1, ix, m)
 
 
-cdef cnp.ndarray _index_array(const Index* ix):
-    # The rows of `ix` as a new int64 array of its shape.
-    cdef cnp.ndarray a = cnp.PyArray_SimpleNew(ix.nd, <cnp.npy_intp*>ix.shape, cnp.NPY_INT64)
-    if ix.n:
+cdef object _owned_rows(Index* ix, bint found):
+    # The rows `ix` holds as a new int64 array of its shape, then freed; None
+    # if not found.
+    cdef cnp.ndarray a
+    if not found:
+        return None
+    try:
+        a = cnp.PyArray_SimpleNew(ix.nd, ix.shape, cnp.NPY_INT64)
         memcpy(cnp.PyArray_DATA(a), ix.rows, ix.n * sizeof(int64_t))
-    return a
+        return a
+    finally:
+        _index_free(ix)
 
 
 def index_rows(positions, Py_ssize_t n_rows):
@@ -439,12 +445,7 @@ def index_rows(positions, Py_ssize_t n_rows):
     of their shape, each row wrapped into [0, n_rows); None for any other form,
     or a value outside [-n_rows, n_rows)."""
     cdef Index ix
-    if n_rows < 0 or not _read_index(positions, n_rows, &ix):
-        return None
-    try:
-        return _index_array(&ix)
-    finally:
-        _index_free(&ix)
+    return _owned_rows(&ix, n_rows >= 0 and _read_index(positions, n_rows, &ix))
 
 
 def default_rows(offset, Py_ssize_t T, Py_ssize_t n_rows):
@@ -454,12 +455,8 @@ def default_rows(offset, Py_ssize_t T, Py_ssize_t n_rows):
     cdef Index ix
     cdef Py_ssize_t m
     cdef cnp.npy_intp lead = T
-    if T < 0 or n_rows < 0 or not _positions_for(None, offset, n_rows, &lead, 1, &ix, &m):
-        return None
-    try:
-        return _index_array(&ix)
-    finally:
-        _index_free(&ix)
+    return _owned_rows(&ix, T >= 0 and n_rows >= 0
+                       and _positions_for(None, offset, n_rows, &lead, 1, &ix, &m))
 
 
 cdef inline Py_ssize_t _lead_size(cnp.ndarray a) noexcept:
@@ -536,10 +533,9 @@ cdef object _lookup_entry(object table, object positions, object out, object num
         return None
     try:
         ix.shape[ix.nd] = d
-        result = _output(out, typenum, ix.nd + 1, ix.shape, t, None, num_threads, ix.n, d, &nt)
-        if result is None:
+        o = _output(out, typenum, ix.nd + 1, ix.shape, t, None, num_threads, ix.n, d, &nt)
+        if o is None:
             return None
-        o = result
         if ix.n and d:
             _kernel_call(&c, K_LOOKUP, cnp.PyArray_DATA(o), cnp.PyArray_DATA(t), ix.rows,
                          ix.n, ix.n, d, nt)
@@ -634,11 +630,10 @@ def add(tokens, table, positions, offset, out, num_threads):
     try:
         # In place, `out` is the tokens themselves; else it must not meet them.
         N = _lead_size(k)
-        result = _output(out, typenum, nd, cnp.PyArray_DIMS(k), t, None if in_place else k,
-                         num_threads, N, d, &nt)
-        if result is None:
+        o = _output(out, typenum, nd, cnp.PyArray_DIMS(k), t, None if in_place else k,
+                    num_threads, N, d, &nt)
+        if o is None:
             return None
-        o = result
         if N and d and m:
             _kernel_call(&c, K_ADD, cnp.PyArray_DATA(o), cnp.PyArray_DATA(k), ix.rows, N, m,
                          d, nt)
@@ -907,11 +902,10 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
         return None
     try:
         ids.shape[ids.nd] = d
-        result = _output(out, typenum, ids.nd + 1, ids.shape, tt, pt, num_threads, ids.n, d,
-                         &nt)
-        if result is None:
+        o = _output(out, typenum, ids.nd + 1, ids.shape, tt, pt, num_threads, ids.n, d,
+                    &nt)
+        if o is None:
             return None
-        o = result
         if ids.n and d and m:
             _kernel_call(&c, K_EMBED, cnp.PyArray_DATA(o), cnp.PyArray_DATA(tt), ix.rows,
                          ids.n, m, d, nt)

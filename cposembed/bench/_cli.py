@@ -82,22 +82,11 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="small sizes and few repeats: a smoke test of a few seconds",
     )
-    p.add_argument(
-        "--table",
-        nargs=2,
-        type=int,
-        metavar=("L", "D"),
-        default=None,
-        help="table shape (default 2048 768)",
-    )
-    p.add_argument(
-        "--batch",
-        nargs=2,
-        type=int,
-        metavar=("B", "T"),
-        default=None,
-        help="positions shape (default 32 1024)",
-    )
+    for flag, names, what in [
+        ("--table", ("L", "D"), "table shape (default 2048 768)"),
+        ("--batch", ("B", "T"), "positions shape (default 32 1024)"),
+    ]:
+        p.add_argument(flag, nargs=2, type=int, metavar=names, default=None, help=what)
     p.add_argument(
         "--threads",
         type=int,
