@@ -330,9 +330,9 @@ cdef bint _writable_out(object out, int typenum, int nd, const cnp.npy_intp* dim
     return _apart(o, table)
 
 
-cdef cnp.ndarray _output(object out, int typenum, int nd, cnp.npy_intp* dims,
-                         cnp.ndarray table, object other, object num_threads,
-                         Py_ssize_t n_rows, Py_ssize_t d, int* nt):
+cdef inline cnp.ndarray _output(object out, int typenum, int nd, cnp.npy_intp* dims,
+                                cnp.ndarray table, object other, object num_threads,
+                                Py_ssize_t n_rows, Py_ssize_t d, int* nt):
     """Where an entry writes n_rows rows of d and on how many threads (*nt,
     _threads_for): a fresh array of shape dims[:nd] and the table's dtype if
     `out` is None, `out` if _writable_out and not overlapping `other` (an ndarray,
