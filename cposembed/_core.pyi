@@ -2,12 +2,12 @@
 # checked C entry per operation, the thread rules and the output pool.
 #
 # The six entries take the caller's objects as they are and return the
-# result, or None (declined, nothing written) for anything but the plain
-# case; cposembed/functional.py, layer.py and the classes' sgd_step handle
-# what was declined and call the same entry again. Positions: a Python int,
-# an exact NumPy integer scalar, a (nested) list of those, or an ndarray of a
-# native-order integer dtype;
-# values in [-L, L).
+# result, or None (nothing written) for anything but the canonical case;
+# cposembed/functional.py, layer.py and the classes' sgd_step hand the
+# arguments it refused to a route, which calls the same entry again with
+# normalised ones. _core.index_rows reads positions as the entries do.
+# Positions: a Python int, an exact NumPy integer scalar, a (nested) list of
+# those, or an ndarray of a native-order integer dtype; values in [-L, L).
 
 import enum
 from typing import Any, TypeVar, final
@@ -37,9 +37,9 @@ PLAN_SCAN: ScatterPlan
 PLAN_SORT: ScatterPlan
 
 def lookup(
-    table: Any,  # plain (L, d) float32/float64
+    table: Any,  # canonical (L, d) float32/float64
     positions: Any,
-    out: Any,  # None, or plain writable positions.shape + (d,), apart from table
+    out: Any,  # None, or canonical writable positions.shape + (d,), not overlapping table
     num_threads: Any,  # None or an integer >= 1
 ) -> np.ndarray | None: ...
 
@@ -56,20 +56,20 @@ def default_rows(
 class TableCall:
     # Base of LearnedPositionEmbedding: pe(positions) is the lookup entry on
     # self._embeddings, then self._lookup_declined(positions, out) for what
-    # it declined.
+    # it refused.
     def __call__(self, positions: Any, *, out: np.ndarray | None = None) -> np.ndarray: ...
 
 def add(
-    tokens: Any,  # plain (..., T, d), the table's dtype
+    tokens: Any,  # canonical (..., T, d), the table's dtype
     table: Any,
     positions: Any,  # None: offset + arange(T)
     offset: Any,  # integer; 0 unless positions is None
-    out: Any,  # None, tokens itself, or plain writable, apart from tokens and table
+    out: Any,  # None, tokens itself, or canonical writable, overlapping neither tokens nor table
     num_threads: Any,
 ) -> np.ndarray | None: ...
 def scatter_add(
-    grad: _A,  # plain writable (L, d)
-    grad_output: Any,  # plain (..., d), grad's dtype, apart from grad
+    grad: _A,  # canonical writable (L, d)
+    grad_output: Any,  # canonical (..., d), grad's dtype, not overlapping grad
     positions: Any,
     offset: Any,
     num_threads: Any,
@@ -78,8 +78,8 @@ def scatter_add(
     plan: int = ...,  # int: a ScatterPlan
 ) -> _A | None: ...
 def sgd_step(
-    table: Any,  # plain writable (L, d)
-    grad: Any,  # plain, same shape and dtype, apart from table
+    table: Any,  # canonical writable (L, d)
+    grad: Any,  # canonical, same shape and dtype, not overlapping table
     touched: Any,  # None (every row) or a RowMarks of L rows
     lr: float,  # double, rounded once to the table's dtype
     skip_row: int,  # Py_ssize_t
@@ -87,17 +87,17 @@ def sgd_step(
 ) -> bool | None: ...
 def embed(
     token_ids: Any,  # in [-V, V)
-    token_table: Any,  # plain (V, d)
-    position_table: Any,  # plain (L, d), same dtype and d
+    token_table: Any,  # canonical (V, d)
+    position_table: Any,  # canonical (L, d), same dtype and d
     positions: Any,
     offset: Any,
-    out: Any,  # None, or plain writable token_ids.shape + (d,), apart from both tables
+    out: Any,  # None, or canonical writable token_ids.shape + (d,), overlapping neither table
     num_threads: Any,
 ) -> np.ndarray | None: ...
 def embed_backward(
-    grad_token_table: Any,  # plain writable (V, d)
-    grad_position_table: Any,  # plain writable (L, d), same dtype and d, apart
-    grad_output: Any,  # plain token_ids.shape + (d,), apart from both
+    grad_token_table: Any,  # canonical writable (V, d)
+    grad_position_table: Any,  # canonical writable (L, d), same dtype and d, not overlapping it
+    grad_output: Any,  # canonical token_ids.shape + (d,), overlapping neither
     token_ids: Any,
     positions: Any,
     offset: Any,
