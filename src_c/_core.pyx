@@ -3,14 +3,15 @@
 # lookup, add, scatter_add, embed, embed_backward and sgd_step each take the
 # caller's objects as they are, check them (dtypes, layout, shapes, overlap,
 # position ranges, threads) with a few C comparisons, and either run the
-# kernel or decline by returning None with nothing written. The Python layer
-# (cposembed/functional.py and layer.py; the classes' sgd_step) normalises what
-# was declined (other layouts and dtypes, lists, NumPy's other index forms) or
+# kernel or refuse: return None with nothing written. The Python layer
+# (cposembed/functional.py and layer.py; the classes' sgd_step) normalises
+# refused arguments (other layouts and dtypes, NumPy's other index forms) or
 # raises the worded error, then calls the same entry again: there is no other
 # way to a kernel.
 #
-# Accepted as they are: exact ndarrays, C-contiguous and aligned, in native
-# byte order, float16/bfloat16/float32/float64 tables; positions as read by _index.pxi;
+# Accepted as they are ("canonical"): exact ndarrays, C-contiguous and
+# aligned, in native byte order, float16/bfloat16/float32/float64 tables;
+# positions as read by _index.pxi;
 # outputs that share no memory with what the call reads (except `out is
 # tokens`, the in-place add, where each element reads only itself first).
 # Positions are always copied into a buffer the call owns before anything is
@@ -498,8 +499,7 @@ cdef void _zero_row(cnp.ndarray table, Py_ssize_t row) noexcept:
 
 
 def lookup(table, positions, out, num_threads):
-    """``table[positions]`` into ``out`` (or a new array), returned; None if
-    refused (nothing written).
+    """``table[positions]`` into ``out`` (or a new array), returned; None if refused.
 
     table: a canonical (L, d) float32/float64 table; positions: as _index.pxi
     reads them, every value in [-L, L); out: None, or a canonical writable array
@@ -602,8 +602,7 @@ cdef int _rows_type(object table, object rows_array, bint any_dtype=False) noexc
 
 
 def add(tokens, table, positions, offset, out, num_threads):
-    """``tokens + table[positions]`` into ``out`` (or a new array), returned;
-    None if refused (nothing written).
+    """``tokens + table[positions]`` into ``out`` (or a new array), returned; None if refused.
 
     tokens: a canonical array of shape (..., d) with the table's dtype;
     positions: None (offset + arange(T), T = tokens.shape[-2], offset an
@@ -712,7 +711,7 @@ cdef void _sum_compact(const Compact* cp, void* table, void** out, const int64_t
 def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
                 Py_ssize_t skip_row=-1, int plan=PLAN_AUTO):
     """``grad[positions[i]] += grad_output[i]`` in np.add.at's order, in place;
-    returns grad, or None if refused (nothing written).
+    returns grad, or None if refused.
 
     grad: a canonical writable (L, d) table; grad_output: a canonical array of
     shape (..., d) of any dtype with kernels, not overlapping grad (each add as
@@ -878,7 +877,7 @@ cdef int _ids_positions(object token_ids, Py_ssize_t V, object positions, object
 
 def embed(token_ids, token_table, position_table, positions, offset, out, num_threads):
     """``token_table[token_ids] + position_table[positions]`` into ``out`` (or a
-    new array), returned; None if refused (nothing written).
+    new array), returned; None if refused.
 
     token_table (V, d) and position_table (L, d): canonical, one dtype; token_ids
     as _index.pxi reads them, in [-V, V); positions: None (offset + arange(T)
@@ -925,8 +924,7 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
                    Py_ssize_t token_skip_row=-1):
     """Both gradients of embed from one pass over grad_output, in place:
     ``grad_token_table[token_ids[i]] += grad_output[i]`` and the same for the
-    positions, each bitwise np.add.at; returns True, or None if refused
-    (nothing written).
+    positions, each bitwise np.add.at; returns True, or None if refused.
 
     The two tables: canonical, writable, one dtype and embed_dim, not
     overlapping each other (either table alone goes through scatter_add);
