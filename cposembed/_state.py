@@ -111,6 +111,17 @@ def _padding(value: Any, n_rows: int, what: str) -> int | None:
     return p + n_rows if p < 0 else p
 
 
+def check_version(version: Any, current_version: int, what: str) -> None:
+    """``ValueError`` unless ``version`` is an integer from 1 to ``current_version``."""
+    if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
+        raise ValueError(f"{what}: version must be an integer; got {describe(version)}")
+    if not 1 <= version <= current_version:
+        raise ValueError(
+            f"{what} has version {int(version)}; this cposembed reads versions 1 to "
+            f"{current_version} (a newer state needs a newer cposembed)"
+        )
+
+
 def from_pickle(state: Any, current_version: int) -> State:
     """Check a state from ``__getstate__`` (or a legacy ``__dict__``); ``ValueError`` if bad.
 
@@ -134,14 +145,8 @@ def from_pickle(state: Any, current_version: int) -> State:
     missing = set() if legacy else {"version", "embeddings"} - keys
     if missing:
         raise ValueError(f"pickled state is missing {sorted(missing)}; got keys {sorted(keys)}")
-    version = current_version if legacy else state["version"]
-    if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
-        raise ValueError(f"pickled state: version must be an integer; got {describe(version)}")
-    if not 1 <= version <= current_version:
-        raise ValueError(
-            f"pickled state has version {int(version)}; this cposembed reads versions 1 to "
-            f"{current_version} (a newer state needs a newer cposembed)"
-        )
+    if not legacy:
+        check_version(state["version"], current_version, "pickled state")
 
     what = "pickled state: embeddings"
     table = _table(state["_embeddings"] if legacy else state["embeddings"], what)
@@ -256,17 +261,46 @@ def _bfloat16_member(
     return raw.view(bfloat16().newbyteorder(order))
 
 
-def from_npz(
-    f: IO[bytes], name: str, kind: str, current_version: int
-) -> tuple[np.ndarray, int | None]:
-    """The table and ``padding_idx`` of an archive written by ``LearnedPositionEmbedding.save()``.
+def save_npz(
+    path: PathLike | IO[bytes],
+    kind: str,
+    version: int,
+    tables: dict[str, np.ndarray],
+    padding_idx: int | None,
+) -> None:
+    """Write a class's ``save()`` archive: ``kind``, ``version``, the ``tables``
+    (of one dtype, whose name is stored too) and ``padding_idx`` (-1 for None).
 
-    Returns the table native and C-contiguous. Any damage (a truncated or
-    altered archive, members of the wrong dtype or shape, a pickle inside)
-    raises ``ValueError`` naming ``name``.
+    A file name is written exactly (no ``.npz`` appended) through
+    :func:`atomic_write`; an open binary file is written as it is.
     """
-    (table,), pad = read_tables(f, name, kind, current_version, ("embeddings",))
-    return table, pad
+    arrays: dict[str, Any] = {
+        "kind": np.array(kind),
+        "format_version": np.array(version, dtype=np.int64),
+        **tables,
+        "dtype": np.array(next(iter(tables.values())).dtype.name),
+        "padding_idx": np.array(-1 if padding_idx is None else padding_idx, dtype=np.int64),
+    }
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        np.savez(path, **arrays)
+        return
+    # np.savez appends ".npz" to a file name without it; a file object makes
+    # it write exactly the name given.
+    with atomic_write(path) as f:
+        np.savez(f, **arrays)
+
+
+def load_npz(
+    path: PathLike | IO[bytes], kind: str, current_version: int, keys: tuple[str, ...]
+) -> tuple[list[np.ndarray], int | None, str]:
+    """What :func:`save_npz` wrote, from a file name or an open binary file: the
+    tables ``keys`` and ``padding_idx`` as :func:`read_tables` returns them, and
+    the name to use in messages."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return (*read_tables(path, repr(path), kind, current_version, keys), repr(path))
+    name = repr(os.fspath(path))
+    with open(path, "rb") as f:
+        return (*read_tables(f, name, kind, current_version, keys), name)
 
 
 def read_tables(

@@ -50,15 +50,17 @@ def _values_of(table: Any) -> np.ndarray:
     return np.asarray(table)
 
 
-def draw_table(max_seq_len: int, embed_dim: int, seed: Any = None) -> np.ndarray:
-    """The reference's float64 initial table: ``randn(L, d) * (1 / sqrt(d))``.
+def draw_tables(seed: Any, embed_dim: int, *n_rows: int) -> list[np.ndarray]:
+    """The reference's float64 initial tables, ``randn(n, d) * (1 / sqrt(d))`` for
+    each ``n`` of ``n_rows`` in turn, from one stream.
 
     An integer ``seed`` draws from a private ``RandomState(seed)``, which yields
     the stream ``np.random.seed(seed)`` would, without touching the global RNG;
     ``seed=None`` draws from the global legacy RNG exactly as the reference does.
     """
     rng = np.random if seed is None else np.random.RandomState(seed)
-    return rng.randn(max_seq_len, embed_dim) * (1.0 / np.sqrt(embed_dim))
+    scale = 1.0 / np.sqrt(embed_dim)
+    return [rng.randn(n, embed_dim) * scale for n in n_rows]
 
 
 class _CallSignature:
@@ -147,7 +149,7 @@ class LearnedPositionEmbedding(_core.TableCall):
         d = v.check_int(embed_dim, "embed_dim", min_value=1)
         dt = v.table_dtype(dtype)
         pad = _padding_index(padding_idx, n_rows)
-        self._embeddings = np.ascontiguousarray(draw_table(n_rows, d, seed), dtype=dt)
+        self._embeddings = np.ascontiguousarray(draw_tables(seed, d, n_rows)[0], dtype=dt)
         if pad is not None:
             self._embeddings[pad] = 0
         self._init_state(pad)
@@ -476,22 +478,13 @@ class LearnedPositionEmbedding(_core.TableCall):
         part way (a full disk, say) leaves the previous file intact and no
         temporary file behind; the ``OSError`` names ``path``.
         """
-        arrays: dict[str, Any] = {
-            "kind": np.array(_SAVE_KIND),
-            "format_version": np.array(SAVE_FORMAT_VERSION, dtype=np.int64),
-            "embeddings": self._embeddings,
-            "dtype": np.array(self.dtype.name),
-            "padding_idx": np.array(
-                -1 if self.padding_idx is None else self.padding_idx, dtype=np.int64
-            ),
-        }
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            np.savez(path, **arrays)  # an open binary file
-            return
-        # np.savez appends ".npz" to a file name without it; a file object
-        # makes it write exactly the name given.
-        with _state.atomic_write(path) as f:
-            np.savez(f, **arrays)
+        _state.save_npz(
+            path,
+            _SAVE_KIND,
+            SAVE_FORMAT_VERSION,
+            {"embeddings": self._embeddings},
+            self.padding_idx,
+        )
 
     @classmethod
     def load(cls, path: PathOrFile) -> LearnedPositionEmbedding:
@@ -507,15 +500,7 @@ class LearnedPositionEmbedding(_core.TableCall):
         FileNotFoundError
             No file at ``path``.
         """
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            return cls._from_npz(path, repr(path))
-        name = os.fspath(path)
-        with open(name, "rb") as f:
-            return cls._from_npz(f, repr(name))
-
-    @classmethod
-    def _from_npz(cls, f: IO[bytes], name: str) -> LearnedPositionEmbedding:
-        table, pad = _state.from_npz(f, name, _SAVE_KIND, SAVE_FORMAT_VERSION)
+        (table,), pad, _ = _state.load_npz(path, _SAVE_KIND, SAVE_FORMAT_VERSION, ("embeddings",))
         return cls.from_pretrained(table, dtype=table.dtype, padding_idx=pad)
 
     # -- pickle --------------------------------------------------------------

@@ -78,7 +78,34 @@ def adjacent_similarity(pe_or_table: Any) -> float:
     return float(cos.mean())
 
 
-def _finish(fig: Any, path: Any, dpi: int) -> Any:
+def _draw(
+    image: np.ndarray,
+    figsize: tuple[float, float],
+    labels: tuple[str, str],
+    title: str,
+    scale: tuple[str, float, float, str | None],
+    path: Any,
+    dpi: int,
+) -> Any:
+    """``image`` with positions along x: ``labels`` are the y axis's and the colour bar's;
+    ``scale`` is the colour map, vmin, vmax and the aspect (None: square pixels).
+    Written to ``path`` as a PNG when one is given."""
+    cmap, vmin, vmax, aspect = scale
+    fig = _new_figure(figsize)
+    ax = fig.add_subplot()
+    im = ax.imshow(
+        image,
+        aspect=aspect,
+        origin="lower",
+        cmap=cmap,
+        vmin=vmin,
+        vmax=vmax,
+        interpolation="nearest",
+    )
+    ax.set_xlabel("Position")
+    ax.set_ylabel(labels[0])
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label=labels[1])
     if path is not None:
         # Into a file object with format="png", so the file is exactly `path`
         # whatever its suffix; atomic, so a failed write leaves no half PNG.
@@ -128,27 +155,18 @@ def heatmap(
         checkout).
     """
     table = _as_table(pe_or_table)
-    n_pos, n_dim = table.shape
-    fig = _new_figure((8, 4))
-    ax = fig.add_subplot()
     if vmax is None:
         vmax = float(np.abs(table).max()) or 1.0
-    if vmin is None:
-        vmin = -vmax
-    im = ax.imshow(
+    n_pos, n_dim = table.shape
+    return _draw(
         table.T,
-        aspect="auto",
-        origin="lower",
-        cmap=cmap,
-        vmin=vmin,
-        vmax=vmax,
-        interpolation="nearest",
+        (8, 4),
+        ("Dimension", "Value"),
+        title if title is not None else f"Position embeddings ({n_pos} x {n_dim})",
+        (cmap, -vmax if vmin is None else vmin, vmax, "auto"),
+        path,
+        dpi,
     )
-    ax.set_xlabel("Position")
-    ax.set_ylabel("Dimension")
-    ax.set_title(title if title is not None else f"Position embeddings ({n_pos} x {n_dim})")
-    fig.colorbar(im, ax=ax, label="Value")
-    return _finish(fig, path, dpi)
 
 
 def similarity(
@@ -191,12 +209,12 @@ def similarity(
         matplotlib is not installed (``python -m pip install ".[plot]"`` from a
         checkout).
     """
-    sim = cosine_similarity(pe_or_table)
-    fig = _new_figure((5.5, 4.5))
-    ax = fig.add_subplot()
-    im = ax.imshow(sim, origin="lower", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
-    ax.set_xlabel("Position")
-    ax.set_ylabel("Position")
-    ax.set_title(title if title is not None else "Cosine similarity between positions")
-    fig.colorbar(im, ax=ax, label="Cosine similarity")
-    return _finish(fig, path, dpi)
+    return _draw(
+        cosine_similarity(pe_or_table),
+        (5.5, 4.5),
+        ("Position", "Cosine similarity"),
+        title if title is not None else "Cosine similarity between positions",
+        (cmap, vmin, vmax, None),
+        path,
+        dpi,
+    )

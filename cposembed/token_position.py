@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _grad, _routes, _state
 from . import _validation as v
-from .embedding import LearnedPositionEmbedding
+from .embedding import LearnedPositionEmbedding, draw_tables
 from .layer import embed
 
 PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
@@ -106,10 +106,7 @@ class TokenPositionEmbedding:
         n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1)
         d = v.check_int(embed_dim, "embed_dim", min_value=1)
         dt = v.table_dtype(dtype)
-        rng = np.random if seed is None else np.random.RandomState(seed)
-        scale = 1.0 / np.sqrt(d)
-        positions = rng.randn(n_rows, d) * scale
-        tokens = rng.randn(n_tokens, d) * scale
+        positions, tokens = draw_tables(seed, d, n_rows, n_tokens)
         token_layer = LearnedPositionEmbedding.from_pretrained(
             tokens, dtype=dt, padding_idx=padding_idx
         )
@@ -382,22 +379,16 @@ class TokenPositionEmbedding:
             atomically as by :meth:`LearnedPositionEmbedding.save`, or an
             open binary file. The gradients are not stored (pickle keeps them).
         """
-        arrays: dict[str, Any] = {
-            "kind": np.array(_SAVE_KIND),
-            "format_version": np.array(SAVE_FORMAT_VERSION, dtype=np.int64),
-            "token_embeddings": self.token_embeddings,
-            "position_embeddings": self.position_embeddings,
-            "dtype": np.array(self.dtype.name),
-            "padding_idx": np.array(
-                -1 if self.padding_idx is None else self.padding_idx, dtype=np.int64
-            ),
-        }
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            np.savez(path, **arrays)
-            return
-        # Into a file object: np.savez would append ".npz" to a name without it.
-        with _state.atomic_write(path) as f:
-            np.savez(f, **arrays)
+        _state.save_npz(
+            path,
+            _SAVE_KIND,
+            SAVE_FORMAT_VERSION,
+            {
+                "token_embeddings": self.token_embeddings,
+                "position_embeddings": self.position_embeddings,
+            },
+            self.padding_idx,
+        )
 
     @classmethod
     def load(cls, path: PathOrFile) -> TokenPositionEmbedding:
@@ -416,20 +407,8 @@ class TokenPositionEmbedding:
         ValueError
             The file is not one :meth:`save` wrote, or is damaged or truncated.
         """
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            return cls._from_npz(path, repr(path))
-        name = os.fspath(path)
-        with open(name, "rb") as f:
-            return cls._from_npz(f, repr(name))
-
-    @classmethod
-    def _from_npz(cls, f: IO[bytes], name: str) -> TokenPositionEmbedding:
-        tables, pad = _state.read_tables(
-            f,
-            name,
-            _SAVE_KIND,
-            SAVE_FORMAT_VERSION,
-            ("token_embeddings", "position_embeddings"),
+        tables, pad, name = _state.load_npz(
+            path, _SAVE_KIND, SAVE_FORMAT_VERSION, ("token_embeddings", "position_embeddings")
         )
         tokens, positions = tables
         if tokens.dtype != positions.dtype or tokens.shape[1] != positions.shape[1]:
@@ -449,16 +428,9 @@ class TokenPositionEmbedding:
                 "not a pickled TokenPositionEmbedding state (expected the keys "
                 f"version, tokens, positions); got {v.describe(state)}"
             )
-        version = state["version"]
-        if (
-            isinstance(version, (bool, np.bool_))
-            or not isinstance(version, (int, np.integer))
-            or not 1 <= version <= _PICKLE_VERSION
-        ):
-            raise ValueError(
-                f"pickled TokenPositionEmbedding state has version {v.describe(version)}; "
-                f"this cposembed reads 1 to {_PICKLE_VERSION}"
-            )
+        _state.check_version(
+            state["version"], _PICKLE_VERSION, "pickled TokenPositionEmbedding state"
+        )
         tokens = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)
         tokens.__setstate__(state["tokens"])
         positions = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)
