@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from helpers import (
@@ -17,7 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cposembed
-from cposembed import TokenPositionEmbedding, _core
+from cposembed import TokenPositionEmbedding, _core, embed
+from cposembed import embed_backward as backward
 
 FLOATS = [np.float32, np.float64]
 
@@ -216,83 +219,44 @@ def test_layouts_and_index_forms():
     assert np.array_equal(cposembed.embed(np.int64(3), wte, wpe, positions=2), wte[3] + wpe[2])
 
 
+# Each call gets the arrays of test_errors_write_nothing: a.w, a.wp (the
+# tables), a.g, a.p (the gradients), a.o (an out) and a.go (a grad_output).
 @pytest.mark.parametrize(
     "call, exc, match",
     [
-        (lambda w, wp, g, p, o: cposembed.embed([[12]], w, wp), IndexError, "token id 12"),
-        (lambda w, wp, g, p, o: cposembed.embed([[-13]], w, wp), IndexError, "token id -13"),
-        (lambda w, wp, g, p, o: cposembed.embed([[0] * 9], w, wp), IndexError, "position 8"),
-        (lambda w, wp, g, p, o: cposembed.embed([[0]], w, wp, [[9]]), IndexError, "position 9"),
-        (lambda w, wp, g, p, o: cposembed.embed([[0.5]], w, wp), IndexError, "token_ids"),
-        (lambda w, wp, g, p, o: cposembed.embed([[0]], w, wp[:, :3]), ValueError, "embed_dim"),
-        (lambda w, wp, g, p, o: cposembed.embed([[0]], w, wp, offset=-1), ValueError, "offset"),
-        (lambda w, wp, g, p, o: cposembed.embed([[0]], w, wp, [0], offset=1), ValueError, "offset"),
-        (
-            lambda w, wp, g, p, o: cposembed.embed([[0, 1]], w, wp, [0, 1, 2]),
-            ValueError,
-            "broadcast",
-        ),
-        (lambda w, wp, g, p, o: cposembed.embed(3, w, wp), ValueError, "positions"),
-        (lambda w, wp, g, p, o: cposembed.embed([[0]], w, wp, out=o), ValueError, "shape"),
-        (
-            lambda w, wp, g, p, o: cposembed.embed([[0]], w, wp, num_threads=0),
-            ValueError,
-            "num_thr",
-        ),
-        (
-            lambda w, wp, g, p, o: cposembed.embed_backward(g, p, np.ones((1, 2, 4)), [[0, 12]]),
-            IndexError,
-            "token id 12",
-        ),
-        (
-            lambda w, wp, g, p, o: cposembed.embed_backward(
-                g, p, np.ones((1, 2, 4)), [[0, 0]], [[0, 8]]
-            ),
-            IndexError,
-            "position 8",
-        ),
-        (
-            lambda w, wp, g, p, o: cposembed.embed_backward(g, p, np.ones((1, 3, 4)), [[0, 0]]),
-            ValueError,
-            "grad_output",
-        ),
-        (
-            lambda w, wp, g, p, o: cposembed.embed_backward(g, p, np.ones((1, 2, 3)), [[0, 0]]),
-            ValueError,
-            "grad_output",
-        ),
-        (
-            lambda w, wp, g, p, o: cposembed.embed_backward(
-                g, p[:, :3], np.ones((1, 2, 4)), [[0, 0]]
-            ),
-            ValueError,
-            "embed_dim",
-        ),
-        (
-            lambda w, wp, g, p, o: cposembed.embed_backward(
-                g.astype(int), p, np.ones((1, 2, 4)), [[0]]
-            ),
-            TypeError,
-            "float32 or float64",
-        ),
-        (
-            lambda w, wp, g, p, o: cposembed.embed_backward(
-                g, [[0.0] * 4], np.ones((1, 1, 4)), [[0]]
-            ),
-            TypeError,
-            "ndarray",
-        ),
+        (lambda a: embed([[12]], a.w, a.wp), IndexError, "token id 12"),
+        (lambda a: embed([[-13]], a.w, a.wp), IndexError, "token id -13"),
+        (lambda a: embed([[0] * 9], a.w, a.wp), IndexError, "position 8"),
+        (lambda a: embed([[0]], a.w, a.wp, [[9]]), IndexError, "position 9"),
+        (lambda a: embed([[0.5]], a.w, a.wp), IndexError, "token_ids"),
+        (lambda a: embed([[0]], a.w, a.wp[:, :3]), ValueError, "embed_dim"),
+        (lambda a: embed([[0]], a.w, a.wp, offset=-1), ValueError, "offset"),
+        (lambda a: embed([[0]], a.w, a.wp, [0], offset=1), ValueError, "offset"),
+        (lambda a: embed([[0, 1]], a.w, a.wp, [0, 1, 2]), ValueError, "broadcast"),
+        (lambda a: embed(3, a.w, a.wp), ValueError, "positions"),
+        (lambda a: embed([[0]], a.w, a.wp, out=a.o), ValueError, "shape"),
+        (lambda a: embed([[0]], a.w, a.wp, num_threads=0), ValueError, "num_thr"),
+        (lambda a: backward(a.g, a.p, a.go, [[0, 12]]), IndexError, "token id 12"),
+        (lambda a: backward(a.g, a.p, a.go, [[0, 0]], [[0, 8]]), IndexError, "position 8"),
+        (lambda a: backward(a.g, a.p, np.ones((1, 3, 4)), [[0, 0]]), ValueError, "grad_output"),
+        (lambda a: backward(a.g, a.p, a.go[..., :3], [[0, 0]]), ValueError, "grad_output"),
+        (lambda a: backward(a.g, a.p[:, :3], a.go, [[0, 0]]), ValueError, "embed_dim"),
+        (lambda a: backward(a.g.astype(int), a.p, a.go, [[0]]), TypeError, "float32 or float64"),
+        (lambda a: backward(a.g, [[0.0] * 4], a.go[:, :1], [[0]]), TypeError, "ndarray"),
     ],
 )
 def test_errors_write_nothing(call, exc, match):
-    wte = np.ones((12, 4), np.float32)
-    wpe = np.ones((8, 4), np.float32)
-    g = np.zeros((12, 4), np.float32)
-    p = np.zeros((8, 4), np.float32)
-    o = np.zeros((2, 1, 4), np.float32)
+    a = SimpleNamespace(
+        w=np.ones((12, 4), np.float32),
+        wp=np.ones((8, 4), np.float32),
+        g=np.zeros((12, 4), np.float32),
+        p=np.zeros((8, 4), np.float32),
+        o=np.zeros((2, 1, 4), np.float32),
+        go=np.ones((1, 2, 4)),
+    )
     with pytest.raises(exc, match=match):
-        call(wte, wpe, g, p, o)
-    assert not g.any() and not p.any() and not o.any()
+        call(a)
+    assert not a.g.any() and not a.p.any() and not a.o.any()
 
 
 def test_backward_errors_leave_both_tables_untouched():

@@ -4,6 +4,7 @@ a training loop and the ``train`` function, each against plain NumPy."""
 from __future__ import annotations
 
 import numpy as np
+import plain as cases
 import pytest
 from helpers import (
     DTYPES,
@@ -13,28 +14,10 @@ from helpers import (
 )
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from plain import (
-    PLAIN_THREADS,
-    THREADS,
-    Snapshot,
-    _apart,
-    _array_form,
-    _declined,
-    _entry_case,
-    _expected_team,
-    _pick,
-    _plain,
-    _plain_table,
-    _same_bits,
-    _threads_ok,
-)
 
 import cposembed
 import cposembed.train
-from cposembed import (
-    LearnedPositionEmbedding,
-    _core,
-)
+from cposembed import LearnedPositionEmbedding, _core
 from cposembed.reference import LearnedPositionEmbedding as Reference
 
 
@@ -61,9 +44,9 @@ def test_user_assigned_grad_of_the_wrong_shape(positions):
 # ---------------------------------------------------------------- sgd_step
 @given(data=st.data())
 def test_sgd_entry_accepts_exactly_the_plain_case(data):
-    plain, L, d, dtype, rng, table = _entry_case(data)
+    plain, L, d, dtype, rng, table = cases._entry_case(data)
     grad = rng.standard_normal((L, d)).astype(dtype)
-    grad_kind = _pick(
+    grad_kind = cases._pick(
         data.draw,
         ["plain"],
         ["dtype", "shape", "strided", "subclass", "on_table", "readonly", "swapped", "list"],
@@ -71,11 +54,11 @@ def test_sgd_entry_accepts_exactly_the_plain_case(data):
     )
     if grad_kind == "shape":
         grad = np.ones((L, d + 1), dtype)
-    elif grad_kind == "on_table" and _plain_table(table) and table.size:
+    elif grad_kind == "on_table" and cases._plain_table(table) and table.size:
         grad = table[...]
     else:
-        grad = _array_form(grad, grad_kind)  # read only is fine: the step reads it
-    touched_kind = _pick(data.draw, ["none", "plain"], ["length", "mask"], plain=plain)
+        grad = cases._array_form(grad, grad_kind)  # read only is fine: the step reads it
+    touched_kind = cases._pick(data.draw, ["none", "plain"], ["length", "mask"], plain=plain)
     touched = None
     if touched_kind == "plain":
         touched = _core.RowMarks(L, rng.random(L) < 0.5)
@@ -84,19 +67,19 @@ def test_sgd_entry_accepts_exactly_the_plain_case(data):
     elif touched_kind == "mask":
         touched = np.ones(L, bool)  # a bare mask, not RowMarks
     lr = data.draw(st.floats(-10, 10, allow_nan=False), label="lr")
-    skip_row = _pick(data.draw, [-1, 0, L - 1], [-2, L], 0.1, plain=plain)
-    num_threads = data.draw(PLAIN_THREADS if plain else THREADS, label="num_threads")
+    skip_row = cases._pick(data.draw, [-1, 0, L - 1], [-2, L], 0.1, plain=plain)
+    num_threads = data.draw(cases.PLAIN_THREADS if plain else cases.THREADS, label="num_threads")
     serial_below = data.draw(st.sampled_from([None, 0]))
 
     accept = (
-        _plain_table(table)
+        cases._plain_table(table)
         and table.flags.writeable
-        and _plain(grad, table.dtype)
+        and cases._plain(grad, table.dtype)
         and grad.shape == table.shape
-        and _apart(grad, table)
+        and cases._apart(grad, table)
         and (touched is None or (isinstance(touched, _core.RowMarks) and touched.n_rows == L))
         and -1 <= skip_row < L
-        and _threads_ok(num_threads)
+        and cases._threads_ok(num_threads)
     )
     expect = None
     if accept:
@@ -106,17 +89,17 @@ def test_sgd_entry_accepts_exactly_the_plain_case(data):
         step = dtype.type(lr)
         expect[rows] = expect[rows] - step * grad[rows]
     event("accepted" if accept else "declined")
-    snap = Snapshot(table, grad, touched)
+    snap = cases.Snapshot(table, grad, touched)
     with tuned(serial_below=serial_below):
         result = _core.sgd_step(table, grad, touched, lr, skip_row, num_threads)
         if not accept:
-            _declined(result, snap)
+            cases._declined(result, snap)
             return
         assert result is True
         n = rows.size
-        assert _core.last_team() == _expected_team(num_threads, n * d, n)
+        assert _core.last_team() == cases._expected_team(num_threads, n * d, n)
     snap.unchanged(but=(table,))
-    _same_bits(table, expect)
+    cases._same_bits(table, expect)
 
 
 def test_padding_idx_setter_on_a_read_only_grad_changes_nothing_or_succeeds():

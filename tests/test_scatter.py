@@ -4,7 +4,9 @@ overlaps, and the C entry's plain case."""
 from __future__ import annotations
 
 import numpy as np
+import plain as cases
 import pytest
+import strategies as sts
 from helpers import (
     FLOAT_TYPES,
     INDEX_DTYPES,
@@ -21,39 +23,6 @@ from helpers import (
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from plain import (
-    FLOATS,
-    INT_DTYPES,
-    PLAIN_THREADS,
-    THREADS,
-    Snapshot,
-    _apart,
-    _array_form,
-    _declined,
-    _default_rows,
-    _entry_case,
-    _expected_team,
-    _explicit_rows,
-    _lead_and_positions,
-    _pick,
-    _plain,
-    _plain_table,
-    _rng,
-    _same_bits,
-    _scatter_expect,
-    _threads_ok,
-)
-from strategies import (
-    CLEAR_ERRORS,
-    SIZED_INT_DTYPES,
-    _bits,
-    float_values,
-    index_arrays,
-    numpy_or_error,
-    row_arrays,
-    same_bits,
-    same_values,
-)
 
 import cposembed
 from cposembed import LearnedPositionEmbedding, _core
@@ -63,10 +32,10 @@ PLANS = [_core.PLAN_AUTO, _core.PLAN_DISTINCT, _core.PLAN_SCAN, _core.PLAN_SORT]
 
 @given(data=st.data())
 def test_scatter_entry_accepts_exactly_the_plain_case(data):
-    plain, L, d, dtype, rng, grad = _entry_case(data)
-    lead, positions, offset = _lead_and_positions(data, L, plain)
+    plain, L, d, dtype, rng, grad = cases._entry_case(data)
+    lead, positions, offset = cases._lead_and_positions(data, L, plain)
     g = rng.standard_normal(lead + (d,)).astype(dtype)
-    g_kind = _pick(
+    g_kind = cases._pick(
         data.draw,
         ["plain"],
         ["dtype", "swapped", "strided", "subclass", "list", "wrong_d", "readonly", "on_grad"]
@@ -75,14 +44,14 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
     )
     if g_kind == "wrong_d":
         g = np.ones(lead + (d + 1,), dtype)
-    elif g_kind == "on_grad" and _plain_table(grad) and grad.size and g.size:
+    elif g_kind == "on_grad" and cases._plain_table(grad) and grad.size and g.size:
         buf = rng.standard_normal(grad.size + g.size).astype(dtype)
         grad = buf[: grad.size].reshape(grad.shape)
         start = data.draw(st.integers(0, grad.size - 1))
         g = buf[start : start + g.size].reshape(g.shape)
     else:
-        g = _array_form(g, g_kind)  # read only is fine for g
-    touched_kind = _pick(
+        g = cases._array_form(g, g_kind)  # read only is fine for g
+    touched_kind = cases._pick(
         data.draw,
         ["none", "plain"],
         ["length", "mask", "other"],
@@ -97,61 +66,63 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
         touched = np.zeros(L, bool)  # a bare mask, not RowMarks
     elif touched_kind == "other":
         touched = [False] * L
-    skip_row = _pick(data.draw, [-1, 0, L - 1], [-2, L], 0.1, plain=plain)
-    plan = _pick(
+    skip_row = cases._pick(data.draw, [-1, 0, L - 1], [-2, L], 0.1, plain=plain)
+    plan = cases._pick(
         data.draw, PLANS, [4, 2**31 - 1], 0.1, plain=plain
     )  # negative: see test_scatter_entry_declines_negative_plans
-    num_threads = data.draw(PLAIN_THREADS if plain else THREADS, label="num_threads")
+    num_threads = data.draw(cases.PLAIN_THREADS if plain else cases.THREADS, label="num_threads")
     serial_below = data.draw(st.sampled_from([None, 0]))
     scan_block = data.draw(st.sampled_from([None, 8, 64]))
 
-    grad_ok = _plain_table(grad) and grad.flags.writeable
+    grad_ok = cases._plain_table(grad) and grad.flags.writeable
     if not grad_ok:
         rows = None
     elif positions is None:
-        rows = _default_rows(lead, offset, L)
+        rows = cases._default_rows(lead, offset, L)
     else:
-        rows = _explicit_rows(positions, offset, lead, L)
+        rows = cases._explicit_rows(positions, offset, lead, L)
     accept = (
         rows is not None
-        and _plain(g, grad.dtype)
+        and cases._plain(g, grad.dtype)
         and g.ndim >= 1
         and g.shape[-1] == d
-        and _apart(g, grad)
+        and cases._apart(g, grad)
         and (touched is None or (isinstance(touched, _core.RowMarks) and touched.n_rows == L))
         and -1 <= skip_row < L
         and 0 <= plan <= 3
-        and _threads_ok(num_threads)
+        and cases._threads_ok(num_threads)
     )
     expect = marks = None
     if accept:
-        expect, marks = _scatter_expect(grad, g, rows, touched, skip_row)
+        expect, marks = cases._scatter_expect(grad, g, rows, touched, skip_row)
     event("accepted" if accept else "declined")
     marks_before = touched.mask.copy() if isinstance(touched, _core.RowMarks) else None
-    snap = Snapshot(grad, g, positions, touched)
+    snap = cases.Snapshot(grad, g, positions, touched)
     with tuned(serial_below=serial_below, scan_block_bytes=scan_block):
         result = _core.scatter_add(grad, g, positions, offset, num_threads, touched, skip_row, plan)
         if not accept and marks_before is not None:
             assert np.array_equal(touched.mask, marks_before)
         if not accept:
-            _declined(result, snap)
+            cases._declined(result, snap)
             return
         assert result is grad, "the entry declined a plain call"
         team = _core.last_team()
         # Threads: at most one per table row; the work is the whole gradient.
         n = int(np.prod(lead))
         period = rows.size if rows.ndim < len(lead) else (lead[-1] if lead else 1)
-        candidates = {_expected_team(num_threads, n * d, min(L, m)) for m in (rows.size, period, 1)}
+        candidates = {
+            cases._expected_team(num_threads, n * d, min(L, m)) for m in (rows.size, period, 1)
+        }
         assert team in candidates, (team, candidates)
     snap.unchanged(but=(grad, touched))
     assert np.array_equal(grad, expect, equal_nan=True)
-    _same_bits(grad[~np.isnan(expect)], expect[~np.isnan(expect)])
+    cases._same_bits(grad[~np.isnan(expect)], expect[~np.isnan(expect)])
     if touched is not None:
-        _same_bits(touched.mask, marks)
+        cases._same_bits(touched.mask, marks)
         assert sorted(touched.rows()) == list(np.flatnonzero(marks))
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", cases.FLOATS)
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
 @given(data=st.data())
 def test_scatter_entry_is_bitwise_np_add_at(dtype, plan, data):
@@ -163,11 +134,11 @@ def test_scatter_entry_is_bitwise_np_add_at(dtype, plan, data):
     kind = data.draw(
         st.sampled_from(["none", "random", "repeating", "arange_rows", "one_row", "period"])
     )
-    index = data.draw(st.sampled_from(INT_DTYPES))
+    index = data.draw(st.sampled_from(cases.INT_DTYPES))
     threads = data.draw(st.integers(1, 4))
     serial_below = data.draw(st.sampled_from([0, None]))
     scan_block = data.draw(st.sampled_from([None, 8, 64, 4096]))
-    rng = _rng(data.draw(st.integers(0, 2**16)))
+    rng = cases._rng(data.draw(st.integers(0, 2**16)))
     g = rng.standard_normal((B, T, d)).astype(dtype)
     grad0 = rng.standard_normal((L, d)).astype(dtype)
     lo = 0 if index.kind == "u" else -L
@@ -189,14 +160,14 @@ def test_scatter_entry_is_bitwise_np_add_at(dtype, plan, data):
         pos = positions = np.full((B, T), 3, index)
     else:
         pos = positions = rng.integers(lo, L, size=T).astype(index)
-    expect, _ = _scatter_expect(grad0, g, pos, None, -1)
+    expect, _ = cases._scatter_expect(grad0, g, pos, None, -1)
     grad = grad0.copy()
     with tuned(serial_below=serial_below, scan_block_bytes=scan_block):
         assert _core.scatter_add(grad, g, positions, offset, threads, None, -1, plan) is grad
         assert 1 <= _core.last_team() <= threads
         if serial_below is None:
             assert _core.last_team() == 1
-    _same_bits(grad, expect)
+    cases._same_bits(grad, expect)
 
 
 def test_scatter_entry_declines_negative_plans():
@@ -318,7 +289,7 @@ def test_scatter_add_any_grad_output_matches_add_at(data):
     L = data.draw(st.integers(1, 6))
     d = data.draw(st.integers(0, 5))
     gdtype = data.draw(st.sampled_from([np.float32, np.float64]))
-    grad0 = data.draw(float_values((L, d), gdtype))
+    grad0 = data.draw(sts.float_values((L, d), gdtype))
     grad = data.draw(st.sampled_from(["c", "fortran", "strided"]))
     if grad == "fortran":
         grad = np.asfortranarray(grad0.copy())
@@ -327,15 +298,15 @@ def test_scatter_add_any_grad_output_matches_add_at(data):
     else:
         grad = grad0.copy()
     lead = tuple(data.draw(st.lists(st.integers(0, 4), max_size=3), label="lead"))
-    g = data.draw(row_arrays(lead, d), label="grad_output")
+    g = data.draw(sts.row_arrays(lead, d), label="grad_output")
     if data.draw(st.booleans()):
         pshape = tuple(data.draw(st.lists(st.integers(0, 4), max_size=2)))
         if data.draw(st.booleans()) and lead:
             pshape = lead[len(lead) - data.draw(st.integers(0, len(lead))) :]
-        positions = data.draw(index_arrays(L, shape=pshape), label="positions")
+        positions = data.draw(sts.index_arrays(L, shape=pshape), label="positions")
     else:
         positions = None
-    g_before = _bits(g)
+    g_before = sts._bits(g)
 
     def reference():
         if g.dtype.kind not in "biuf":
@@ -355,16 +326,16 @@ def test_scatter_add_any_grad_output_matches_add_at(data):
         np.add.at(want, np.broadcast_to(pos, lead), g.astype(gdtype))
         return want
 
-    want, ref_exc = numpy_or_error(reference)
+    want, ref_exc = sts.numpy_or_error(reference)
     if ref_exc is None:
         got = cposembed.scatter_add(grad, g, positions)
         assert got is grad
-        assert same_values(grad, want)
+        assert sts.same_values(grad, want)
     else:
-        with pytest.raises(CLEAR_ERRORS):
+        with pytest.raises(sts.CLEAR_ERRORS):
             cposembed.scatter_add(grad, g, positions)
-        assert same_bits(grad, grad0)
-    assert _bits(g) == g_before
+        assert sts.same_bits(grad, grad0)
+    assert sts._bits(g) == g_before
 
 
 @given(data=st.data())
@@ -372,12 +343,12 @@ def test_scatter_add_grad_output_overlapping_grad(data):
     """grad_output that is a view of grad_table itself: inputs read first."""
     L = data.draw(st.integers(2, 6))
     d = data.draw(st.integers(1, 4))
-    grad = data.draw(float_values((L, d), np.float64))
+    grad = data.draw(sts.float_values((L, d), np.float64))
     lo = data.draw(st.integers(0, L - 1))
     hi = data.draw(st.integers(lo, L))
     g = grad[lo:hi] if data.draw(st.booleans()) else grad[lo:hi][::-1]
     positions = data.draw(
-        index_arrays(L, shape=(hi - lo,), dtypes=st.sampled_from(SIZED_INT_DTYPES))
+        sts.index_arrays(L, shape=(hi - lo,), dtypes=st.sampled_from(sts.SIZED_INT_DTYPES))
     )
     assume(
         positions.size == 0
@@ -387,7 +358,7 @@ def test_scatter_add_grad_output_overlapping_grad(data):
     with np.errstate(all="ignore"):  # Inf + -Inf: NumPy warns, the kernel need not
         np.add.at(want, positions, g.copy())
         cposembed.scatter_add(grad, g, positions)
-    assert same_values(grad, want)
+    assert sts.same_values(grad, want)
 
 
 @needs_numpy2
