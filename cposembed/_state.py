@@ -66,6 +66,8 @@ _CORRUPT = (
 
 
 PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+# What save() and load() take: a file name or an open binary file.
+PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 
 
 class State(NamedTuple):
@@ -262,7 +264,7 @@ def _bfloat16_member(
 
 
 def save_npz(
-    path: PathLike | IO[bytes],
+    path: PathOrFile,
     kind: str,
     version: int,
     tables: dict[str, np.ndarray],
@@ -291,38 +293,33 @@ def save_npz(
 
 
 def load_npz(
-    path: PathLike | IO[bytes], kind: str, current_version: int, keys: tuple[str, ...]
+    path: PathOrFile, kind: str, current_version: int, keys: tuple[str, ...]
 ) -> tuple[list[np.ndarray], int | None, str]:
-    """What :func:`save_npz` wrote, from a file name or an open binary file: the
-    tables ``keys`` and ``padding_idx`` as :func:`read_tables` returns them, and
-    the name to use in messages."""
-    if not isinstance(path, (str, bytes, os.PathLike)):
-        return (*read_tables(path, repr(path), kind, current_version, keys), repr(path))
-    name = repr(os.fspath(path))
-    with open(path, "rb") as f:
-        return (*read_tables(f, name, kind, current_version, keys), name)
+    """The tables ``keys`` (in that order) and ``padding_idx`` of what :func:`save_npz`
+    wrote, from a file name or an open binary file, and the file's name for messages.
 
-
-def read_tables(
-    f: IO[bytes], name: str, kind: str, current_version: int, keys: tuple[str, ...]
-) -> tuple[list[np.ndarray], int | None]:
-    """The tables ``keys`` (in that order) and ``padding_idx`` of an archive that
-    a class's ``save()`` wrote; ``padding_idx`` is a row of the first table.
-
-    Returns the tables native and C-contiguous, all of one dtype (the
-    ``dtype`` member's, when present). Any damage raises ``ValueError``
-    naming ``name``.
+    Returns the tables native and C-contiguous, all of one dtype (the ``dtype``
+    member's, when present); ``padding_idx`` is a row of the first table. A
+    missing file raises ``FileNotFoundError``; any damage ``ValueError``
+    naming the file.
     """
-    try:
-        with zipfile.ZipFile(f) as archive:
-            return _from_archive(archive, kind, current_version, keys)
-    except _Refused as exc:
-        raise ValueError(f"{name} is not a valid file written by save(): {exc}") from None
-    except _CORRUPT as exc:
-        raise ValueError(
-            f"{name} is not a file written by save(), or is damaged or truncated "
-            f"({type(exc).__name__}: {exc})"
-        ) from None
+    f: IO[bytes]
+    with contextlib.ExitStack() as stack:
+        if isinstance(path, (str, bytes, os.PathLike)):
+            name = repr(os.fspath(path))
+            f = stack.enter_context(open(path, "rb"))
+        else:
+            name, f = repr(path), path
+        try:
+            with zipfile.ZipFile(f) as archive:
+                return (*_from_archive(archive, kind, current_version, keys), name)
+        except _Refused as exc:
+            raise ValueError(f"{name} is not a valid file written by save(): {exc}") from None
+        except _CORRUPT as exc:
+            raise ValueError(
+                f"{name} is not a file written by save(), or is damaged or truncated "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
 
 
 def _from_archive(

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import copyreg
-import os
 import sys
-from typing import IO, Any, Union, overload
+from typing import Any, overload
 
 import numpy as np
 
 from . import _core, _grad, _routes, _state
 from . import _validation as v
+from ._state import PathOrFile
 from .functional import add_positions
 
 # Version of the .npz layout written by save(); load() refuses newer ones.
@@ -18,8 +18,6 @@ SAVE_FORMAT_VERSION = 1
 _SAVE_KIND = "cposembed.LearnedPositionEmbedding"
 # Version of the pickled state (see __getstate__).
 _PICKLE_VERSION = 1
-
-PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 
 __all__ = ["LearnedPositionEmbedding"]
 

@@ -79,32 +79,17 @@ def adjacent_similarity(pe_or_table: Any) -> float:
 
 
 def _draw(
-    image: np.ndarray,
-    figsize: tuple[float, float],
-    labels: tuple[str, str],
-    title: str,
-    scale: tuple[str, float, float, str | None],
-    path: Any,
-    dpi: int,
+    image: np.ndarray, size: Any, labels: tuple[str, str, str], path: Any, dpi: int, **imshow: Any
 ) -> Any:
-    """``image`` with positions along x: ``labels`` are the y axis's and the colour bar's;
-    ``scale`` is the colour map, vmin, vmax and the aspect (None: square pixels).
-    Written to ``path`` as a PNG when one is given."""
-    cmap, vmin, vmax, aspect = scale
-    fig = _new_figure(figsize)
+    """A figure of ``image`` with positions along x; ``labels`` are the y axis's,
+    the colour bar's and the title; ``imshow`` takes ``cmap``, ``vmin``, ``vmax``
+    (and ``aspect``). Written to ``path`` as a PNG when one is given."""
+    fig = _new_figure(size)
     ax = fig.add_subplot()
-    im = ax.imshow(
-        image,
-        aspect=aspect,
-        origin="lower",
-        cmap=cmap,
-        vmin=vmin,
-        vmax=vmax,
-        interpolation="nearest",
-    )
+    im = ax.imshow(image, origin="lower", interpolation="nearest", **imshow)
     ax.set_xlabel("Position")
     ax.set_ylabel(labels[0])
-    ax.set_title(title)
+    ax.set_title(labels[2])
     fig.colorbar(im, ax=ax, label=labels[1])
     if path is not None:
         # Into a file object with format="png", so the file is exactly `path`
@@ -158,15 +143,10 @@ def heatmap(
     if vmax is None:
         vmax = float(np.abs(table).max()) or 1.0
     n_pos, n_dim = table.shape
-    return _draw(
-        table.T,
-        (8, 4),
-        ("Dimension", "Value"),
-        title if title is not None else f"Position embeddings ({n_pos} x {n_dim})",
-        (cmap, -vmax if vmin is None else vmin, vmax, "auto"),
-        path,
-        dpi,
-    )
+    title = title if title is not None else f"Position embeddings ({n_pos} x {n_dim})"
+    vmin = -vmax if vmin is None else vmin
+    labels = ("Dimension", "Value", title)
+    return _draw(table.T, (8, 4), labels, path, dpi, cmap=cmap, aspect="auto", vmin=vmin, vmax=vmax)
 
 
 def similarity(
@@ -209,12 +189,7 @@ def similarity(
         matplotlib is not installed (``python -m pip install ".[plot]"`` from a
         checkout).
     """
-    return _draw(
-        cosine_similarity(pe_or_table),
-        (5.5, 4.5),
-        ("Position", "Cosine similarity"),
-        title if title is not None else "Cosine similarity between positions",
-        (cmap, vmin, vmax, None),
-        path,
-        dpi,
-    )
+    title = title if title is not None else "Cosine similarity between positions"
+    labels = ("Position", "Cosine similarity", title)
+    sim = cosine_similarity(pe_or_table)
+    return _draw(sim, (5.5, 4.5), labels, path, dpi, cmap=cmap, vmin=vmin, vmax=vmax)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
-from typing import IO, Any, Union, overload
+from typing import Any, overload
 
 import numpy as np
 
 from . import _grad, _routes, _state
 from . import _validation as v
+from ._state import PathOrFile
 from .embedding import LearnedPositionEmbedding, draw_tables
 from .layer import embed
-
-PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
 
 # Version of the .npz layout written by save(); load() refuses newer ones.
 SAVE_FORMAT_VERSION = 1
