@@ -173,20 +173,15 @@ def add(tokens: Any, table: Any, positions: Any, *, offset: Any, out: Any, num_t
         done = _core.add(o_rows, t, pos, off, o_rows, nt)
     else:
         # The entry writes `out` itself if it can (it refuses another layout,
-        # or an `out` over the table or the tokens).
-        target = o if o.shape == rows.shape else _rows_view(o, rows.shape)
-        done = None if target is None else _core.add(rows, t, pos, off, target, nt)
+        # or an `out` over the table or the tokens); a C-contiguous `out` is
+        # seen in the rows' shape, another one only as it is.
+        target = o.reshape(rows.shape) if o.flags.c_contiguous else o
+        done = None
+        if target.shape == rows.shape:
+            done = _core.add(rows, t, pos, off, target, nt)
     if done is None:
         np.copyto(out, _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape))
     return out
-
-
-def _rows_view(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
-    """``arr`` reshaped to ``shape`` as a view of its memory, or None (a reshape
-    that would copy)."""
-    if not arr.flags.c_contiguous:
-        return None
-    return arr.reshape(shape)
 
 
 def _shallow(
@@ -253,13 +248,6 @@ def scatter_add(
 # -- the input layer: embed, embed_backward -----------------------------------
 
 
-def _tables_pair(token_table: Any, position_table: Any) -> tuple[np.ndarray, np.ndarray]:
-    tt = v.as_table(token_table, "token_table")
-    pt = v.as_table(position_table, "position_table")
-    _same_dim(tt, pt, "token_table and position_table")
-    return tt, pt
-
-
 def _same_dim(a: np.ndarray, b: np.ndarray, names: str) -> None:
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"{names} must share embed_dim; got {a.shape[1]} and {b.shape[1]}")
@@ -300,7 +288,9 @@ def embed(
     num_threads: Any,
 ) -> Any:
     """:func:`cposembed.embed` for arguments its C entry refused."""
-    tt, pt = _tables_pair(token_table, position_table)
+    tt = v.as_table(token_table, "token_table")
+    pt = v.as_table(position_table, "position_table")
+    _same_dim(tt, pt, "token_table and position_table")
     v.check_not_mixed_halves(tt.dtype, "token_table", pt.dtype, "position_table")
     nt = _threads.check_num_threads(num_threads)
     ids = checked_ids(token_ids, tt.shape[0])

@@ -124,7 +124,7 @@ class LearnedPositionEmbedding(_core.TableCall):
     >>> pe.sgd_step(0.1)
     """
 
-    # Slots: reads of them are as fast as a plain class's attributes (those of
+    # Slots: reads of them are as fast as an ordinary class's attributes (those of
     # an instance __dict__ are slower once the base is a C type, as here).
     # "__dict__" keeps instances open to other attributes.
     # The gradient, its touched rows and the padding row are one
@@ -262,7 +262,7 @@ class LearnedPositionEmbedding(_core.TableCall):
 
     # -- forward -----------------------------------------------------------
     # pe(positions) is TableCall.__call__ (src_c/_core.pyx): the lookup entry
-    # itself, then this for what it declined.
+    # itself, then this for what it refused.
     def _lookup_declined(self, positions: Any, out: np.ndarray | None) -> np.ndarray:
         return _routes.lookup(self._embeddings, positions, out=out, num_threads=None)
 
@@ -380,7 +380,7 @@ class LearnedPositionEmbedding(_core.TableCall):
 
     # -- learning ------------------------------------------------------------
     def sgd_step(self, lr: float) -> None:
-        """One plain SGD step: ``embeddings -= lr * grad``, on the touched rows only.
+        """One SGD step (no momentum): ``embeddings -= lr * grad``, on the touched rows only.
 
         Bitwise what NumPy computes for ``pe.embeddings -= float(lr) * pe.grad``
         (``lr`` rounded once to the table's dtype, then a multiply and a

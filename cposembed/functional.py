@@ -2,8 +2,8 @@
 
 Each operation has one route to its kernel: the function calls the
 operation's C entry (``cposembed._core``) with the arguments as given; the
-entry checks them and runs the kernel, or declines (returns None, nothing
-written). What it declines goes to the operation's normalising route
+entry checks them and runs the kernel, or refuses (returns None, nothing
+written). What it refuses goes to the operation's normalising route
 (:mod:`cposembed._routes`), which normalises the arguments or raises the
 worded error, and calls the same entry again. ``scatter_add`` returns
 nothing of the entry's, so its route makes the first entry call too.

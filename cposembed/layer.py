@@ -1,10 +1,10 @@
 """The whole input layer: embed and embed_backward (token + position tables).
 
 The same route as :mod:`cposembed.functional`: ``embed`` calls its C entry
-(``_core.embed``) with the arguments as given and what it declines goes to
+(``_core.embed``) with the arguments as given and what it refuses goes to
 the normalising route (:mod:`cposembed._routes`); ``embed_backward``'s route
 tries its entry (``_core.embed_backward``) itself, as a skipped (None) table
-is declined before the entry is reached.
+is refused before the entry is reached.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def embed_backward(
     >>> g_wte[:, 0], g_wpe[:, 0]
     (array([1., 0., 2.]), array([1., 1., 1., 0.]))
     """
-    # The entry first, inside the route: a None table (skipped) is declined.
+    # The entry first, inside the route: a None table (skipped) is refused.
     _routes.embed_backward(
         grad_token_table,
         grad_position_table,
