@@ -6,12 +6,7 @@ from __future__ import annotations
 import numpy as np
 import plain as cases
 import pytest
-from helpers import (
-    DTYPES,
-    run_child,
-    same_bits,
-    tuned,
-)
+from helpers import DTYPES, run_child, same_bits, tuned
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
