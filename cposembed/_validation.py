@@ -272,8 +272,8 @@ def _outside(index: np.ndarray, n_rows: int) -> int:
     # The value of `index` (which has one outside the range) that the error
     # names, as pandas' validate_indices does: the largest if it is above the
     # range, else the smallest.
-    hi, lo = index.max(), index.min()
-    return int(hi if _core.index_rows(hi, n_rows) is None else lo)
+    hi, lo = int(index.max()), int(index.min())
+    return hi if hi >= n_rows else lo
 
 
 def _integer_index(positions: Any, n_rows: int, what: str) -> np.ndarray | None:

@@ -83,6 +83,10 @@ def test_from_pretrained_bad_tables(table, exc):
         (np.array([2**40], np.uint64), 2**40),
         (np.array([2**64 - 1], np.uint64), 2**64 - 1),
         (np.array([-(2**31)], np.int32), -(2**31)),
+        # every value below the range: the smallest is named, as pandas does
+        ([-L - 5, -L - 1], -L - 5),
+        (np.array([[-L - 1], [-3 * L]], np.int8), -3 * L),
+        ([-(10**30), -L - 1], -(10**30)),
     ],
 )
 def test_out_of_range_names_value_and_range(positions, bad):
