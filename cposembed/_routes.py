@@ -254,7 +254,8 @@ def _same_dim(a: np.ndarray, b: np.ndarray, names: str) -> None:
 
 
 def checked_ids(token_ids: Any, vocab_size: int) -> np.ndarray:
-    """Token ids as an owned int64 array, each in ``[-V, V)``."""
+    """Token ids as an owned int64 array, each checked to lie in ``[-V, V)`` and
+    wrapped into ``[0, V)``."""
     ids = v.as_positions(token_ids, vocab_size, "token id")
     if ids is None:
         raise IndexError(
