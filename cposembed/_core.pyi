@@ -50,8 +50,10 @@ def index_rows(
     n_rows: int,
 ) -> npt.NDArray[np.int64] | None: ...  # rows in [0, n_rows), positions' shape
 def default_rows(
-    offset: Any, T: int, n_rows: int
-) -> npt.NDArray[np.int64] | None: ...  # offset + arange(T), if 0 <= offset <= n_rows - T
+    offset: Any,  # an integer, 0 <= offset <= n_rows - T (any up to 2**62 if T == 0)
+    T: int,
+    n_rows: int,
+) -> npt.NDArray[np.int64] | None: ...  # offset + arange(T)
 
 class TableCall:
     # Base of LearnedPositionEmbedding: pe(positions) is the lookup entry on

@@ -452,7 +452,8 @@ def index_rows(positions, Py_ssize_t n_rows):
 def default_rows(offset, Py_ssize_t T, Py_ssize_t n_rows):
     """What ``positions=None`` means for rows whose last lead axis is T, as the
     entries take it (_positions_for): ``offset + arange(T)`` as an int64 array;
-    None unless offset is an integer with 0 <= offset <= n_rows - T."""
+    None unless offset is an integer with 0 <= offset <= n_rows - T (for T == 0,
+    any offset up to 2**62: no row is read)."""
     cdef Index ix
     cdef Py_ssize_t m
     cdef cnp.npy_intp lead = T
