@@ -247,7 +247,8 @@ def _storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
     """A storage of ``nbytes`` of torch's memory that nothing else refers to,
     zero if ``zeroed``: a free one handed out before for the same size and use
     (resident: zeroed whole with memset), else a new one (zeroed lazily: its
-    pages read as zero and fault in only where written)."""
+    pages read as zero and fault in only where written; not zeroed: advised
+    for huge pages)."""
     _, kept_bytes, limit, enabled = _core.pool_info()
     if not _held_lock.acquire(blocking=False):  # another thread is here: new memory
         return _new_storage(nbytes, zeroed, keep=False)
@@ -289,6 +290,8 @@ def _new_storage(nbytes: int, zeroed: bool, keep: bool) -> torch.UntypedStorage:
     s = torch.UntypedStorage(nbytes)
     if zeroed:
         _core.zero_memory(s.data_ptr(), nbytes, True)
+    else:  # an output, written whole: huge pages, as the allocator's dense blocks
+        _core.advise_huge(s.data_ptr(), nbytes)
     if keep:
         _held.append(_Held(s, zeroed))
     return s

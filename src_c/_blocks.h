@@ -271,6 +271,20 @@ static void cpe_zero_memory(void *p, size_t nbytes, int lazily) {
     memset(p, 0, nbytes);
 }
 
+/* Advises the 2 MiB-aligned interior of `nbytes` at `p` (memory another
+   allocator gave, not yet written: the PyTorch bridge's large outputs) for
+   huge pages, as fresh dense blocks are (Linux; nothing elsewhere). */
+static void cpe_advise_huge(void *p, size_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    size_t huge = (size_t)2 << 20, start = (size_t)p;
+    size_t lo = (start + huge - 1) & ~(huge - 1), hi = (start + nbytes) & ~(huge - 1);
+    if (nbytes >= CPE_HUGE_MIN && lo < hi) madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)nbytes;
+#endif
+}
+
 /* ---- zeroed tables for DLPack consumers (torch.from_dlpack) ---------------
    dlpack.h (v0.8), the part used here. */
 typedef struct { int32_t device_type; int32_t device_id; } cpe_DLDevice;

@@ -28,6 +28,7 @@ cdef extern from "_blocks.h" nogil:
     int cpe_keep_on
     size_t cpe_kept_bytes()
     void cpe_zero_memory(void* p, size_t nbytes, int lazily)
+    void cpe_advise_huge(void* p, size_t nbytes)
 
 cdef extern from "_blocks.h":
     object cpe_dl_capsule(cpe_DLManagedTensor* block)
@@ -138,6 +139,13 @@ def zero_memory(size_t address, size_t nbytes, bint lazily):
     table written sparsely); else memset whole."""
     with nogil:
         cpe_zero_memory(<void*>address, nbytes, lazily)
+
+
+def advise_huge(size_t address, size_t nbytes):
+    """Ask for huge pages on the 2 MiB-aligned part of ``nbytes`` (4 MiB or
+    more) at ``address``, memory the caller owns and has not written yet, as
+    fresh dense blocks have them (Linux)."""
+    cpe_advise_huge(<void*>address, nbytes)
 
 
 def pool_info():
