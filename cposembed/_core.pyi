@@ -194,6 +194,11 @@ class _Block:
     def reused(self) -> bool: ...
 
 def block(nbytes: int) -> _Block: ...  # Py_ssize_t nbytes > 0
+
+KEEP_SLOTS: int  # the most blocks the allocator keeps
+
+def zero_memory(address: int, nbytes: int, lazily: bool) -> None: ...  # (size_t, size_t, bint)
+def advise_huge(address: int, nbytes: int) -> None: ...  # (size_t, size_t)
 def pool_info() -> tuple[int, int, int, bool]: ...  # (blocks, bytes, limit, enabled)
 def set_pool(enabled: bool = True, limit_bytes: int | None = None) -> None: ...
 def clear_pool() -> None: ...

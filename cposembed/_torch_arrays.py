@@ -2,17 +2,20 @@
 the same memory seen both ways, the checks of tensor arguments, and the memory
 of gradients and outputs.
 
-**Gradient memory.** Every table gradient is memory that nothing else
-holds, and nothing here touches it after it is returned. Gradients of 2 MiB
-or more are blocks handed to torch through DLPack (:func:`fresh_zeros`,
-``_core.zeroed_dlpack``): fresh zero pages from the OS, or a block that torch
-has freed, zeroed whole before it is handed out again.
+**Gradient and output memory.** Every table gradient and output is torch's
+own memory (resizable, as ``nn.Embedding``'s), that nothing else holds, and
+nothing here touches it after it is returned. Gradients of 2 MiB or more and
+outputs of 4 MiB or more are storages kept here and handed out again once torch
+has freed them (:func:`_storage`, under the allocator's keeping policy).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -158,7 +161,7 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return _NUMPY_DTYPES[dtype]
 
 
-# ---- gradient memory ----------------------------------------------------------------
+# ---- gradient and output memory ---------------------------------------------------
 
 # Below this many bytes a gradient is torch's own memory (torch.empty), zeroed
 # on the calling thread: torch.zeros fills on PyTorch's OpenMP threads, which on
@@ -166,42 +169,177 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
 FRESH_MIN_BYTES = 1 << 21
 
 
+class _Held:
+    """A storage this module made and handed out: torch's memory, which
+    torch can resize. It holds the storage through a tensor of its own (never
+    handed out), and is handed out again only when nothing else holds it
+    (:meth:`free`)."""
+
+    __slots__ = ("tensor", "ptr", "nbytes", "zeroed")
+
+    def __init__(self, storage: torch.UntypedStorage, zeroed: bool) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.ptr = storage.data_ptr()
+        self.nbytes = storage.nbytes()
+        self.zeroed = zeroed
+
+    def references(self) -> tuple[int, int]:
+        """The storage's use count (every tensor and C++ holder, and its Python
+        storage object, which torch keeps once made) and that object's Python
+        reference count (a user holding it)."""
+        s = self.tensor.untyped_storage()
+        assert _USE_COUNT is not None
+        return _USE_COUNT(s._cdata), sys.getrefcount(s)
+
+    def free(self) -> bool:
+        return self.references() == _FREE
+
+    def unchanged(self) -> bool:
+        """Still the memory handed out (a user may have resized it)."""
+        s = self.tensor.untyped_storage()
+        return s.data_ptr() == self.ptr and s.nbytes() == self.nbytes
+
+
+# The storages handed out (live or free), newest last. Free ones follow the
+# allocator's keeping policy (docs/architecture.md, "Memory"): at most
+# _core.KEEP_SLOTS of them, within the bytes its limit leaves, the largest
+# kept; nothing when keeping is off. Live ones beyond _HELD_MAX are forgotten.
+_held: list[_Held] = []
+_HELD_MAX = 2 * _core.KEEP_SLOTS
+# Only ever tried, never waited for (a thread that finds it taken makes new
+# memory); a forked child starts with a new one and nothing held.
+_held_lock = threading.Lock()
+# The one private torch function the bridge uses: how many references a
+# storage has (c10's use count). Without it nothing is handed out again.
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _free_references() -> tuple[int, int] | None:
+    """:meth:`_Held.references` of a storage nothing else holds, as this torch
+    and Python count them; None (nothing is handed out again) if a tensor or
+    a storage object held elsewhere would not change them."""
+    if _USE_COUNT is None:
+        return None
+    h = _Held(torch.UntypedStorage(64), False)
+    free = h.references()
+    t = _on(h.tensor.untyped_storage(), (16,), torch.float32)
+    with_tensor = h.references()
+    del t
+    s = h.tensor.untyped_storage()
+    with_storage = h.references()
+    del s
+    if h.references() != free or free in (with_tensor, with_storage):
+        return None
+    return free
+
+
+def _forget_after_fork() -> None:
+    global _held_lock
+    _held_lock = threading.Lock()
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
+    """A storage of ``nbytes`` of torch's memory that nothing else refers to,
+    zero if ``zeroed``: a free one handed out before for the same size and use
+    (resident: zeroed whole with memset), else a new one (zeroed lazily: its
+    pages read as zero and fault in only where written; not zeroed: advised
+    for huge pages)."""
+    _, kept_bytes, limit, enabled = _core.pool_info()
+    if not _held_lock.acquire(blocking=False):  # another thread is here: new memory
+        return _new_storage(nbytes, zeroed, keep=False)
+    try:
+        if not enabled or _FREE is None:
+            _held.clear()
+            return _new_storage(nbytes, zeroed, keep=False)
+        found = None
+        free = []
+        for h in list(_held):
+            if not h.free():
+                continue
+            if not h.unchanged():
+                _held.remove(h)
+            elif found is None and h.nbytes == nbytes and h.zeroed == zeroed:
+                found = h
+            else:
+                free.append(h)
+        room, slots = limit - kept_bytes, _core.KEEP_SLOTS
+        for h in sorted(free, key=lambda h: h.nbytes, reverse=True):
+            if slots and h.nbytes <= room:
+                slots, room = slots - 1, room - h.nbytes
+            else:
+                _held.remove(h)
+        if found is not None:
+            _held.remove(found)
+            _held.append(found)
+            if zeroed:
+                _core.zero_memory(found.ptr, nbytes, False)
+            return found.tensor.untyped_storage()
+        s = _new_storage(nbytes, zeroed, keep=True)
+        del _held[: max(0, len(_held) - _HELD_MAX)]
+        return s
+    finally:
+        _held_lock.release()
+
+
+def _new_storage(nbytes: int, zeroed: bool, keep: bool) -> torch.UntypedStorage:
+    s = torch.UntypedStorage(nbytes)
+    if zeroed:
+        _core.zero_memory(s.data_ptr(), nbytes, True)
+    else:  # an output, written whole: huge pages, as the allocator's dense blocks
+        _core.advise_huge(s.data_ptr(), nbytes)
+    if keep:
+        _held.append(_Held(s, zeroed))
+    return s
+
+
+def _on(storage: torch.UntypedStorage, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A C-order tensor of ``shape`` on ``storage``."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        strides[i - 1] = strides[i] * shape[i]
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
+
+
 def fresh_zeros(n_rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
     """A new zeroed ``(n_rows, d)`` tensor that nothing else refers to, and
     the same memory as an ndarray (for the kernel to write; drop it after).
 
-    Small ones are torch's memory (``torch.empty``, zeroed here, on the calling
-    thread), resizable as ``nn.Embedding``'s gradients are. Large ones are
-    handed to torch through DLPack (``_core.zeroed_dlpack``): anonymous
-    private memory from the OS, zero until written, or a block
-    torch has already freed, zeroed whole. When torch frees the last tensor
-    using it, a C deleter (no GIL needed, so never waiting on Python while
-    autograd holds its locks) keeps the block or gives it back to the OS.
+    Torch's own memory, resizable as ``nn.Embedding``'s gradients are. Small
+    ones are ``torch.empty``, zeroed here, on the calling thread. Large ones
+    (:data:`FRESH_MIN_BYTES` or more) are storages this module keeps
+    (:func:`_storage`): one torch has freed, zeroed whole, or new memory whose
+    pages read as zero and fault in only where the backward writes rows.
     """
     itemsize = numpy_dtype(dtype).itemsize
-    if n_rows * d * itemsize < FRESH_MIN_BYTES:
+    nbytes = n_rows * d * itemsize
+    if nbytes < FRESH_MIN_BYTES:
         t = torch.empty((n_rows, d), dtype=dtype)
         array = as_array(t)
         array.reshape(-1).view(np.uint8).fill(0)
         return t, array
-    block = _core.zeroed_dlpack(n_rows, d, itemsize, dtype == torch.bfloat16)
-    t = torch.from_dlpack(block)
+    t = _on(_storage(nbytes, True), (n_rows, d), dtype)
     return t, as_array(t)
 
 
-def small_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """An output below the output pool's size as torch's own memory
-    (``torch.empty``: resizable, as ``nn.Embedding``'s outputs are), for the
-    kernel to write; None for a larger one, which is one of the kernels'
-    reusable blocks (no page faults; its storage cannot be resized)."""
-    if math.prod(shape) * numpy_dtype(dtype).itemsize >= _core.POOL_MIN_BYTES:
-        return None
-    return torch.empty(shape, dtype=dtype)
+def output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor for the kernel to write whole: torch's memory (resizable, as
+    ``nn.Embedding``'s outputs are); from :data:`_core.POOL_MIN_BYTES` up, a
+    storage this module keeps (:func:`_storage`), resident when reused."""
+    nbytes = math.prod(shape) * numpy_dtype(dtype).itemsize
+    if nbytes < _core.POOL_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    return _on(_storage(nbytes, False), shape, dtype)
 
 
-def written(y: torch.Tensor | None, compute: Callable[..., np.ndarray]) -> torch.Tensor:
-    """``compute(out=...)`` into ``y``, or ``compute()``'s new array as a tensor."""
-    if y is None:
-        return as_tensor(compute())
+def written(y: torch.Tensor, compute: Callable[..., np.ndarray]) -> torch.Tensor:
+    """``compute(out=...)`` into ``y``; ``y``."""
     compute(out=as_array(y))
     return y
+
+
+_FREE = _free_references()

@@ -44,8 +44,8 @@ from cposembed._torch_arrays import (
     checked_ids,
     fresh_zeros,
     numpy_dtype,
+    output,
     skip_row,
-    small_output,
     written,
 )
 
@@ -128,7 +128,7 @@ def _lookup(
     check_table(table, "table")
     check_index(positions, "positions")
     skip_row(padding_idx, table.shape[0])
-    y = small_output((*positions.shape, table.shape[1]), table.dtype)
+    y = output((*positions.shape, table.shape[1]), table.dtype)
     ids = checked_ids(positions, table.shape[0])
     return written(y, functools.partial(_f.lookup, as_array(table), ids))
 
@@ -161,7 +161,7 @@ def _add_positions(
     tok_a = as_array(tok)
     if {tok.dtype, table.dtype} == HALF_PAIR:
         tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
-    y = small_output(tuple(tok.shape), torch.promote_types(tok.dtype, table.dtype))
+    y = output(tuple(tok.shape), torch.promote_types(tok.dtype, table.dtype))
     pos = checked_ids(positions, table.shape[0])
     add = functools.partial(_f.add_positions, tok_a, as_array(table), pos, offset=offset)
     return written(y, add)
@@ -210,7 +210,7 @@ def _embed(
     ids = checked_ids(token_ids, token_table.shape[0])
     pos = checked_ids(positions, position_table.shape[0])
     shape = (*token_ids.shape, token_table.shape[1])
-    y = small_output(shape, torch.promote_types(token_table.dtype, position_table.dtype))
+    y = output(shape, torch.promote_types(token_table.dtype, position_table.dtype))
     if {token_table.dtype, position_table.dtype} == HALF_PAIR:
         # torch adds the pair in float32: the token rows converted (exactly), then
         # added; ids and positions checked as embed checks them.

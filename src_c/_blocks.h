@@ -50,6 +50,7 @@
 #else
 #include <pthread.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 enum { CPE_DENSE = 0, CPE_ZEROED = 1 };
@@ -239,6 +240,48 @@ static void cpe_blocks_after_fork(void) {
 static void cpe_blocks_init(void) {
 #if !defined(_WIN32)
     pthread_atfork(NULL, NULL, cpe_blocks_after_fork);
+#endif
+}
+
+/* Zeroes `nbytes` at `p`, memory another allocator gave (the PyTorch
+   bridge's gradients, torch's own memory so that torch can resize them).
+   `lazily` (Linux): the whole pages inside are given back with
+   MADV_DONTNEED, which makes private anonymous memory (malloc's and mmap's)
+   read as zero pages until written, and advised against huge pages, so a
+   write to a row faults in its 4 KiB page only; the unaligned edges are
+   memset. Otherwise, or if the advice fails, all of it is memset. */
+static void cpe_zero_memory(void *p, size_t nbytes, int lazily) {
+#if defined(__linux__) && defined(MADV_DONTNEED)
+    if (lazily && nbytes >= CPE_ZERO_MMAP_MIN) {
+        long ps = sysconf(_SC_PAGESIZE);
+        size_t page = ps > 0 ? (size_t)ps : 4096, start = (size_t)p, end = start + nbytes;
+        size_t lo = (start + page - 1) & ~(page - 1), hi = end & ~(page - 1);
+        if (lo < hi && madvise((void *)lo, hi - lo, MADV_DONTNEED) == 0) {
+#if defined(MADV_NOHUGEPAGE)
+            madvise((void *)lo, hi - lo, MADV_NOHUGEPAGE);
+#endif
+            memset(p, 0, lo - start);
+            memset((void *)hi, 0, end - hi);
+            return;
+        }
+    }
+#else
+    (void)lazily;
+#endif
+    memset(p, 0, nbytes);
+}
+
+/* Advises the 2 MiB-aligned interior of `nbytes` at `p` (memory another
+   allocator gave, not yet written: the PyTorch bridge's large outputs) for
+   huge pages, as fresh dense blocks are (Linux; nothing elsewhere). */
+static void cpe_advise_huge(void *p, size_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    size_t huge = (size_t)2 << 20, start = (size_t)p;
+    size_t lo = (start + huge - 1) & ~(huge - 1), hi = (start + nbytes) & ~(huge - 1);
+    if (nbytes >= CPE_HUGE_MIN && lo < hi) madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)nbytes;
 #endif
 }
 

@@ -27,6 +27,8 @@ cdef extern from "_blocks.h" nogil:
     size_t cpe_keep_limit
     int cpe_keep_on
     size_t cpe_kept_bytes()
+    void cpe_zero_memory(void* p, size_t nbytes, int lazily)
+    void cpe_advise_huge(void* p, size_t nbytes)
 
 cdef extern from "_blocks.h":
     object cpe_dl_capsule(cpe_DLManagedTensor* block)
@@ -124,6 +126,26 @@ def zeroed_dlpack(rows, cols, itemsize, bfloat16=False):
     if blk == NULL:
         raise MemoryError(f"no memory for a ({rows}, {cols}) table of {nbytes} bytes")
     return cpe_dl_capsule(blk)
+
+
+KEEP_SLOTS = CPE_KEEP_SLOTS
+
+
+def zero_memory(size_t address, size_t nbytes, bint lazily):
+    """Zero ``nbytes`` at ``address``: memory of another allocator that the
+    caller owns and nothing else uses (the PyTorch bridge's gradients, torch's
+    memory). ``lazily``: on Linux, its whole pages read as zero until written
+    and then fault in 4 KiB at a time (for memory that is not resident, or a
+    table written sparsely); else memset whole."""
+    with nogil:
+        cpe_zero_memory(<void*>address, nbytes, lazily)
+
+
+def advise_huge(size_t address, size_t nbytes):
+    """Ask for huge pages on the 2 MiB-aligned part of ``nbytes`` (4 MiB or
+    more) at ``address``, memory the caller owns and has not written yet, as
+    fresh dense blocks have them (Linux)."""
+    cpe_advise_huge(<void*>address, nbytes)
 
 
 def pool_info():
