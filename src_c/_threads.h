@@ -1,7 +1,6 @@
-/* How a call's work runs on OpenMP threads: the bounds on the threads the
- * package causes, the fork rule and the measured choice between one thread
- * and several (see the top of _parallel.pxi). The parallel loop itself is
- * the prange of _parallel.pxi. */
+/* The C half of the thread rules of _parallel.pxi: a region's chunks, the
+ * bound on the OS threads the package causes, the fork rule and the
+ * measured choice between one thread and several. */
 #ifndef CPE_THREADS_H
 #define CPE_THREADS_H
 
@@ -9,7 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
 #if defined(_WIN32)
 #include <windows.h>
 #else
@@ -35,13 +33,11 @@ static long long cpe_now_ns(void) {
 }
 
 /* ---- a region's chunks ------------------------------------------------------
- * One contiguous share of the chunks per thread (what a static schedule
- * gives: a streaming kernel runs on one long run per thread), [lo, hi)
- * packed as lo << 32 | hi on a cache line of its own. A thread claims its
- * own share from the front and, once it is empty, the others' from the
- * back, one chunk at a time: a thread its CPU neglects runs fewer chunks.
- * What a chunk covers is fixed by the kernel, so only which thread runs it
- * varies, never a result. */
+ * One contiguous share of the chunks per thread, [lo, hi) packed as
+ * lo << 32 | hi on a cache line of its own. A thread claims its own share
+ * from the front and, once it is empty, the others' from the back: a thread
+ * its CPU neglects runs fewer chunks. What a chunk covers is fixed by the
+ * kernel, so only which thread runs it varies, never a result. */
 #define CPE_MAX_REGION 256
 
 typedef struct {
@@ -62,11 +58,9 @@ static void cpe_job_init(cpe_job *job, cpe_chunk_fn fn, void *arg, Py_ssize_t n_
     job->fn = fn;
     job->arg = arg;
     job->n_shares = n_threads;
-    for (t = 0; t < n_threads; t++) {
-        unsigned long long lo = (unsigned long long)(n_chunks * t / n_threads);
-        unsigned long long hi = (unsigned long long)(n_chunks * (t + 1) / n_threads);
-        job->share[t].v = lo << 32 | hi;
-    }
+    for (t = 0; t < n_threads; t++)
+        job->share[t].v = (unsigned long long)(n_chunks * t / n_threads) << 32 |
+                          (unsigned long long)(n_chunks * (t + 1) / n_threads);
 }
 
 #if defined(_MSC_VER) && !defined(__clang__)
@@ -81,8 +75,7 @@ static void cpe_job_init(cpe_job *job, cpe_chunk_fn fn, void *arg, Py_ssize_t n_
 #define CPE_SWAP(p, seen, to) __sync_val_compare_and_swap((p), (seen), (to))
 #endif
 
-/* The next chunk for share t (its front, else the back of another's), or
- * -1 when none is left. */
+/* The next chunk for share t (its front, else another's back); -1: none. */
 static Py_ssize_t cpe_claim(cpe_job *job, int t) {
     unsigned long long v = CPE_ADD(&job->share[t].v, 1ULL << 32), was;
     int k;
@@ -95,22 +88,20 @@ static Py_ssize_t cpe_claim(cpe_job *job, int t) {
     return -1;
 }
 
-/* Runs chunks as share t until none is left. */
 static void cpe_job_run(cpe_job *job, int t) {
     Py_ssize_t c;
     while ((c = cpe_claim(job, t)) >= 0) job->fn(job->arg, c);
 }
 
 /* ---- the threads the package causes ------------------------------------------
- * The OpenMP runtime keeps a pool of helper threads per calling thread
- * (libgomp exits the process when it cannot start one). Each calling
- * thread reserves its helpers from one budget before its first region that
- * needs them (cpe_room_max: a few times the CPUs), and gives them back when
- * it ends; a caller that finds the budget spent runs on itself alone. Where
- * the OS limits this user's threads (RLIMIT_NPROC), a region that would
- * start threads first checks, by starting and ending them, that the OS
- * allows them, and then starts the pool under the same lock; when the OS
- * refuses, the call runs on the threads it has and no caller asks again. */
+ * The OpenMP runtime keeps a pool of helpers per calling thread (libgomp
+ * exits the process when it cannot start one). Each calling thread reserves
+ * its helpers from one budget (cpe_room_max) before its first region that
+ * needs them and gives them back when it ends; a caller that finds the
+ * budget spent runs alone. Where the OS limits this user's threads
+ * (RLIMIT_NPROC), a region that would start threads first starts and ends
+ * as many, and starts the pool under the same lock; when the OS refuses,
+ * the call runs on the threads it has and no caller asks again. */
 static void cpe_give_back(void *mine);
 #if CPOSEMBED_OPENMP_ENABLED && defined(_WIN32)
 #define CPE_TLS __declspec(thread)
@@ -152,9 +143,8 @@ static int cpe_refused = 0;     /* the OS refused a thread: reserve no more */
 static int cpe_serial = 0;      /* a forked child that runs every call on its caller */
 static int cpe_entered = 0;     /* a region ran in this process */
 static CPE_TLS int cpe_mine = 0;    /* helpers this thread reserved */
-static CPE_TLS int cpe_pool = 1;    /* threads of this thread's last region (its pool's size) */
+static CPE_TLS int cpe_pool = 1;    /* threads of this thread's last region */
 
-/* Gives a thread's reservation back when it ends. */
 static void cpe_give_back(void *mine) {
     cpe_lock();
     cpe_reserved -= (int)(intptr_t)mine;
@@ -162,81 +152,67 @@ static void cpe_give_back(void *mine) {
     cpe_unlock();
 }
 
-/* The OS threads of this process, or -1 where that is unknown. */
-static int cpe_os_threads(void) {
-#if defined(__linux__)
-    char buf[1024];
-    const char *p;
-    FILE *f = fopen("/proc/self/stat", "r");
-    size_t n;
-    int field = 2;
-    long v = -1;
-    if (!f) return -1;
-    n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    p = strrchr(buf, ')');  /* after the command name, which may hold anything */
-    if (!p) return -1;
-    for (; *p && field < 20; p++)
-        if (*p == ' ') field++;
-    if (field == 20) v = strtol(p, NULL, 10);
-    return v > 0 ? (int)v : -1;
-#else
-    return -1;
-#endif
+static void cpe_set_locked(int *var, int value) {
+    cpe_lock();
+    *var = value;
+    cpe_unlock();
 }
 
-/* The CPUs this process may use now: its affinity mask, and no more than
- * its cgroup's CPU quota (rounded up); -1 where that is unknown. */
+/* The OS threads of this process, or -1 where that is unknown. */
+static int cpe_os_threads(void) {
+    int n = -1;
+#if defined(__linux__)
+    char line[128];
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    while (n < 0 && fgets(line, sizeof(line), f))
+        if (sscanf(line, "Threads: %d", &n) != 1) n = -1;
+    fclose(f);
+#endif
+    return n > 0 ? n : -1;
+}
+
+/* The CPUs this process may use now (affinity, and the cgroup quota rounded
+ * up); -1 where that is unknown. */
 static int cpe_cpus_now(void) {
+    int n = -1;
 #if defined(__linux__)
     cpu_set_t set;
-    int n = -1;
-    FILE *f;
+    long long q, period;
+    FILE *f = fopen("/sys/fs/cgroup/cpu.max", "r");
     if (sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
-    f = fopen("/sys/fs/cgroup/cpu.max", "r");
     if (f) {
-        char quota[32];
-        long long period;
-        if (fscanf(f, "%31s %lld", quota, &period) == 2 && strcmp(quota, "max") != 0 &&
-            period > 0) {
-            long long q = atoll(quota);
-            int c = q > 0 ? (int)((q + period - 1) / period) : 1;
-            if (n < 0 || c < n) n = c;
-        }
+        if (fscanf(f, "%lld %lld", &q, &period) == 2 && q > 0 && period > 0 &&
+            (n < 0 || (q + period - 1) / period < n))
+            n = (int)((q + period - 1) / period);
         fclose(f);
     }
-    return n;
-#else
-    return -1;
 #endif
+    return n;
 }
 
 #if CPOSEMBED_OPENMP_ENABLED && defined(__linux__)
-/* Whether the OS limits this user's threads below what a busy machine
- * has (root and a limit of RLIM_INFINITY: no). */
+/* Whether the OS limits this user's threads (root, or no limit: no). */
 static int cpe_os_limits_threads(void) {
     struct rlimit rl;
     if (geteuid() == 0) return 0;
-    if (getrlimit(RLIMIT_NPROC, &rl) != 0) return 1;
-    return rl.rlim_cur != RLIM_INFINITY;
+    return getrlimit(RLIMIT_NPROC, &rl) != 0 || rl.rlim_cur != RLIM_INFINITY;
 }
 
 /* A probe thread ends as soon as it gets the lock its creator holds. */
 static pthread_mutex_t cpe_probe_mu = PTHREAD_MUTEX_INITIALIZER;
 static void *cpe_probe_main(void *arg) {
-    (void)arg;
     pthread_mutex_lock(&cpe_probe_mu);
     pthread_mutex_unlock(&cpe_probe_mu);
-    return NULL;
+    return arg;
 }
 
-/* How many of k more threads the OS allows now (lock held): starts them
- * all at once, then ends them and waits until the OS has counted them out. */
+/* How many of k more threads the OS allows now (lock held): starts them,
+ * ends them, and waits until the OS has counted them out. */
 static int cpe_os_allows(int k) {
     pthread_t t[CPE_MAX_REGION];
     sigset_t all, old;
-    int made = 0, i, before = cpe_os_threads(), waited;
+    int made = 0, i, before = cpe_os_threads();
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with Python's threads */
     pthread_mutex_lock(&cpe_probe_mu);
@@ -246,14 +222,12 @@ static int cpe_os_allows(int k) {
     pthread_mutex_unlock(&cpe_probe_mu);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     for (i = 0; i < made; i++) pthread_join(t[i], NULL);
-    /* A joined thread is counted out a moment later. */
-    for (waited = 0; before > 0 && cpe_os_threads() > before && waited < 2000; waited++) {
+    for (i = 0; before > 0 && cpe_os_threads() > before && i < 2000; i++) {
         struct timespec ts = {0, 50000};
         nanosleep(&ts, NULL);
     }
     return made;
 }
-/* A region of n threads with nothing to do: starts the pool. */
 static void cpe_start_pool(int n) {
     #pragma omp parallel num_threads(n)
     {
@@ -266,9 +240,9 @@ static int cpe_os_allows(int k) { return k; }
 static void cpe_start_pool(int n) { (void)n; }
 #endif
 
-/* The threads a region of up to n may have on this calling thread now,
- * from 1 (run on the caller) to n, all reserved and, where the OS limits
- * threads, allowed. Without the GIL. */
+/* The threads a region of up to n may have on this calling thread now:
+ * from 1 to n, all reserved and, where the OS limits threads, allowed.
+ * Without the GIL. */
 static int cpe_threads_here(int n) {
     int want, limited;
 #if CPOSEMBED_OPENMP_ENABLED
@@ -279,13 +253,11 @@ static int cpe_threads_here(int n) {
     if (n <= 1 + cpe_mine && !limited) return n;
     cpe_lock();
     want = n - 1 - cpe_mine;
-    if (want > 0) {
-        int room = cpe_refused ? 0 : cpe_room_max - cpe_reserved;
-        if (want > room) want = room > 0 ? room : 0;
-        if (want > 0 && cpe_key_set(cpe_mine + want)) {
-            cpe_mine += want;
-            cpe_reserved += want;
-        }
+    if (want > cpe_room_max - cpe_reserved || cpe_refused)
+        want = cpe_refused ? 0 : cpe_room_max - cpe_reserved;
+    if (want > 0 && cpe_key_set(cpe_mine + want)) {
+        cpe_mine += want;
+        cpe_reserved += want;
     }
     if (n > 1 + cpe_mine) n = 1 + cpe_mine;
     if (limited && n > cpe_pool) {
@@ -294,43 +266,31 @@ static int cpe_threads_here(int n) {
             cpe_refused = 1;
             n = cpe_pool + made;
         }
-        if (n > cpe_pool) {
-            cpe_start_pool(n);
-            cpe_pool = n;
-        }
+        if (n > cpe_pool) cpe_start_pool(n);
+        cpe_pool = n;
     }
     cpe_unlock();
-    return n > 1 ? n : 1;
+    return n;
 #else
     (void)n; (void)want; (void)limited;
     return 1;
 #endif
 }
 
-/* After a region of n threads: the runtime's pool now has n (a smaller
- * region ends the threads it does not use). */
+/* After a region of n threads: the pool now has n (a smaller region ends
+ * the threads it does not use). */
 static void cpe_region_ran(int n) {
     cpe_pool = n;
     cpe_entered = 1;
 }
 
-/* *var = value, under the lock (the budget's room, the OS refusal). */
-static void cpe_set_locked(int *var, int value) {
-    cpe_lock();
-    *var = value;
-    cpe_unlock();
-}
-
 /* ---- fork ---------------------------------------------------------------------
- * A forked child has only the thread that forked; the runtime's pools of
- * its parent are gone, and a libgomp region with more than one thread
- * waits for them forever (one with a single thread, or none, works). So a
- * child whose parent had other threads when it forked (any of them may
- * have been a pool's, of this package's runtime or another library's on
- * the same runtime) runs every call on its caller, and so do its own
- * children; a child of a process with one thread keeps its threads. Where
- * the threads cannot be counted, a child of a process that ran a region
- * runs on one thread. */
+ * A forked child has only the thread that forked, and a libgomp region with
+ * more than one thread waits forever for its parent's pool. So a child whose
+ * parent had other threads when it forked (any may have been a pool's) runs
+ * every call on its caller, and so do its children; a child of a process
+ * with one thread keeps its threads. Where threads cannot be counted, a
+ * child of a process that ran a region runs on one thread. */
 static int cpe_fork_threads = -1;
 #if CPOSEMBED_OPENMP_ENABLED && !defined(_WIN32)
 static void cpe_fork_prepare(void) {
@@ -340,12 +300,9 @@ static void cpe_fork_prepare(void) {
 static void cpe_fork_parent(void) { cpe_unlock(); }
 static void cpe_fork_child(void) {
     cpe_unlock();  /* the forking thread took it and is the child's only thread */
-    if (cpe_fork_threads > 1 || (cpe_fork_threads < 0 && cpe_entered))
-        cpe_serial = 1;
-    cpe_reserved = 0;
-    cpe_mine = 0;
+    if (cpe_fork_threads > 1 || (cpe_fork_threads < 0 && cpe_entered)) cpe_serial = 1;
+    cpe_reserved = cpe_mine = cpe_refused = 0;
     cpe_pool = 1;
-    cpe_refused = 0;
 }
 static void cpe_threads_init(void) {
     cpe_key_init();
@@ -356,56 +313,38 @@ static void cpe_threads_init(void) { cpe_key_init(); }
 #endif
 
 /* ---- one thread or several: measured -------------------------------------------
- * Each kind of call and size (a site: the kernel, and the work's power of
- * two) keeps its recent times per element on its planned threads and on
- * one thread. It runs on the count that has been faster, and now and then
- * on the other, to learn when that changes: every `every` calls, set so
- * that such calls cost about CPE_PROBE_COST of the time (cpe_interval).
- * Several threads lose to one only when the CPUs are taken
- * (another busy process); other thread pools in this process that sit
- * idle, spinning or asleep, do not make that happen, and so do not send
- * calls to one thread. Called with the GIL held. */
+ * Each site (a kind of call and the power of two of its work) keeps one
+ * smoothed time per element on its planned threads and one on a single
+ * thread, and runs on the count that has been faster (one thread must win
+ * by CPE_MARGIN to take over). Every `every` calls it runs once on the
+ * other count instead, and that call's time replaces the other count's.
+ * Several threads lose to one only while the CPUs are taken (a busy
+ * process); other pools of this process, idle, spinning or asleep, do not
+ * make that happen. The tries cost about CPE_PROBE_COST of the time: every
+ * 4 to 32 calls on several threads; on one, every 8 calls or as many as
+ * run in CPE_ALONE_SPAN_NS (at most 1024), since a try on several threads
+ * while the CPUs are taken can wait for the scheduler. With the GIL held. */
 #define CPE_KINDS 8
 #define CPE_SIZES 48
-#define CPE_RING 4
 #define CPE_PROBE_COST 0.04
-#define CPE_MARGIN 0.9       /* one thread wins below this fraction of several's time */
+#define CPE_MARGIN 0.9
+#define CPE_ALONE_SPAN_NS 5e7
 
 typedef struct {
-    int n;                      /* the planned threads; 0: nothing measured */
-    int alone;                  /* runs on one thread, trying n now and then */
-    int since, every;           /* calls since the last on the other count; the interval */
-    int count[2], next[2];      /* [0]: one thread, [1]: n threads */
-    double rate[2][CPE_RING];   /* ns per element, the latest CPE_RING calls */
-    double latest[2];
+    int n, alone, since, every;  /* planned threads (0: none yet); one is faster */
+    double rate[2];              /* ns per element on one thread, on n; 0: none */
 } cpe_site;
 
 static cpe_site cpe_sites[CPE_KINDS][CPE_SIZES];
 static int cpe_adapting = 1;
-static long cpe_alone_calls = 0;  /* calls the policy sent to one thread */
 
 static cpe_site *cpe_site_of(int kind, Py_ssize_t work) {
     int b = 0;
     while (b < CPE_SIZES - 1 && ((Py_ssize_t)1 << (b + 1)) <= work) b++;
-    if (kind < 0 || kind >= CPE_KINDS) kind = CPE_KINDS - 1;
-    return &cpe_sites[kind][b];
+    return &cpe_sites[kind < 0 || kind >= CPE_KINDS ? CPE_KINDS - 1 : kind][b];
 }
 
-/* The median of the recent rates on one thread (k = 0) or several; 0
- * while there are none. */
-static double cpe_median(const cpe_site *s, int k) {
-    double v[CPE_RING], x;
-    int n = s->count[k], i, j;
-    if (n == 0) return 0;
-    for (i = 0; i < n; i++) {
-        x = s->rate[k][i];
-        for (j = i; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];
-        v[j] = x;
-    }
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/* The threads a call planned on n (> 1) by default runs on. */
+/* The threads a call planned on n by default runs on. */
 static int cpe_choose(int kind, Py_ssize_t work, int n) {
     cpe_site *s;
     if (!cpe_adapting || n <= 1) return n;
@@ -416,67 +355,35 @@ static int cpe_choose(int kind, Py_ssize_t work, int n) {
         s->every = 4;
     }
     if (++s->since >= s->every) return s->alone ? n : 1;
-    if (s->alone) cpe_alone_calls++;
     return s->alone ? 1 : n;
-}
-
-/* The calls between tries of the other count, so that the tries cost about
- * CPE_PROBE_COST of the time: 4 to 32 on several threads; on one, 4 to
- * 8, or to as many as run in CPE_ALONE_SPAN_NS (at most 1024) when the calls are short
- * (several are back within 8 calls, or that span, once the CPUs are free;
- * a try on several threads while the CPUs are taken can cost a scheduler
- * wait, many times a short call). */
-#define CPE_ALONE_SPAN_NS 5e7
-static void cpe_interval(cpe_site *s, double other, double own, Py_ssize_t work) {
-    double calls = own > 0 ? (other / own - 1.0) / CPE_PROBE_COST : 4;
-    double most = 32;
-    if (s->alone) {
-        most = own > 0 ? CPE_ALONE_SPAN_NS / (own * (double)work) : 8;
-        most = most < 8 ? 8 : most > 1024 ? 1024 : most;
-    }
-    s->every = calls < 4 ? 4 : calls > most ? (int)most : (int)calls;
 }
 
 /* What a call of `work` chosen by cpe_choose took on `threads`. */
 static void cpe_took(int kind, Py_ssize_t work, int threads, long long ns) {
     cpe_site *s;
-    int k = threads > 1;
-    double r;
+    int k = threads > 1, was;
+    double r, own, other, calls, most = 32;
     if (!cpe_adapting || work <= 0 || ns < 0) return;
     s = cpe_site_of(kind, work);
     if (s->n == 0 || (k && threads != s->n)) return;
     r = (double)ns / (double)work;
-    s->rate[k][s->next[k]] = r;
-    s->next[k] = (s->next[k] + 1) % CPE_RING;
-    if (s->count[k] < CPE_RING) s->count[k]++;
-    s->latest[k] = r;
-    if (k == s->alone) s->since = 0;  /* it ran on the other count */
-    if (!s->alone) {
-        /* Several threads, one now and then: one wins if its latest call
-         * beat the recent calls on several by the margin. */
-        double multi = cpe_median(s, 1);
-        if (s->count[0] && s->count[1] && s->latest[0] < CPE_MARGIN * multi) {
-            s->alone = 1;
-            s->since = 0;
-            cpe_interval(s, multi, s->latest[0], work);
-        } else if (!k && s->count[1]) {
-            cpe_interval(s, s->latest[0], multi, work);
-        }
-    } else if (k) {
-        /* One thread, several now and then: several win back as soon as
-         * one call on them beats the recent calls on one. */
-        double single = cpe_median(s, 0);
-        if (r < single) {
-            s->alone = 0;
-            s->since = 0;
-            s->rate[1][0] = r;
-            s->count[1] = 1;
-            s->next[1] = 1;
-            cpe_interval(s, single, r, work);
-        } else {
-            cpe_interval(s, r, single, work);
-        }
+    if (k == s->alone) s->since = 0;  /* a try on the other count */
+    s->rate[k] = k == s->alone || s->rate[k] == 0 ? r : s->rate[k] + 0.25 * (r - s->rate[k]);
+    was = s->alone;
+    s->alone = s->rate[0] > 0 && s->rate[1] > 0 &&
+               s->rate[0] < (was ? 1.0 : CPE_MARGIN) * s->rate[1];
+    if (s->alone != was) {  /* the call that tipped it is the freshest reading */
+        s->since = 0;
+        s->rate[k] = r;
     }
+    own = s->rate[!s->alone];
+    other = s->rate[s->alone];
+    calls = own > 0 && other > 0 ? (other / own - 1.0) / CPE_PROBE_COST : 4;
+    if (s->alone) {
+        most = CPE_ALONE_SPAN_NS / (own * (double)work);
+        most = most < 8 ? 8 : most > 1024 ? 1024 : most;
+    }
+    s->every = calls < 4 ? 4 : calls > most ? (int)most : (int)calls;
 }
 
 static void cpe_set_adapting(int on) {
@@ -486,7 +393,7 @@ static void cpe_set_adapting(int on) {
 static int cpe_sites_alone(void) {
     int k, b, n = 0;
     for (k = 0; k < CPE_KINDS; k++)
-        for (b = 0; b < CPE_SIZES; b++) n += cpe_sites[k][b].n > 0 && cpe_sites[k][b].alone;
+        for (b = 0; b < CPE_SIZES; b++) n += cpe_sites[k][b].alone;
     return n;
 }
 
