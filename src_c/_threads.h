@@ -370,8 +370,10 @@ static void cpe_took(int kind, Py_ssize_t work, int threads, long long ns) {
     if (k == s->alone) s->since = 0;  /* a try on the other count */
     s->rate[k] = k == s->alone || s->rate[k] == 0 ? r : s->rate[k] + 0.25 * (r - s->rate[k]);
     was = s->alone;
-    s->alone = s->rate[0] > 0 && s->rate[1] > 0 &&
-               s->rate[0] < (was ? 1.0 : CPE_MARGIN) * s->rate[1];
+    if (!was)  /* one thread wins by the margin */
+        s->alone = s->rate[0] > 0 && s->rate[1] > 0 && s->rate[0] < CPE_MARGIN * s->rate[1];
+    else if (k)  /* several win back when a try on them beats one thread */
+        s->alone = r >= s->rate[0];
     if (s->alone != was) {  /* the call that tipped it is the freshest reading */
         s->since = 0;
         s->rate[k] = r;
