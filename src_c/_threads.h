@@ -315,8 +315,8 @@ static void cpe_threads_init(void) { cpe_key_init(); }
 /* ---- one thread or several: measured -------------------------------------------
  * Each site (a kind of call and the power of two of its work) keeps one
  * smoothed time per element on its planned threads and one on a single
- * thread, and runs on the count that has been faster (one thread must win
- * by CPE_MARGIN to take over). Every `every` calls it runs once on the
+ * thread, and runs on the count that has been faster (the other count must
+ * win by CPE_MARGIN to take over). Every `every` calls it runs once on the
  * other count instead, and that call's time replaces the other count's.
  * Several threads lose to one only while the CPUs are taken (a busy
  * process); other pools of this process, idle, spinning or asleep, do not
@@ -372,8 +372,8 @@ static void cpe_took(int kind, Py_ssize_t work, int threads, long long ns) {
     was = s->alone;
     if (!was)  /* one thread wins by the margin */
         s->alone = s->rate[0] > 0 && s->rate[1] > 0 && s->rate[0] < CPE_MARGIN * s->rate[1];
-    else if (k)  /* several win back when a try on them beats one thread */
-        s->alone = r >= s->rate[0];
+    else if (k)  /* several win back when a try on them beats one thread by the margin */
+        s->alone = r >= CPE_MARGIN * s->rate[0];
     if (s->alone != was) {  /* the call that tipped it is the freshest reading */
         s->since = 0;
         s->rate[k] = r;
