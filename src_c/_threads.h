@@ -104,7 +104,11 @@ static void cpe_job_run(cpe_job *job, int t) {
  * the call runs on the threads it has and no caller asks again. */
 static void cpe_give_back(void *mine);
 #if CPOSEMBED_OPENMP_ENABLED && defined(_WIN32)
+#if defined(_MSC_VER)
 #define CPE_TLS __declspec(thread)
+#else
+#define CPE_TLS __thread  /* mingw's gcc ignores __declspec(thread) */
+#endif
 static SRWLOCK cpe_mu = SRWLOCK_INIT;
 static void cpe_lock(void) { AcquireSRWLockExclusive(&cpe_mu); }
 static void cpe_unlock(void) { ReleaseSRWLockExclusive(&cpe_mu); }
