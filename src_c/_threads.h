@@ -317,26 +317,28 @@ static void cpe_threads_init(void) { cpe_key_init(); }
 #endif
 
 /* ---- one thread or several: measured -------------------------------------------
- * Each site (a kind of call and the power of two of its work) keeps one
- * smoothed time per element on its planned threads and one on a single
- * thread, and runs on the count that has been faster (the other count must
- * win by CPE_MARGIN to take over). Every `every` calls it runs once on the
- * other count instead, and that call's time replaces the other count's.
- * Several threads lose to one only while the CPUs are taken (a busy
- * process); other pools of this process, idle, spinning or asleep, do not
- * make that happen. The tries cost about CPE_PROBE_COST of the time: every
- * 4 to 32 calls on several threads; on one, every 8 calls or as many as
- * run in CPE_ALONE_SPAN_NS (at most 1024), since a try on several threads
- * while the CPUs are taken can wait for the scheduler. With the GIL held. */
+ * Each kind of call and size (a site: the kernel, and the work's power of
+ * two) keeps its recent times per element on its planned threads and on
+ * one thread. It runs on the count that has been faster, and now and then
+ * on the other, to learn when that changes: every `every` calls, set so
+ * that such calls cost about CPE_PROBE_COST of the time (cpe_interval).
+ * Several threads lose to one only when the CPUs are taken
+ * (another busy process); other thread pools in this process that sit
+ * idle, spinning or asleep, do not make that happen, and so do not send
+ * calls to one thread. Called with the GIL held. */
 #define CPE_KINDS 8
 #define CPE_SIZES 48
+#define CPE_RING 4
 #define CPE_PROBE_COST 0.04
-#define CPE_MARGIN 0.9
-#define CPE_ALONE_SPAN_NS 5e7
+#define CPE_MARGIN 0.9       /* one thread wins below this fraction of several's time */
 
 typedef struct {
-    int n, alone, since, every;  /* planned threads (0: none yet); one is faster */
-    double rate[2];              /* ns per element on one thread, on n; 0: none */
+    int n;                      /* the planned threads; 0: nothing measured */
+    int alone;                  /* runs on one thread, trying n now and then */
+    int since, every;           /* calls since the last on the other count; the interval */
+    int count[2], next[2];      /* [0]: one thread, [1]: n threads */
+    double rate[2][CPE_RING];   /* ns per element, the latest CPE_RING calls */
+    double latest[2];
 } cpe_site;
 
 static cpe_site cpe_sites[CPE_KINDS][CPE_SIZES];
@@ -345,10 +347,25 @@ static int cpe_adapting = 1;
 static cpe_site *cpe_site_of(int kind, Py_ssize_t work) {
     int b = 0;
     while (b < CPE_SIZES - 1 && ((Py_ssize_t)1 << (b + 1)) <= work) b++;
-    return &cpe_sites[kind < 0 || kind >= CPE_KINDS ? CPE_KINDS - 1 : kind][b];
+    if (kind < 0 || kind >= CPE_KINDS) kind = CPE_KINDS - 1;
+    return &cpe_sites[kind][b];
 }
 
-/* The threads a call planned on n by default runs on. */
+/* The median of the recent rates on one thread (k = 0) or several; 0
+ * while there are none. */
+static double cpe_median(const cpe_site *s, int k) {
+    double v[CPE_RING], x;
+    int n = s->count[k], i, j;
+    if (n == 0) return 0;
+    for (i = 0; i < n; i++) {
+        x = s->rate[k][i];
+        for (j = i; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];
+        v[j] = x;
+    }
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* The threads a call planned on n (> 1) by default runs on. */
 static int cpe_choose(int kind, Py_ssize_t work, int n) {
     cpe_site *s;
     if (!cpe_adapting || n <= 1) return n;
@@ -362,34 +379,63 @@ static int cpe_choose(int kind, Py_ssize_t work, int n) {
     return s->alone ? 1 : n;
 }
 
+/* The calls between tries of the other count, so that the tries cost about
+ * CPE_PROBE_COST of the time: 4 to 32 on several threads; on one, 4 to
+ * 8, or to as many as run in CPE_ALONE_SPAN_NS (at most 1024) when the calls are short
+ * (several are back within 8 calls, or that span, once the CPUs are free;
+ * a try on several threads while the CPUs are taken can cost a scheduler
+ * wait, many times a short call). */
+#define CPE_ALONE_SPAN_NS 5e7
+static void cpe_interval(cpe_site *s, double other, double own, Py_ssize_t work) {
+    double calls = own > 0 ? (other / own - 1.0) / CPE_PROBE_COST : 4;
+    double most = 32;
+    if (s->alone) {
+        most = own > 0 ? CPE_ALONE_SPAN_NS / (own * (double)work) : 8;
+        most = most < 8 ? 8 : most > 1024 ? 1024 : most;
+    }
+    s->every = calls < 4 ? 4 : calls > most ? (int)most : (int)calls;
+}
+
 /* What a call of `work` chosen by cpe_choose took on `threads`. */
 static void cpe_took(int kind, Py_ssize_t work, int threads, long long ns) {
     cpe_site *s;
-    int k = threads > 1, was;
-    double r, own, other, calls, most = 32;
+    int k = threads > 1;
+    double r;
     if (!cpe_adapting || work <= 0 || ns < 0) return;
     s = cpe_site_of(kind, work);
     if (s->n == 0 || (k && threads != s->n)) return;
     r = (double)ns / (double)work;
-    if (k == s->alone) s->since = 0;  /* a try on the other count */
-    s->rate[k] = k == s->alone || s->rate[k] == 0 ? r : s->rate[k] + 0.25 * (r - s->rate[k]);
-    was = s->alone;
-    if (!was)  /* one thread wins by the margin */
-        s->alone = s->rate[0] > 0 && s->rate[1] > 0 && s->rate[0] < CPE_MARGIN * s->rate[1];
-    else if (k)  /* several win back when a try on them beats one thread by the margin */
-        s->alone = r >= CPE_MARGIN * s->rate[0];
-    if (s->alone != was) {  /* the call that tipped it is the freshest reading */
-        s->since = 0;
-        s->rate[k] = r;
+    s->rate[k][s->next[k]] = r;
+    s->next[k] = (s->next[k] + 1) % CPE_RING;
+    if (s->count[k] < CPE_RING) s->count[k]++;
+    s->latest[k] = r;
+    if (k == s->alone) s->since = 0;  /* it ran on the other count */
+    if (!s->alone) {
+        /* Several threads, one now and then: one wins if its latest call
+         * beat the recent calls on several by the margin. */
+        double multi = cpe_median(s, 1);
+        if (s->count[0] && s->count[1] && s->latest[0] < CPE_MARGIN * multi) {
+            s->alone = 1;
+            s->since = 0;
+            cpe_interval(s, multi, s->latest[0], work);
+        } else if (!k && s->count[1]) {
+            cpe_interval(s, s->latest[0], multi, work);
+        }
+    } else if (k) {
+        /* One thread, several now and then: several win back as soon as
+         * one call on them beats the recent calls on one. */
+        double single = cpe_median(s, 0);
+        if (r < single) {
+            s->alone = 0;
+            s->since = 0;
+            s->rate[1][0] = r;
+            s->count[1] = 1;
+            s->next[1] = 1;
+            cpe_interval(s, single, r, work);
+        } else {
+            cpe_interval(s, r, single, work);
+        }
     }
-    own = s->rate[!s->alone];
-    other = s->rate[s->alone];
-    calls = own > 0 && other > 0 ? (other / own - 1.0) / CPE_PROBE_COST : 4;
-    if (s->alone) {
-        most = CPE_ALONE_SPAN_NS / (own * (double)work);
-        most = most < 8 ? 8 : most > 1024 ? 1024 : most;
-    }
-    s->every = calls < 4 ? 4 : calls > most ? (int)most : (int)calls;
 }
 
 static void cpe_set_adapting(int on) {
@@ -399,7 +445,7 @@ static void cpe_set_adapting(int on) {
 static int cpe_sites_alone(void) {
     int k, b, n = 0;
     for (k = 0; k < CPE_KINDS; k++)
-        for (b = 0; b < CPE_SIZES; b++) n += cpe_sites[k][b].alone;
+        for (b = 0; b < CPE_SIZES; b++) n += cpe_sites[k][b].n > 0 && cpe_sites[k][b].alone;
     return n;
 }
 

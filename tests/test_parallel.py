@@ -244,32 +244,6 @@ def test_one_thread_is_chosen_only_while_it_measures_faster():
         _core.set_tuning(**old)
 
 
-def test_several_threads_win_back_only_by_the_margin():
-    """On one thread, a try on several that beats it by less than the margin
-    (10 %) leaves the calls on one thread; a clear win sends them back."""
-    kind, work, n = 7, 1 << 20, 2
-    choose, took = _core.choose_threads, _core.took_threads
-    old = _core.set_tuning(adapt=True)
-
-    def run(calls, multi_ns):
-        counts = []
-        for _ in range(calls):
-            k = choose(kind, work, n)
-            counts.append(k)
-            took(kind, work, k, 1_000_000 if k == 1 else multi_ns)
-        return counts
-
-    try:
-        run(40, 550_000)  # idle
-        assert run(8, 2_000_000).count(1) >= 4  # busy: on one thread
-        counts = run(128, 950_000)  # several barely faster: tried, not taken
-        assert n in counts and counts.count(1) >= 90, counts
-        counts = run(64, 550_000)  # several clearly faster
-        assert counts[-32:].count(n) >= 30, counts
-    finally:
-        _core.set_tuning(**old)
-
-
 # Counts the threads of this process while many Python threads call the
 # kernels at once: the helpers are one set for all callers.
 _COUNT_THREADS = """
