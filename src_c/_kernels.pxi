@@ -161,6 +161,29 @@ def streaming_stores_available():
 cdef enum:
     _CHUNK_ELEMS = 65536
 cdef Py_ssize_t _chunk_elems = _CHUNK_ELEMS  # set_tuning(chunk_elems=) for tests
+
+
+def set_tuning(serial_below=None, stream_bytes=None, scan_block_bytes=None,
+               chunk_elems=None, adapt=None):
+    """Change the size rules and the measured choice (for tests); returns
+    the old values. None keeps a value; setting adapt forgets what was measured."""
+    global _SERIAL_BELOW, _STREAM_BYTES, _scan_block_bytes, _chunk_elems
+    old = {"serial_below": _SERIAL_BELOW, "stream_bytes": _STREAM_BYTES,
+           "scan_block_bytes": _scan_block_bytes, "chunk_elems": _chunk_elems,
+           "adapt": bool(cpe_adapting)}
+    if chunk_elems is not None:
+        _chunk_elems = max(1, <Py_ssize_t>chunk_elems)
+    if adapt is not None:
+        cpe_set_adapting(1 if adapt else 0)
+    if serial_below is not None:
+        _SERIAL_BELOW = max(0, <Py_ssize_t>serial_below)
+    if stream_bytes is not None:
+        _STREAM_BYTES = max(0, <Py_ssize_t>stream_bytes)
+    if scan_block_bytes is not None:
+        _scan_block_bytes = max(1, <Py_ssize_t>scan_block_bytes)
+    return old
+
+
 # The scatter-adds' chunks are larger (each reads its table rows into cache
 # first): the distinct-rows plan's chunk reads about this many elements of
 # the gradient; the scan and the sort cut the table into this many ranges

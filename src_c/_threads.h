@@ -1,7 +1,6 @@
-/* How a call's work runs on OpenMP threads: the bounds on the threads the
- * package causes, the fork rule and the measured choice between one thread
- * and several (see the top of _parallel.pxi). The parallel loop itself is
- * the prange of _parallel.pxi. */
+/* The C half of the thread rules of _parallel.pxi: a region's chunks, the
+ * bound on the OS threads the package causes, the fork rule and the
+ * measured choice between one thread and several. */
 #ifndef CPE_THREADS_H
 #define CPE_THREADS_H
 
@@ -9,7 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
 #if defined(_WIN32)
 #include <windows.h>
 #else
@@ -35,13 +33,11 @@ static long long cpe_now_ns(void) {
 }
 
 /* ---- a region's chunks ------------------------------------------------------
- * One contiguous share of the chunks per thread (what a static schedule
- * gives: a streaming kernel runs on one long run per thread), [lo, hi)
- * packed as lo << 32 | hi on a cache line of its own. A thread claims its
- * own share from the front and, once it is empty, the others' from the
- * back, one chunk at a time: a thread its CPU neglects runs fewer chunks.
- * What a chunk covers is fixed by the kernel, so only which thread runs it
- * varies, never a result. */
+ * One contiguous share of the chunks per thread, [lo, hi) packed as
+ * lo << 32 | hi on a cache line of its own. A thread claims its own share
+ * from the front and, once it is empty, the others' from the back: a thread
+ * its CPU neglects runs fewer chunks. What a chunk covers is fixed by the
+ * kernel, so only which thread runs it varies, never a result. */
 #define CPE_MAX_REGION 256
 
 typedef struct {
@@ -62,11 +58,9 @@ static void cpe_job_init(cpe_job *job, cpe_chunk_fn fn, void *arg, Py_ssize_t n_
     job->fn = fn;
     job->arg = arg;
     job->n_shares = n_threads;
-    for (t = 0; t < n_threads; t++) {
-        unsigned long long lo = (unsigned long long)(n_chunks * t / n_threads);
-        unsigned long long hi = (unsigned long long)(n_chunks * (t + 1) / n_threads);
-        job->share[t].v = lo << 32 | hi;
-    }
+    for (t = 0; t < n_threads; t++)
+        job->share[t].v = (unsigned long long)(n_chunks * t / n_threads) << 32 |
+                          (unsigned long long)(n_chunks * (t + 1) / n_threads);
 }
 
 #if defined(_MSC_VER) && !defined(__clang__)
@@ -81,8 +75,7 @@ static void cpe_job_init(cpe_job *job, cpe_chunk_fn fn, void *arg, Py_ssize_t n_
 #define CPE_SWAP(p, seen, to) __sync_val_compare_and_swap((p), (seen), (to))
 #endif
 
-/* The next chunk for share t (its front, else the back of another's), or
- * -1 when none is left. */
+/* The next chunk for share t (its front, else another's back); -1: none. */
 static Py_ssize_t cpe_claim(cpe_job *job, int t) {
     unsigned long long v = CPE_ADD(&job->share[t].v, 1ULL << 32), was;
     int k;
@@ -95,25 +88,27 @@ static Py_ssize_t cpe_claim(cpe_job *job, int t) {
     return -1;
 }
 
-/* Runs chunks as share t until none is left. */
 static void cpe_job_run(cpe_job *job, int t) {
     Py_ssize_t c;
     while ((c = cpe_claim(job, t)) >= 0) job->fn(job->arg, c);
 }
 
 /* ---- the threads the package causes ------------------------------------------
- * The OpenMP runtime keeps a pool of helper threads per calling thread
- * (libgomp exits the process when it cannot start one). Each calling
- * thread reserves its helpers from one budget before its first region that
- * needs them (cpe_room_max: a few times the CPUs), and gives them back when
- * it ends; a caller that finds the budget spent runs on itself alone. Where
- * the OS limits this user's threads (RLIMIT_NPROC), a region that would
- * start threads first checks, by starting and ending them, that the OS
- * allows them, and then starts the pool under the same lock; when the OS
- * refuses, the call runs on the threads it has and no caller asks again. */
+ * The OpenMP runtime keeps a pool of helpers per calling thread (libgomp
+ * exits the process when it cannot start one). Each calling thread reserves
+ * its helpers from one budget (cpe_room_max) before its first region that
+ * needs them and gives them back when it ends; a caller that finds the
+ * budget spent runs alone. Where the OS limits this user's threads
+ * (RLIMIT_NPROC), a region that would start threads first starts and ends
+ * as many, and starts the pool under the same lock; when the OS refuses,
+ * the call runs on the threads it has and no caller asks again. */
 static void cpe_give_back(void *mine);
 #if CPOSEMBED_OPENMP_ENABLED && defined(_WIN32)
+#if defined(_MSC_VER)
 #define CPE_TLS __declspec(thread)
+#else
+#define CPE_TLS __thread  /* mingw's gcc ignores __declspec(thread) */
+#endif
 static SRWLOCK cpe_mu = SRWLOCK_INIT;
 static void cpe_lock(void) { AcquireSRWLockExclusive(&cpe_mu); }
 static void cpe_unlock(void) { ReleaseSRWLockExclusive(&cpe_mu); }
@@ -152,9 +147,8 @@ static int cpe_refused = 0;     /* the OS refused a thread: reserve no more */
 static int cpe_serial = 0;      /* a forked child that runs every call on its caller */
 static int cpe_entered = 0;     /* a region ran in this process */
 static CPE_TLS int cpe_mine = 0;    /* helpers this thread reserved */
-static CPE_TLS int cpe_pool = 1;    /* threads of this thread's last region (its pool's size) */
+static CPE_TLS int cpe_pool = 1;    /* threads of this thread's last region */
 
-/* Gives a thread's reservation back when it ends. */
 static void cpe_give_back(void *mine) {
     cpe_lock();
     cpe_reserved -= (int)(intptr_t)mine;
@@ -162,81 +156,67 @@ static void cpe_give_back(void *mine) {
     cpe_unlock();
 }
 
-/* The OS threads of this process, or -1 where that is unknown. */
-static int cpe_os_threads(void) {
-#if defined(__linux__)
-    char buf[1024];
-    const char *p;
-    FILE *f = fopen("/proc/self/stat", "r");
-    size_t n;
-    int field = 2;
-    long v = -1;
-    if (!f) return -1;
-    n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    p = strrchr(buf, ')');  /* after the command name, which may hold anything */
-    if (!p) return -1;
-    for (; *p && field < 20; p++)
-        if (*p == ' ') field++;
-    if (field == 20) v = strtol(p, NULL, 10);
-    return v > 0 ? (int)v : -1;
-#else
-    return -1;
-#endif
+static void cpe_set_locked(int *var, int value) {
+    cpe_lock();
+    *var = value;
+    cpe_unlock();
 }
 
-/* The CPUs this process may use now: its affinity mask, and no more than
- * its cgroup's CPU quota (rounded up); -1 where that is unknown. */
+/* The OS threads of this process, or -1 where that is unknown. */
+static int cpe_os_threads(void) {
+    int n = -1;
+#if defined(__linux__)
+    char line[128];
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    while (n < 0 && fgets(line, sizeof(line), f))
+        if (sscanf(line, "Threads: %d", &n) != 1) n = -1;
+    fclose(f);
+#endif
+    return n > 0 ? n : -1;
+}
+
+/* The CPUs this process may use now (affinity, and the cgroup quota rounded
+ * up); -1 where that is unknown. */
 static int cpe_cpus_now(void) {
+    int n = -1;
 #if defined(__linux__)
     cpu_set_t set;
-    int n = -1;
-    FILE *f;
+    long long q, period;
+    FILE *f = fopen("/sys/fs/cgroup/cpu.max", "r");
     if (sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
-    f = fopen("/sys/fs/cgroup/cpu.max", "r");
     if (f) {
-        char quota[32];
-        long long period;
-        if (fscanf(f, "%31s %lld", quota, &period) == 2 && strcmp(quota, "max") != 0 &&
-            period > 0) {
-            long long q = atoll(quota);
-            int c = q > 0 ? (int)((q + period - 1) / period) : 1;
-            if (n < 0 || c < n) n = c;
-        }
+        if (fscanf(f, "%lld %lld", &q, &period) == 2 && q > 0 && period > 0 &&
+            (n < 0 || (q + period - 1) / period < n))
+            n = (int)((q + period - 1) / period);
         fclose(f);
     }
-    return n;
-#else
-    return -1;
 #endif
+    return n;
 }
 
 #if CPOSEMBED_OPENMP_ENABLED && defined(__linux__)
-/* Whether the OS limits this user's threads below what a busy machine
- * has (root and a limit of RLIM_INFINITY: no). */
+/* Whether the OS limits this user's threads (root, or no limit: no). */
 static int cpe_os_limits_threads(void) {
     struct rlimit rl;
     if (geteuid() == 0) return 0;
-    if (getrlimit(RLIMIT_NPROC, &rl) != 0) return 1;
-    return rl.rlim_cur != RLIM_INFINITY;
+    return getrlimit(RLIMIT_NPROC, &rl) != 0 || rl.rlim_cur != RLIM_INFINITY;
 }
 
 /* A probe thread ends as soon as it gets the lock its creator holds. */
 static pthread_mutex_t cpe_probe_mu = PTHREAD_MUTEX_INITIALIZER;
 static void *cpe_probe_main(void *arg) {
-    (void)arg;
     pthread_mutex_lock(&cpe_probe_mu);
     pthread_mutex_unlock(&cpe_probe_mu);
-    return NULL;
+    return arg;
 }
 
-/* How many of k more threads the OS allows now (lock held): starts them
- * all at once, then ends them and waits until the OS has counted them out. */
+/* How many of k more threads the OS allows now (lock held): starts them,
+ * ends them, and waits until the OS has counted them out. */
 static int cpe_os_allows(int k) {
     pthread_t t[CPE_MAX_REGION];
     sigset_t all, old;
-    int made = 0, i, before = cpe_os_threads(), waited;
+    int made = 0, i, before = cpe_os_threads();
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with Python's threads */
     pthread_mutex_lock(&cpe_probe_mu);
@@ -246,14 +226,12 @@ static int cpe_os_allows(int k) {
     pthread_mutex_unlock(&cpe_probe_mu);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     for (i = 0; i < made; i++) pthread_join(t[i], NULL);
-    /* A joined thread is counted out a moment later. */
-    for (waited = 0; before > 0 && cpe_os_threads() > before && waited < 2000; waited++) {
+    for (i = 0; before > 0 && cpe_os_threads() > before && i < 2000; i++) {
         struct timespec ts = {0, 50000};
         nanosleep(&ts, NULL);
     }
     return made;
 }
-/* A region of n threads with nothing to do: starts the pool. */
 static void cpe_start_pool(int n) {
     #pragma omp parallel num_threads(n)
     {
@@ -266,9 +244,9 @@ static int cpe_os_allows(int k) { return k; }
 static void cpe_start_pool(int n) { (void)n; }
 #endif
 
-/* The threads a region of up to n may have on this calling thread now,
- * from 1 (run on the caller) to n, all reserved and, where the OS limits
- * threads, allowed. Without the GIL. */
+/* The threads a region of up to n may have on this calling thread now:
+ * from 1 to n, all reserved and, where the OS limits threads, allowed.
+ * Without the GIL. */
 static int cpe_threads_here(int n) {
     int want, limited;
 #if CPOSEMBED_OPENMP_ENABLED
@@ -279,13 +257,11 @@ static int cpe_threads_here(int n) {
     if (n <= 1 + cpe_mine && !limited) return n;
     cpe_lock();
     want = n - 1 - cpe_mine;
-    if (want > 0) {
-        int room = cpe_refused ? 0 : cpe_room_max - cpe_reserved;
-        if (want > room) want = room > 0 ? room : 0;
-        if (want > 0 && cpe_key_set(cpe_mine + want)) {
-            cpe_mine += want;
-            cpe_reserved += want;
-        }
+    if (want > cpe_room_max - cpe_reserved || cpe_refused)
+        want = cpe_refused ? 0 : cpe_room_max - cpe_reserved;
+    if (want > 0 && cpe_key_set(cpe_mine + want)) {
+        cpe_mine += want;
+        cpe_reserved += want;
     }
     if (n > 1 + cpe_mine) n = 1 + cpe_mine;
     if (limited && n > cpe_pool) {
@@ -294,43 +270,31 @@ static int cpe_threads_here(int n) {
             cpe_refused = 1;
             n = cpe_pool + made;
         }
-        if (n > cpe_pool) {
-            cpe_start_pool(n);
-            cpe_pool = n;
-        }
+        if (n > cpe_pool) cpe_start_pool(n);
+        cpe_pool = n;
     }
     cpe_unlock();
-    return n > 1 ? n : 1;
+    return n;
 #else
     (void)n; (void)want; (void)limited;
     return 1;
 #endif
 }
 
-/* After a region of n threads: the runtime's pool now has n (a smaller
- * region ends the threads it does not use). */
+/* After a region of n threads: the pool now has n (a smaller region ends
+ * the threads it does not use). */
 static void cpe_region_ran(int n) {
     cpe_pool = n;
     cpe_entered = 1;
 }
 
-/* *var = value, under the lock (the budget's room, the OS refusal). */
-static void cpe_set_locked(int *var, int value) {
-    cpe_lock();
-    *var = value;
-    cpe_unlock();
-}
-
 /* ---- fork ---------------------------------------------------------------------
- * A forked child has only the thread that forked; the runtime's pools of
- * its parent are gone, and a libgomp region with more than one thread
- * waits for them forever (one with a single thread, or none, works). So a
- * child whose parent had other threads when it forked (any of them may
- * have been a pool's, of this package's runtime or another library's on
- * the same runtime) runs every call on its caller, and so do its own
- * children; a child of a process with one thread keeps its threads. Where
- * the threads cannot be counted, a child of a process that ran a region
- * runs on one thread. */
+ * A forked child has only the thread that forked, and a libgomp region with
+ * more than one thread waits forever for its parent's pool. So a child whose
+ * parent had other threads when it forked (any may have been a pool's) runs
+ * every call on its caller, and so do its children; a child of a process
+ * with one thread keeps its threads. Where threads cannot be counted, a
+ * child of a process that ran a region runs on one thread. */
 static int cpe_fork_threads = -1;
 #if CPOSEMBED_OPENMP_ENABLED && !defined(_WIN32)
 static void cpe_fork_prepare(void) {
@@ -340,12 +304,9 @@ static void cpe_fork_prepare(void) {
 static void cpe_fork_parent(void) { cpe_unlock(); }
 static void cpe_fork_child(void) {
     cpe_unlock();  /* the forking thread took it and is the child's only thread */
-    if (cpe_fork_threads > 1 || (cpe_fork_threads < 0 && cpe_entered))
-        cpe_serial = 1;
-    cpe_reserved = 0;
-    cpe_mine = 0;
+    if (cpe_fork_threads > 1 || (cpe_fork_threads < 0 && cpe_entered)) cpe_serial = 1;
+    cpe_reserved = cpe_mine = cpe_refused = 0;
     cpe_pool = 1;
-    cpe_refused = 0;
 }
 static void cpe_threads_init(void) {
     cpe_key_init();
@@ -382,7 +343,6 @@ typedef struct {
 
 static cpe_site cpe_sites[CPE_KINDS][CPE_SIZES];
 static int cpe_adapting = 1;
-static long cpe_alone_calls = 0;  /* calls the policy sent to one thread */
 
 static cpe_site *cpe_site_of(int kind, Py_ssize_t work) {
     int b = 0;
@@ -416,7 +376,6 @@ static int cpe_choose(int kind, Py_ssize_t work, int n) {
         s->every = 4;
     }
     if (++s->since >= s->every) return s->alone ? n : 1;
-    if (s->alone) cpe_alone_calls++;
     return s->alone ? 1 : n;
 }
 
