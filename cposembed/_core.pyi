@@ -209,10 +209,7 @@ ISAS: tuple[str, ...]  # the half-precision primitives' variants: sse2, f16c, av
 def set_isa(name: str) -> str: ...  # tests: use a variant (same bits); the one used
 def isas() -> tuple[str, ...]: ...  # the variants this CPU has
 
-# Zeroed tables (src_c/_blocks.h): as NumPy arrays, and through DLPack.
+# Zeroed tables (src_c/_blocks.h), as NumPy arrays.
 ZEROED_MIN_BYTES: int  # zeroed tables at least this large are the allocator's
 
 def zeros(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray: ...
-def zeroed_dlpack(
-    rows: int, cols: int, itemsize: int, bfloat16: bool = False
-) -> Any: ...  # a "dltensor" PyCapsule

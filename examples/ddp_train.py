@@ -39,7 +39,7 @@ except ModuleNotFoundError:
 import cposembed.torch as ct
 
 # A token table of 4096 x 128 float32 (2 MiB): large enough that its gradient
-# comes from cposembed's DLPack blocks, as a real vocabulary's does.
+# is a storage the bridge keeps and hands out again, as a real vocabulary's is.
 VOCAB, MAX_LEN, DIM = 4096, 32, 128
 BATCH, T, STEPS, LR = 8, 32, 5, 0.5
 WORLD = 2

@@ -1,8 +1,9 @@
 /* cposembed's one allocator: every block of memory the package hands out and
    keeps (large outputs, the calls' scratch, zeroed tables: gradients and
-   optimizer state as NumPy arrays, the PyTorch bridge's gradients through
-   DLPack), and the one policy for keeping freed blocks (docs/architecture.md,
-   "Memory").
+   optimizer state as NumPy arrays), and the one policy for keeping freed
+   blocks (docs/architecture.md, "Memory"). The PyTorch bridge's outputs and
+   gradients are torch's own memory (cposembed/_torch_arrays.py), kept within
+   the same limits; from here it uses cpe_zero_memory and cpe_advise_huge.
 
    Two kinds of block:
    - CPE_DENSE (outputs, scratch): written whole by the call that takes it.
@@ -21,11 +22,11 @@
    (released, smallest first), or is released if only larger ones would make
    room: what a miss costs grows with the size. A request takes the smallest
    kept block of its kind that fits without wasting more than half, unless it
-   asks for fresh memory: a kept block handed out zeroed is zeroed whole, which
-   pays where the table is asked for again and again and written densely (the
-   PyTorch bridge's gradients, one per backward), while fresh memory costs
-   only the pages written (a gradient or optimizer state that lives as long as
-   its layer and is touched a few rows at a time).
+   asks for fresh memory, which costs only the pages written (a gradient or
+   optimizer state that lives as long as its layer and is touched a few rows
+   at a time). The package's zeroed requests all ask for fresh memory
+   (_core.zeros), so no zeroed block is ever kept; a kept one would be zeroed
+   whole when handed out.
 
    Only blocks of CPE_KEEP_MIN bytes or more are kept, and never one handed
    out as fresh memory on request (a gradient or optimizer state: freed when
@@ -34,15 +35,14 @@
    The kept list is guarded by a lock that requests and releases only ever
    try, never wait for: one that finds it taken (another thread is in here)
    goes to the OS instead (clear_pool, for tests and
-   CPOSEMBED_REUSE_OUTPUTS=0, tries again until it gets it). So a deleter running on any thread without
-   the GIL (DLPack's) is safe, and a fork at any moment leaves the child
-   nothing to wait for (a child forked while the lock was held forgets the
-   kept list: cpe_blocks_after_fork). */
+   CPOSEMBED_REUSE_OUTPUTS=0, tries again until it gets it). So requests and
+   releases on any thread, with or without the GIL, are safe, and a fork at
+   any moment leaves the child nothing to wait for (a child forked while the
+   lock was held forgets the kept list: cpe_blocks_after_fork). */
 
 #ifndef CPE_BLOCKS_H
 #define CPE_BLOCKS_H
 
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(_WIN32)
@@ -283,84 +283,6 @@ static void cpe_advise_huge(void *p, size_t nbytes) {
     (void)p;
     (void)nbytes;
 #endif
-}
-
-/* ---- zeroed tables for DLPack consumers (torch.from_dlpack) ---------------
-   dlpack.h (v0.8), the part used here. */
-typedef struct { int32_t device_type; int32_t device_id; } cpe_DLDevice;
-typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } cpe_DLDataType;
-typedef struct {
-    void *data;
-    cpe_DLDevice device;
-    int32_t ndim;
-    cpe_DLDataType dtype;
-    int64_t *shape;
-    int64_t *strides;
-    uint64_t byte_offset;
-} cpe_DLTensor;
-typedef struct cpe_DLManagedTensor {
-    cpe_DLTensor dl_tensor;
-    void *manager_ctx;
-    void (*deleter)(struct cpe_DLManagedTensor *self);
-} cpe_DLManagedTensor;
-
-/* The managed tensor and its block, in one allocation. */
-typedef struct {
-    cpe_DLManagedTensor managed;
-    int64_t shape[2];
-    cpe_Mem mem;
-} cpe_DLBlock;
-
-/* The DLPack deleter, called by the consumer when its last tensor using the
-   block is gone (plain C, on any thread, no GIL). */
-static void cpe_dl_free(cpe_DLManagedTensor *self) {
-    cpe_DLBlock *b = (cpe_DLBlock *)self;
-    cpe_block_put(b->mem);
-    free(b);
-}
-
-/* A zeroed C-order rows x cols table of `bits`-bit elements of DLPack type
-   `code` (2: kDLFloat, 4: kDLBfloat), or NULL when there is no memory. */
-static cpe_DLManagedTensor *cpe_dl_zeroed(int64_t rows, int64_t cols, int code, int bits) {
-    size_t nbytes = (size_t)rows * (size_t)cols * (size_t)(bits / 8);
-    int reused;
-    cpe_DLBlock *b = (cpe_DLBlock *)calloc(1, sizeof *b);
-    if (b == NULL) return NULL;
-    b->mem = cpe_block_get(nbytes, CPE_ZEROED, 0, &reused);
-    if (b->mem.ptr == NULL) {
-        free(b);
-        return NULL;
-    }
-    b->shape[0] = rows;
-    b->shape[1] = cols;
-    b->managed.dl_tensor.data = b->mem.ptr;
-    b->managed.dl_tensor.device.device_type = 1; /* kDLCPU */
-    b->managed.dl_tensor.ndim = 2;
-    b->managed.dl_tensor.dtype.code = (uint8_t)code;
-    b->managed.dl_tensor.dtype.bits = (uint8_t)bits;
-    b->managed.dl_tensor.dtype.lanes = 1;
-    b->managed.dl_tensor.shape = b->shape;
-    b->managed.dl_tensor.strides = NULL; /* C order */
-    b->managed.deleter = cpe_dl_free;
-    return &b->managed;
-}
-
-/* An unconsumed capsule frees its block; a consumer renames the capsule
-   ("used_dltensor") and calls the deleter itself. */
-static void cpe_dl_capsule_free(PyObject *capsule) {
-    if (PyCapsule_IsValid(capsule, "dltensor")) {
-        cpe_DLManagedTensor *m =
-            (cpe_DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
-        if (m != NULL && m->deleter != NULL) m->deleter(m);
-    } else {
-        PyErr_Clear();
-    }
-}
-
-static PyObject *cpe_dl_capsule(cpe_DLManagedTensor *m) {
-    PyObject *capsule = PyCapsule_New(m, "dltensor", cpe_dl_capsule_free);
-    if (capsule == NULL) m->deleter(m);
-    return capsule;
 }
 
 #endif

@@ -3,7 +3,6 @@
 # the switches the tests and CPOSEMBED_REUSE_OUTPUTS use.
 
 from cpython.buffer cimport PyBuffer_FillInfo
-from libc.stdint cimport int64_t
 
 cdef extern from "_blocks.h" nogil:
     enum:
@@ -16,22 +15,16 @@ cdef extern from "_blocks.h" nogil:
         int mapped
         int kind
         int keep
-    ctypedef struct cpe_DLManagedTensor:
-        pass
     cpe_Mem cpe_block_get(size_t nbytes, int kind, int fresh, int* reused)
     void cpe_block_put(cpe_Mem m)
     int cpe_blocks_clear()
     void cpe_blocks_init()
-    cpe_DLManagedTensor* cpe_dl_zeroed(int64_t rows, int64_t cols, int code, int bits)
     int cpe_kept_n
     size_t cpe_keep_limit
     int cpe_keep_on
     size_t cpe_kept_bytes()
     void cpe_zero_memory(void* p, size_t nbytes, int lazily)
     void cpe_advise_huge(void* p, size_t nbytes)
-
-cdef extern from "_blocks.h":
-    object cpe_dl_capsule(cpe_DLManagedTensor* block)
 
 cpe_blocks_init()
 
@@ -98,34 +91,6 @@ def zeros(shape, dtype):
     if nbytes < ZEROED_MIN_BYTES:
         return np.zeros(shape, dt)
     return np.frombuffer(_new_block(nbytes, CPE_ZEROED, True), dt).reshape(shape)
-
-
-def zeroed_dlpack(rows, cols, itemsize, bfloat16=False):
-    """A zeroed C-order ``(rows, cols)`` float table as a DLPack capsule.
-
-    ``itemsize``: 2 (float16, or bfloat16 if ``bfloat16``), 4 (float32) or 8
-    (float64). Pass the capsule to ``torch.from_dlpack``; when the last
-    tensor using the memory is gone, its block goes back to the allocator.
-    """
-    cdef cpe_DLManagedTensor* blk
-    cdef int code, bits
-    for name, value in (("rows", rows), ("cols", cols)):
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{name} must be a non-negative int; got {value!r}")
-    if type(itemsize) is not int or itemsize not in (2, 4, 8):
-        raise ValueError(f"itemsize must be 2, 4 or 8; got {itemsize!r}")
-    if bfloat16 and itemsize != 2:
-        raise ValueError(f"a bfloat16 table has itemsize 2; got {itemsize!r}")
-    nbytes = rows * cols * itemsize
-    if nbytes >= 1 << 62:
-        raise MemoryError(f"a ({rows}, {cols}) table of {nbytes} bytes does not fit in memory")
-    code, bits = (4 if bfloat16 else 2), 8 * itemsize
-    cdef int64_t r = rows, c = cols
-    with nogil:
-        blk = cpe_dl_zeroed(r, c, code, bits)
-    if blk == NULL:
-        raise MemoryError(f"no memory for a ({rows}, {cols}) table of {nbytes} bytes")
-    return cpe_dl_capsule(blk)
 
 
 KEEP_SLOTS = CPE_KEEP_SLOTS

@@ -692,8 +692,8 @@ def test_a_full_pool_keeps_the_larger_blocks(pool_on):
 
 def test_fresh_zeroed_tables_and_small_blocks_are_not_kept(pool_on):
     """A gradient or optimizer state (_core.zeros: fresh memory) goes back to the
-    OS when freed, and so does a block under 64 KiB; a zeroed table that torch
-    would free (a DLPack capsule) is kept."""
+    OS when freed, and so does a block under 64 KiB; a block of 64 KiB or more
+    is kept."""
     z = _core.zeros((1024, 1024), np.float32)  # 4 MiB: the allocator's
     z[::97] = 1.0
     assert z.shape == (1024, 1024) and z.flags.writeable and z.sum() == 11 * 1024
@@ -702,11 +702,14 @@ def test_fresh_zeroed_tables_and_small_blocks_are_not_kept(pool_on):
     assert _core.pool_info()[0] == 0
     small = _core.zeros((8, 8), np.float64)  # below the allocator's size: np.zeros
     assert small.base is None and not small.any()
-    cap = _core.zeroed_dlpack(8, 8, 4)  # 256 bytes, freed by its deleter
-    del cap
+    blk = _core.block(256)  # 256 bytes: released
+    del blk
     assert _core.pool_info()[0] == 0
-    cap = _core.zeroed_dlpack(1024, 64, 4)  # 256 KiB: kept
-    del cap
+    blk = _core.block((64 << 10) - 1)  # just under 64 KiB: released
+    del blk
+    assert _core.pool_info()[0] == 0
+    blk = _core.block(256 << 10)  # 256 KiB: kept
+    del blk
     assert _core.pool_info()[:2] == (1, 256 << 10)
 
 
@@ -787,35 +790,3 @@ def test_membench_probes_cap_the_thread_count_as_num_threads_does():
     proc = run_python(["-c", code], timeout=60)
     assert_clean_exit(proc)
     assert float(proc.stdout) == 1 << 20
-
-
-# -- zeroed tables as DLPack capsules (_blocks.h) ------------------------------------
-@pytest.mark.parametrize(
-    "args, error",
-    [
-        ((-1, 4, 4), ValueError),
-        ((4, 2.0, 4), ValueError),
-        ((4, 4, 3), ValueError),
-        ((4, 4, True), ValueError),
-        ((4, 4, 4, True), ValueError),  # bfloat16 has 2 bytes
-        ((1 << 40, 1 << 30, 8), MemoryError),
-    ],
-)
-def test_zeroed_dlpack_refuses_what_it_cannot_make(args, error):
-    with pytest.raises(error):
-        _core.zeroed_dlpack(*args)
-
-
-def test_an_unconsumed_zeroed_capsule_frees_its_block():
-    proc = run_python(
-        [
-            "-c",
-            "from cposembed import _core\n"
-            "for _ in range(200):\n"
-            "    c = _core.zeroed_dlpack(4096, 1024, 4)  # 16 MiB each, never consumed\n"
-            "    del c\n"
-            "print('ok')",
-        ]
-    )
-    assert_clean_exit(proc)
-    assert proc.stdout.strip() == "ok"

@@ -340,9 +340,9 @@ def test_fork_while_another_thread_runs_the_kernels():
 
 def test_fork_while_other_threads_take_and_give_back_blocks():
     """Children forked while two threads take and free the allocator's blocks
-    (large outputs, scratch, zeroed tables freed by their DLPack deleter): each
-    child gets correct results and keeps blocks again, whatever the parent's
-    lock was doing at the fork."""
+    (large outputs, scratch, kept dense blocks, fresh zeroed tables released
+    when freed): each child gets correct results and keeps blocks again,
+    whatever the parent's lock was doing at the fork."""
     result = run_json(
         """
         import json, os, threading
@@ -356,8 +356,10 @@ def test_fork_while_other_threads_take_and_give_back_blocks():
             while not stop:
                 r = c.lookup(t, pos, num_threads=1)
                 del r
-                cap = _core.zeroed_dlpack(256 + k, 1024, 4)  # freed by its deleter
-                del cap
+                blk = _core.block((256 + k) << 12)  # about 1 MiB: kept when freed
+                del blk
+                z = _core.zeros((1024 + k, 1024), np.float32)  # 4 MiB+: fresh, released
+                del z
         threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
         for th in threads:
             th.start()

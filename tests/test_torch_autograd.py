@@ -13,7 +13,6 @@ import os
 import pathlib
 import textwrap
 
-import numpy as np
 import pytest
 from helpers import assert_clean_exit, last_json, run_on_two_ranks, run_python
 
@@ -482,44 +481,3 @@ def run(rank, world, port, out):
 
 def test_hand_written_all_reduce_of_grad_equals_nn_embedding(tmp_path) -> None:
     assert run_on_two_ranks(_ALL_REDUCE, tmp_path) == {"worst": 0.0}
-
-
-def test_a_kept_block_is_zeroed_whole_before_it_is_handed_out_again() -> None:
-    """Gradient tables are the allocator's zeroed blocks: kept when torch frees
-    them (in the one pool of _core.pool_info), zeroed whole when handed out
-    again, and never to a dense request (an output) nor to a layer's gradient
-    or an optimizer's state (_core.zeros: fresh memory, whose pages fault in
-    only where rows are written)."""
-    from cposembed import _core
-
-    _, _, limit, enabled = _core.pool_info()
-    _core.set_pool(False)
-    _core.set_pool(True)
-    try:
-        t = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))
-        t.fill_(7.0)  # written everywhere, as a collective or a user may
-        ptr = t.data_ptr()
-        del t  # torch lets go of the block: it is kept
-        assert _core.pool_info()[:2] == (1, 4 << 20)
-        assert not _core.block(4 << 20).reused  # an output: not a zeroed block
-        u = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))
-        assert u.data_ptr() == ptr and not u.any()
-        assert _core.pool_info()[0] == 1  # the output's block, kept
-        v = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))  # u alive: new memory
-        assert v.data_ptr() != ptr and not v.any()
-        bf = torch.from_dlpack(_core.zeroed_dlpack(512, 256, 2, bfloat16=True))
-        d = torch.from_dlpack(_core.zeroed_dlpack(3, 5, 8))
-        assert bf.dtype == torch.bfloat16 and not bf.any()
-        assert d.dtype == torch.float64 and d.shape == (3, 5) and d.is_contiguous()
-        del u, v, bf, d
-        _core.clear_pool()
-        kept = torch.from_dlpack(_core.zeroed_dlpack(1024, 1024, 4))
-        kept.fill_(1.0)
-        del kept
-        assert _core.pool_info()[0] == 1
-        state = _core.zeros((1024, 1024), np.float32)
-        assert _core.pool_info()[0] == 1 and not state.any()  # fresh, not the kept one
-        del state
-    finally:
-        _core.set_pool(False)
-        _core.set_pool(enabled, limit)

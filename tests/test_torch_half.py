@@ -277,7 +277,7 @@ def test_bfloat16_sums_round_once_from_float32() -> None:
     assert _same_bits(x.reshape(2, 1), y)
 
 
-# ---- large gradients: the DLPack blocks, any thread count ----------------------------
+# ---- large gradients: storages the bridge keeps, any thread count -------------------
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -303,12 +303,12 @@ def test_large_half_gradients_equal_nn_embedding(dtype, d, threads) -> None:
     assert _same_bits(grad, e_tok.weight.grad)
     assert _same_bits(m.positions.weight.grad, e_pos.weight.grad)
     assert grad.is_contiguous() and grad.untyped_storage().nbytes() == grad.numel() * 2
-    assert grad._base is None  # the block itself, not a view of one
+    assert grad._base is None  # the storage itself, not a view of one
 
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_a_half_gradient_is_never_written_again_once_handed_out(dtype) -> None:
-    e = ct.Embedding(8192, 256, dtype=dtype)  # 4 MiB: a DLPack block
+    e = ct.Embedding(8192, 256, dtype=dtype)  # 4 MiB: a storage the bridge keeps
     e(torch.tensor([1, 2])).sum().backward()
     first = e.weight.grad
     held = first.view(torch.int16).numpy()  # a NumPy view keeps the memory alive

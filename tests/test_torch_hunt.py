@@ -720,7 +720,7 @@ def run(rank, world, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     equal = {}
-    # 2.1 MiB gradients: DLPack blocks. torch adds no sparse float16 tensors.
+    # 2.1 MiB gradients: storages the bridge keeps. torch adds no sparse float16 tensors.
     for dtype, d in ((torch.float32, 8), (torch.bfloat16, 16), (torch.float16, 16)):
         for sparse, view in ((False, True), (True, False))[: 1 if dtype == torch.float16 else 2]:
             weights = []

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 import cposembed.torch as ct
 
-VOCAB, T, D = 70000, 16, 8   # 70000 x 8 float32: 2.1 MiB gradients (DLPack blocks)
+VOCAB, T, D = 70000, 16, 8   # 70000 x 8 float32: 2.1 MiB gradients (kept storages)
 
 
 class Layer(nn.Module):
