@@ -593,7 +593,7 @@ def test_no_memory_growth_over_many_accepted_declined_and_failing_calls():
         [[1, -2], [0, 3]],
         np.array([5, 250, 0], np.uint8)[::2],
         np.arange(12, dtype=">i4").reshape(3, 4)[:, 1:] % 6,
-        np.ones((1,) * 33, np.int64),
+        np.ones((1,) * (_core.MAX_POSITION_DIMS + 1), np.int64),  # deeper than the reader
         slice(1, None, 2),
         np.array([True, False] * 3),
         [],
