@@ -162,13 +162,13 @@ def call_rows(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The distinct rows a backward of rows shaped ``lead`` adds into, and the
     positions into a compact scratch of them (None: ``arange(T)`` over the last
-    axis, for ``positions=None``, whose rows ``off .. off + T - 1`` are distinct)."""
+    axis, for ``positions=None``, whose rows ``off .. off + T - 1`` are distinct).
+    ``pos`` holds rows in ``[0, n_rows)``, as ``_routes.row_positions`` gives them."""
     if int(np.prod(lead)) == 0:
         return np.empty(0, dtype=np.int64), np.zeros(lead, dtype=np.int64)
     if pos is None:
         return np.arange(off, off + lead[-1], dtype=np.int64), None
     flat = np.ascontiguousarray(np.broadcast_to(pos, lead), dtype=np.int64).reshape(-1)
-    flat = np.where(flat < 0, flat + n_rows, flat)  # rows in [0, n_rows)
     found = _core.distinct_rows(flat, n_rows)
     if found is None:  # int64 rows in range: the entry takes them
         raise RuntimeError("distinct_rows declined its rows")

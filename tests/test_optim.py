@@ -147,6 +147,21 @@ def test_matches_the_lazy_formula(kind, h, fused):
     assert opt.step_count == len(STEPS)
 
 
+def test_fused_position_step_takes_negative_positions_as_numpy_wraps_them():
+    # The fused step finds its distinct rows in [0, L): negative positions reach
+    # it wrapped, as the unfused backward and NumPy index them.
+    g = np.arange(1, 6, dtype=np.float32)[None, :, None] * np.ones((1, 5, 4), np.float32)
+    tables = []
+    for pos in ([[-1, 0, -3, 5, -1]], [[7, 0, 5, 5, 7]]):
+        pe = cposembed.LearnedPositionEmbedding.from_pretrained(
+            np.arange(32, dtype=np.float32).reshape(8, 4)
+        )
+        pe.backward(g, np.array(pos), optimizer=cposembed.optim.Adam(pe, 0.1))
+        tables.append(pe.embeddings)
+    assert np.array_equal(tables[0], tables[1])
+    assert not np.array_equal(tables[0][[7, 0, 5]], np.arange(32.0).reshape(8, 4)[[7, 0, 5]])
+
+
 @pytest.mark.parametrize("kind, h", CONFIGS[:2] + CONFIGS[4:5] + CONFIGS[7:8])
 def test_state_moves_only_on_touched_rows(kind, h):
     pe = LearnedPositionEmbedding(10, 3, seed=0)
