@@ -16,21 +16,15 @@
      against huge pages, so that touching a row faults in its 4 KiB page,
      not 2 MiB around it, whatever the transparent huge pages mode.
 
-   Keeping: a freed block is kept for a later request of its kind (at most
-   CPE_KEEP_SLOTS blocks and cpe_keep_limit bytes in all). When the places or
-   the bytes are full, it takes the place of kept blocks smaller than itself
-   (released, smallest first), or is released if only larger ones would make
-   room: what a miss costs grows with the size. A request takes the smallest
-   kept block of its kind that fits without wasting more than half, unless it
-   asks for fresh memory, which costs only the pages written (a gradient or
-   optimizer state that lives as long as its layer and is touched a few rows
-   at a time). The package's zeroed requests all ask for fresh memory
-   (_core.zeros), so no zeroed block is ever kept; a kept one would be zeroed
-   whole when handed out.
-
-   Only blocks of CPE_KEEP_MIN bytes or more are kept, and never one handed
-   out as fresh memory on request (a gradient or optimizer state: freed when
-   its layer is, its memory goes back to the OS).
+   Keeping: a freed dense block of CPE_KEEP_MIN bytes or more is kept for a
+   later dense request (at most CPE_KEEP_SLOTS blocks and cpe_keep_limit
+   bytes in all). When the slots or the bytes are full, it takes the place of
+   kept blocks smaller than itself (released, smallest first), or is released
+   if only larger ones would make room: what a miss costs grows with the
+   size. A request takes the smallest kept block that fits without wasting
+   more than half. Zeroed blocks are never kept: a gradient or optimizer
+   state lives as long as its layer, and fresh memory costs only the pages
+   written, where a kept block would have to be zeroed whole.
 
    The kept list is guarded by a lock that requests and releases only ever
    try, never wait for: one that finds it taken (another thread is in here)
@@ -55,14 +49,12 @@
 
 enum { CPE_DENSE = 0, CPE_ZEROED = 1 };
 
-/* A block: its memory, its size, how to release it, its kind, and whether
-   it may be kept when freed. */
+/* A block: its memory, its size, how to release it, and its kind. */
 typedef struct {
     void *ptr;
     size_t capacity;
     int mapped; /* 1: from mmap (munmap it); 0: from malloc (free it) */
     int kind;
-    int keep;   /* 0: released when freed (a request for fresh memory) */
 } cpe_Mem;
 
 #define CPE_KEEP_SLOTS 8
@@ -101,7 +93,7 @@ static void cpe_release(cpe_Mem m) {
 /* Fresh memory of the kind (zeroed for CPE_ZEROED); m.ptr NULL when there is
    none. */
 static cpe_Mem cpe_fresh(size_t nbytes, int kind) {
-    cpe_Mem m = {NULL, nbytes, 0, kind, 1};
+    cpe_Mem m = {NULL, nbytes, 0, kind};
     if (kind == CPE_ZEROED) {
 #if defined(MAP_ANONYMOUS)
         if (nbytes >= CPE_ZERO_MMAP_MIN) {
@@ -145,40 +137,25 @@ static void cpe_kept_drop(int i) {
     cpe_kept[i] = cpe_kept[--cpe_kept_n];
 }
 
-/* A kept block of the kind that fits `nbytes` without wasting more than
-   half, taken off the list; m.ptr NULL if none. */
-static cpe_Mem cpe_take(size_t nbytes, int kind) {
-    cpe_Mem m = {NULL, 0, 0, kind, 1};
+/* A dense block of at least `nbytes`: a kept one that fits without wasting
+   more than half, else fresh; *reused says which. */
+static cpe_Mem cpe_dense_get(size_t nbytes, int *reused) {
+    cpe_Mem m = {NULL, 0, 0, CPE_DENSE};
     int i, best = -1;
-    if (!cpe_keep_on || !cpe_kept_try_lock()) return m;
-    for (i = 0; i < cpe_kept_n; i++) {
-        const cpe_Mem *k = &cpe_kept[i];
-        if (k->kind == kind && nbytes <= k->capacity && k->capacity / 2 <= nbytes &&
-            (best < 0 || k->capacity < cpe_kept[best].capacity))
-            best = i;
+    if (cpe_keep_on && cpe_kept_try_lock()) {
+        for (i = 0; i < cpe_kept_n; i++) {
+            size_t cap = cpe_kept[i].capacity;
+            if (nbytes <= cap && cap / 2 <= nbytes && (best < 0 || cap < cpe_kept[best].capacity))
+                best = i;
+        }
+        if (best >= 0) {
+            m = cpe_kept[best];
+            cpe_kept_drop(best);
+        }
+        cpe_kept_unlock();
     }
-    if (best >= 0) {
-        m = cpe_kept[best];
-        cpe_kept_drop(best);
-    }
-    cpe_kept_unlock();
-    return m;
-}
-
-/* A block of at least `nbytes` of the kind, kept (unless `fresh`) or fresh;
-   *reused says which. A kept block for a zeroed request is zeroed here (its
-   first `nbytes`). */
-static cpe_Mem cpe_block_get(size_t nbytes, int kind, int fresh, int *reused) {
-    cpe_Mem m = {NULL, 0, 0, kind, 1};
-    if (!fresh) m = cpe_take(nbytes, kind);
     *reused = m.ptr != NULL;
-    if (m.ptr == NULL) {
-        m = cpe_fresh(nbytes, kind);
-        m.keep = !fresh;
-        return m;
-    }
-    if (kind == CPE_ZEROED) memset(m.ptr, 0, nbytes);
-    return m;
+    return m.ptr != NULL ? m : cpe_fresh(nbytes, CPE_DENSE);
 }
 
 /* Keeps a freed block (the policy above) or releases it. */
@@ -186,7 +163,7 @@ static void cpe_block_put(cpe_Mem m) {
     int i, smallest, n_small = 0;
     size_t small_bytes = 0, kept;
     if (m.ptr == NULL) return;
-    if (!m.keep || m.capacity < CPE_KEEP_MIN || !cpe_keep_on || m.capacity > cpe_keep_limit ||
+    if (m.kind != CPE_DENSE || m.capacity < CPE_KEEP_MIN || !cpe_keep_on || m.capacity > cpe_keep_limit ||
         !cpe_kept_try_lock()) {
         cpe_release(m);
         return;

@@ -14,8 +14,8 @@ cdef extern from "_blocks.h" nogil:
         size_t capacity
         int mapped
         int kind
-        int keep
-    cpe_Mem cpe_block_get(size_t nbytes, int kind, int fresh, int* reused)
+    cpe_Mem cpe_fresh(size_t nbytes, int kind)
+    cpe_Mem cpe_dense_get(size_t nbytes, int* reused)
     void cpe_block_put(cpe_Mem m)
     int cpe_blocks_clear()
     void cpe_blocks_init()
@@ -53,13 +53,16 @@ cdef class _Block:
         self.mem.ptr = NULL
 
 
-cdef _Block _new_block(Py_ssize_t nbytes, int kind=CPE_DENSE, bint fresh=False):
-    """A _Block of at least `nbytes` (> 0) bytes of the kind, kept (unless
-    `fresh`) or fresh."""
+cdef _Block _new_block(Py_ssize_t nbytes, int kind=CPE_DENSE):
+    """A _Block of at least `nbytes` (> 0) bytes of the kind: a dense one kept
+    or fresh, a zeroed one fresh."""
     cdef _Block b = _Block.__new__(_Block)
     cdef int reused = 0
-    with nogil:  # a kept block for a zeroed table is zeroed here
-        b.mem = cpe_block_get(<size_t>nbytes, kind, fresh, &reused)
+    with nogil:
+        if kind == CPE_DENSE:
+            b.mem = cpe_dense_get(<size_t>nbytes, &reused)
+        else:
+            b.mem = cpe_fresh(<size_t>nbytes, kind)
     if b.mem.ptr == NULL:
         raise MemoryError(f"cannot allocate {nbytes} bytes")
     b.reused = reused
@@ -90,7 +93,7 @@ def zeros(shape, dtype):
         nbytes *= n
     if nbytes < ZEROED_MIN_BYTES:
         return np.zeros(shape, dt)
-    return np.frombuffer(_new_block(nbytes, CPE_ZEROED, True), dt).reshape(shape)
+    return np.frombuffer(_new_block(nbytes, CPE_ZEROED), dt).reshape(shape)
 
 
 KEEP_SLOTS = CPE_KEEP_SLOTS
@@ -165,7 +168,7 @@ cdef void* _scratch_take(size_t nbytes, size_t* capacity) noexcept:
     if nbytes < _SCRATCH_KEPT:
         capacity[0] = nbytes
         return malloc(nbytes)
-    m = cpe_block_get(nbytes, CPE_DENSE, 0, &reused)
+    m = cpe_dense_get(nbytes, &reused)
     capacity[0] = m.capacity
     return m.ptr
 
@@ -182,7 +185,6 @@ cdef void _scratch_give(void* p, size_t capacity) noexcept:
     m.capacity = capacity
     m.mapped = 0
     m.kind = CPE_DENSE
-    m.keep = 1
     cpe_block_put(m)
 
 
