@@ -49,11 +49,9 @@ def index_rows(
     positions: Any,  # as the entries read them (_index.pxi)
     n_rows: int,
 ) -> npt.NDArray[np.int64] | None: ...  # rows in [0, n_rows), positions' shape
-def default_rows(
-    offset: Any,  # an integer, 0 <= offset <= n_rows - T (any up to 2**62 if T == 0)
-    T: int,
-    n_rows: int,
-) -> npt.NDArray[np.int64] | None: ...  # offset + arange(T)
+def offset_rule(
+    offset: Any, with_positions: bool, T: int, n_rows: int
+) -> int: ...  # 0: kept; 1 not an integer, 2 negative, 3 not 0 with positions, 4 past the end
 
 class TableCall:
     # Base of LearnedPositionEmbedding: pe(positions) is the lookup entry on

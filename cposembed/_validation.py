@@ -102,14 +102,16 @@ def check_int(
     *,
     min_value: int | None = None,
     max_value: int | None = None,
+    expected: str | None = None,
 ) -> int:
     """``value`` as a Python int, in the manner of ``sklearn.utils.check_scalar``.
 
     Anything with ``__index__`` counts (Python and NumPy integers, 0-d integer
     arrays), except bools. Not an integer: :class:`NotAnIntegerError`; outside
-    ``[min_value, max_value]``: ``ValueError``. The message names the argument.
+    ``[min_value, max_value]``: ``ValueError``. The message names the argument
+    and what it must be (``expected``, else the range's own words).
     """
-    expected = _int_range_text(min_value, max_value)
+    expected = expected or _int_range_text(min_value, max_value)
     if (
         isinstance(value, (bool, np.bool_))
         or (isinstance(value, np.ndarray) and value.ndim != 0)
@@ -321,13 +323,14 @@ def _is_int(x: Any) -> bool:
 
 
 def as_offset(offset: Any) -> int:
-    """``offset`` as a non-negative Python int; one value for the whole call."""
+    """``offset`` as a Python int (one value for the whole call); whether it fits
+    the call is the entries' rule (``_routes.check_offset``)."""
     if isinstance(offset, np.ndarray) and offset.ndim != 0:
         raise NotAnIntegerError(
             f"offset must be a single non-negative integer; got {describe(offset)} "
             "(for per-row positions pass positions=, e.g. from positions_from_mask)"
         )
-    return check_int(offset, "offset", min_value=0)
+    return check_int(offset, "offset", expected="a non-negative integer")
 
 
 def as_rows(values: Any, d: int, name: str) -> np.ndarray:
