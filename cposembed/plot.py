@@ -2,7 +2,8 @@
 
 matplotlib is an optional extra (``python -m pip install ".[plot]"`` from a
 checkout of cposembed, or ``python -m pip install matplotlib``) imported only
-when a picture is drawn, so ``import cposembed.plot`` always works and
+when a picture is drawn: :func:`heatmap` and :func:`similarity` raise
+``ImportError`` without it, while ``import cposembed.plot`` always works and
 the numbers behind the pictures (:func:`cosine_similarity`,
 :func:`adjacent_similarity`) need NumPy only. Figures are built with
 ``matplotlib.figure.Figure`` and written by the Agg renderer: no pyplot, no
@@ -132,12 +133,6 @@ def heatmap(
     Returns
     -------
     matplotlib.figure.Figure
-
-    Raises
-    ------
-    ImportError
-        matplotlib is not installed (``python -m pip install ".[plot]"`` from a
-        checkout).
     """
     table = _as_table(pe_or_table)
     if vmax is None:
@@ -182,12 +177,6 @@ def similarity(
     Returns
     -------
     matplotlib.figure.Figure
-
-    Raises
-    ------
-    ImportError
-        matplotlib is not installed (``python -m pip install ".[plot]"`` from a
-        checkout).
     """
     title = title if title is not None else "Cosine similarity between positions"
     labels = ("Position", "Cosine similarity", title)
