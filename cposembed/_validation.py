@@ -127,6 +127,14 @@ def check_int(
     return n
 
 
+def padding_index(value: Any, n_rows: int, name: str = "padding_idx") -> int | None:
+    """``padding_idx`` (None, or an integer in ``[-L, L)``) normalised to ``[0, L)``."""
+    if value is None:
+        return None
+    p = check_int(value, name, min_value=-n_rows, max_value=n_rows - 1)
+    return p + n_rows if p < 0 else p
+
+
 def is_real(dtype: np.dtype) -> bool:
     """Whether ``dtype`` holds real numbers: bool, integer, float or bfloat16 (either
     byte order)."""
