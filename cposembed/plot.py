@@ -26,6 +26,15 @@ __all__ = ["adjacent_similarity", "cosine_similarity", "heatmap", "similarity"]
 _EXTRA_HINT = 'python -m pip install ".[plot]" from a checkout of cposembed, or matplotlib itself'
 
 
+def has_matplotlib() -> bool:
+    """Whether matplotlib can be imported (the pictures need it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _new_figure(figsize: tuple[float, float]) -> Any:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
