@@ -100,10 +100,15 @@ def _lookup_numpy(table: np.ndarray, positions: Any, out: Any) -> Any:
 
 
 def check_offset(offset: Any, with_positions: bool, n_tokens: int, n_rows: int) -> int:
-    """``offset`` as a Python int, if it keeps the entries' rule
-    (``_core.offset_rule``) for ``n_tokens`` rows of a table of ``n_rows``
-    positions, else the worded error."""
-    off = v.as_offset(offset)
+    """``offset`` (one integer for the whole call) as a Python int, if it keeps the
+    entries' rule (``_core.offset_rule``) for ``n_tokens`` rows of a table of
+    ``n_rows`` positions, else the worded error."""
+    if isinstance(offset, np.ndarray) and offset.ndim != 0:
+        raise v.NotAnIntegerError(
+            f"offset must be a single non-negative integer; got {v.describe(offset)} "
+            "(for per-row positions pass positions=, e.g. from positions_from_mask)"
+        )
+    off = v.check_int(offset, "offset", expected="a non-negative integer")
     rule = _core.offset_rule(off, with_positions, n_tokens, n_rows)
     if rule == _OFFSET_NEGATIVE:
         raise ValueError(f"offset must be a non-negative integer; got {off}")

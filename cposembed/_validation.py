@@ -236,15 +236,6 @@ def as_table(table: Any, name: str = "table") -> np.ndarray:
     return plain_copy(arr, arr.dtype)
 
 
-def range_error(bad: int, n_rows: int, what: str = "position") -> IndexError:
-    """``what`` is ``"position"`` or ``"token id"``: the message names the table's rows."""
-    rows = "positions" if what == "position" else "tokens"
-    return IndexError(
-        f"{what} {bad} is out of range for a table of {n_rows} {rows} "
-        f"(expected {-n_rows} <= {what} < {n_rows})"
-    )
-
-
 def as_positions(positions: Any, n_rows: int, what: str = "position") -> np.ndarray | None:
     """Any NumPy-style index into the rows of an ``(n_rows, d)`` table, checked.
 
@@ -274,16 +265,20 @@ def as_positions(positions: Any, n_rows: int, what: str = "position") -> np.ndar
     except OverflowError:
         rows = None  # a Python int beyond int64
     if rows is None:
-        raise range_error(_outside(index, n_rows), n_rows, what)
+        raise _range_error(index, n_rows, what)
     return rows.reshape(index.shape)
 
 
-def _outside(index: np.ndarray, n_rows: int) -> int:
-    # The value of `index` (which has one outside the range) that the error
-    # names, as pandas' validate_indices does: the largest if it is above the
-    # range, else the smallest.
+def _range_error(index: np.ndarray, n_rows: int, what: str) -> IndexError:
+    # Names the largest value of `index` if it is above the range, else the
+    # smallest, as pandas' validate_indices does; `what` is "position" or
+    # "token id".
     hi, lo = int(index.max()), int(index.min())
-    return hi if hi >= n_rows else lo
+    rows = "positions" if what == "position" else "tokens"
+    return IndexError(
+        f"{what} {hi if hi >= n_rows else lo} is out of range for a table of {n_rows} {rows} "
+        f"(expected {-n_rows} <= {what} < {n_rows})"
+    )
 
 
 def _integer_index(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
@@ -328,17 +323,6 @@ def _integer_index(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def as_offset(offset: Any) -> int:
-    """``offset`` as a Python int (one value for the whole call); whether it fits
-    the call is the entries' rule (``_routes.check_offset``)."""
-    if isinstance(offset, np.ndarray) and offset.ndim != 0:
-        raise NotAnIntegerError(
-            f"offset must be a single non-negative integer; got {describe(offset)} "
-            "(for per-row positions pass positions=, e.g. from positions_from_mask)"
-        )
-    return check_int(offset, "offset", expected="a non-negative integer")
 
 
 def as_rows(values: Any, d: int, name: str) -> np.ndarray:
