@@ -229,8 +229,8 @@ def scatter_add(
     *,
     offset: Any,
     num_threads: Any,
-    touched: _core.RowMarks | None,
-    skip_row: int,
+    touched: _core.RowMarks | None = None,
+    skip_row: int = -1,
 ) -> None:
     """:func:`cposembed.scatter_add` that also marks the rows it touched and skips one:
     the C entry, else the worded error, or the normalised arguments and the entry
@@ -357,9 +357,9 @@ def embed_backward(
     *,
     offset: Any,
     num_threads: Any,
-    token_touched: _core.RowMarks | None,
-    position_touched: _core.RowMarks | None,
-    token_skip_row: int,
+    token_touched: _core.RowMarks | None = None,
+    position_touched: _core.RowMarks | None = None,
+    token_skip_row: int = -1,
 ) -> None:
     """:func:`cposembed.embed_backward` that also marks the rows it touched
     (:class:`~cposembed._core.RowMarks` of V and L rows, or None) and gives token row ``token_skip_row``
