@@ -51,7 +51,12 @@ def index_rows(
 ) -> npt.NDArray[np.int64] | None: ...  # rows in [0, n_rows), positions' shape
 def offset_rule(
     offset: Any, with_positions: bool, T: int, n_rows: int
-) -> int: ...  # 0: kept; 1 not an integer, 2 negative, 3 not 0 with positions, 4 past the end
+) -> int: ...  # 0: kept, else one of the OFFSET_ codes
+
+OFFSET_NOT_INT: int  # not an integer
+OFFSET_NEGATIVE: int
+OFFSET_WITH_POSITIONS: int  # not 0 with explicit positions
+OFFSET_PAST_END: int  # offset + T > n_rows
 
 class TableCall:
     # Base of LearnedPositionEmbedding: pe(positions) is the lookup entry on

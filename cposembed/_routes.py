@@ -33,8 +33,6 @@ from . import _validation as v
 # allows with one more for the rows). Deeper ones (NumPy 2 allows 64) are
 # served by NumPy's indexing in lookups, flattened for the other operations.
 MAX_POSITION_DIMS = _core.MAX_POSITION_DIMS
-# What _core.offset_rule says of an offset that breaks the rule.
-_OFFSET_NEGATIVE, _OFFSET_WITH_POSITIONS, _OFFSET_PAST_END = 2, 3, 4
 
 
 def _accepted(result: Any) -> Any:
@@ -110,14 +108,14 @@ def check_offset(offset: Any, with_positions: bool, n_tokens: int, n_rows: int) 
         )
     off = v.check_int(offset, "offset", expected="a non-negative integer")
     rule = _core.offset_rule(off, with_positions, n_tokens, n_rows)
-    if rule == _OFFSET_NEGATIVE:
+    if rule == _core.OFFSET_NEGATIVE:
         raise ValueError(f"offset must be a non-negative integer; got {off}")
-    if rule == _OFFSET_WITH_POSITIONS:
+    if rule == _core.OFFSET_WITH_POSITIONS:
         raise ValueError(
             f"offset={off} only applies with positions=None; "
             "add it to the explicit positions instead"
         )
-    if rule == _OFFSET_PAST_END:
+    if rule == _core.OFFSET_PAST_END:
         raise IndexError(
             f"position {off + n_tokens - 1} (offset {off} + {n_tokens} tokens) is "
             f"out of range for a table of {n_rows} positions "

@@ -370,11 +370,15 @@ cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, cnp.ndarray like):
 # (_is_integer); the routes make other integers Python ints first and word
 # the error from the code returned (_routes.check_offset).
 cdef enum:
-    OFFSET_OK = 0
-    OFFSET_NOT_INT = 1
-    OFFSET_NEGATIVE = 2
-    OFFSET_WITH_POSITIONS = 3
-    OFFSET_PAST_END = 4
+    _OFFSET_OK = 0
+    _OFFSET_NOT_INT = 1
+    _OFFSET_NEGATIVE = 2
+    _OFFSET_WITH_POSITIONS = 3
+    _OFFSET_PAST_END = 4
+OFFSET_NOT_INT = _OFFSET_NOT_INT
+OFFSET_NEGATIVE = _OFFSET_NEGATIVE
+OFFSET_WITH_POSITIONS = _OFFSET_WITH_POSITIONS
+OFFSET_PAST_END = _OFFSET_PAST_END
 
 
 cdef int _offset_rule(object offset, bint with_positions, Py_ssize_t T, Py_ssize_t L,
@@ -382,28 +386,27 @@ cdef int _offset_rule(object offset, bint with_positions, Py_ssize_t T, Py_ssize
     cdef int overflow = 0
     cdef long long v
     if not _is_integer(offset):
-        return OFFSET_NOT_INT
+        return _OFFSET_NOT_INT
     try:
         v = PyLong_AsLongLongAndOverflow(offset, &overflow)
     except Exception:
-        return OFFSET_NOT_INT
+        return _OFFSET_NOT_INT
     if overflow < 0 or (not overflow and v < 0):
-        return OFFSET_NEGATIVE
+        return _OFFSET_NEGATIVE
     if with_positions:
-        return OFFSET_WITH_POSITIONS if overflow or v else OFFSET_OK
+        return _OFFSET_WITH_POSITIONS if overflow or v else _OFFSET_OK
     start[0] = 0
     if T == 0:
-        return OFFSET_OK
+        return _OFFSET_OK
     if overflow or v > L - T:
-        return OFFSET_PAST_END
+        return _OFFSET_PAST_END
     start[0] = <Py_ssize_t>v
-    return OFFSET_OK
+    return _OFFSET_OK
 
 
 def offset_rule(offset, bint with_positions, Py_ssize_t T, Py_ssize_t n_rows):
     """The offset rule for T rows of a table of n_rows positions: 0 if
-    ``offset`` keeps it, else which part it breaks (1: not an integer, 2:
-    negative, 3: not 0 with explicit positions, 4: past the table's end)."""
+    ``offset`` keeps it, else the OFFSET_ code of the part it breaks."""
     cdef Py_ssize_t start
     return _offset_rule(offset, with_positions, T, n_rows, &start)
 
@@ -424,11 +427,11 @@ cdef int _positions_for(object positions, object offset, Py_ssize_t L,
         if n_lead < 1:
             return 0
         T = lead[n_lead - 1]
-        if _offset_rule(offset, False, T, L, &start) != OFFSET_OK:
+        if _offset_rule(offset, False, T, L, &start) != _OFFSET_OK:
             return 0
         m[0] = T
         return _arange_index(start, T, ix)
-    if _offset_rule(offset, True, 0, L, &start) != OFFSET_OK:
+    if _offset_rule(offset, True, 0, L, &start) != _OFFSET_OK:
         return 0
     if not _read_index(positions, L, ix):
         return 0
