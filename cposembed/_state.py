@@ -481,13 +481,7 @@ def output_problem(path: PathLike, what: str) -> str | None:
         if os.path.exists(folder):  # a file where the path needs a folder
             return f"{what} {name!r}: {folder!r} is a file, not a folder"
         return f"{what} {name!r}: the folder {folder!r} does not exist"
-    try:
-        fd, temp = _create_beside(target)
-    except OSError as exc:
-        return f"{what} {name!r}: cannot create a file in {folder!r} ({exc.strerror or exc})"
-    os.close(fd)
-    _remove(temp)
-    return None
+    return _creation_problem(target, folder, f"{what} {name!r}")
 
 
 def folder_problem(path: PathLike, what: str) -> str | None:
@@ -507,10 +501,16 @@ def folder_problem(path: PathLike, what: str) -> str | None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"{what} {name!r}: {existing!r} is a file, not a folder"
+    return _creation_problem(os.path.join(existing, "check"), existing, f"{what} {name!r}")
+
+
+def _creation_problem(target: str, folder: str, what: str) -> str | None:
+    """Why no file can be created beside ``target`` (in ``folder``), or None:
+    one is created and removed."""
     try:
-        fd, temp = _create_beside(os.path.join(existing, "check"))
+        fd, temp = _create_beside(target)
     except OSError as exc:
-        return f"{what} {name!r}: cannot create a file in {existing!r} ({exc.strerror or exc})"
+        return f"{what}: cannot create a file in {folder!r} ({exc.strerror or exc})"
     os.close(fd)
     _remove(temp)
     return None
