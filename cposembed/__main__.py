@@ -8,13 +8,13 @@ import sys
 
 import numpy as np
 
-from . import _state
+from . import LearnedPositionEmbedding, _state, plot, show_config
+from .train import add_arguments as add_train_arguments
+from .train import run as run_train
 
 
 def demo(args: argparse.Namespace) -> int:
     """The handbook's example (its In[4]/Out[5]), on the package's class."""
-    from . import LearnedPositionEmbedding
-
     heatmap_path = _demo_heatmap_path(args.out)
     if heatmap_path is not None:
         problem = _state.output_problem(heatmap_path, "the heatmap")
@@ -36,11 +36,8 @@ def demo(args: argparse.Namespace) -> int:
         print(f"  Position {i}: {np.round(pos_vectors[i, :5], 3)} ...")
     if heatmap_path is None:
         return 0
-    # The handbook's Out[6].
-    from .plot import heatmap
-
-    try:
-        heatmap(pos_embed, heatmap_path, title="Random position embeddings at initialization")
+    try:  # the handbook's Out[6]
+        plot.heatmap(pos_embed, heatmap_path, title="Random position embeddings at initialization")
     except OSError as exc:
         print(f"error: could not write the heatmap: {exc}", file=sys.stderr)
         return 1
@@ -54,9 +51,7 @@ DEMO_HEATMAP = "position_embeddings_heatmap.png"
 def _demo_heatmap_path(out: str | None = None) -> str | None:
     """Where the demo writes its heatmap (``--out``, else DEMO_HEATMAP in the
     current folder); None without matplotlib (an optional extra)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if not plot.has_matplotlib():
         return None
     path = DEMO_HEATMAP if out is None else out
     try:
@@ -65,15 +60,7 @@ def _demo_heatmap_path(out: str | None = None) -> str | None:
         return path
 
 
-def train(args: argparse.Namespace) -> int:
-    from .train import run
-
-    return run(args)
-
-
 def info(args: argparse.Namespace) -> int:
-    from . import show_config
-
     show_config()
     return 0
 
@@ -105,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         help="benchmark against the NumPy reference (and PyTorch if installed)",
         add_help=False,
     )
-    from .train import add_arguments as add_train_arguments
-
     p_train = sub.add_parser(
         "train",
         help="train a table on a task where order matters; before/after pictures",
@@ -115,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "before and after, and write before/after heatmaps and similarity maps.",
     )
     add_train_arguments(p_train)
-    p_train.set_defaults(func=train)
+    p_train.set_defaults(func=run_train)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # The subcommand's own usage, with its options, rather than the top level's.

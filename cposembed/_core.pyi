@@ -49,11 +49,14 @@ def index_rows(
     positions: Any,  # as the entries read them (_index.pxi)
     n_rows: int,
 ) -> npt.NDArray[np.int64] | None: ...  # rows in [0, n_rows), positions' shape
-def default_rows(
-    offset: Any,  # an integer, 0 <= offset <= n_rows - T (any up to 2**62 if T == 0)
-    T: int,
-    n_rows: int,
-) -> npt.NDArray[np.int64] | None: ...  # offset + arange(T)
+def offset_rule(
+    offset: Any, with_positions: bool, T: int, n_rows: int
+) -> int: ...  # 0: kept, else one of the OFFSET_ codes
+
+OFFSET_NOT_INT: int  # not an integer
+OFFSET_NEGATIVE: int
+OFFSET_WITH_POSITIONS: int  # not 0 with explicit positions
+OFFSET_PAST_END: int  # offset + T > n_rows
 
 class TableCall:
     # Base of LearnedPositionEmbedding: pe(positions) is the lookup entry on

@@ -8,7 +8,7 @@ normalised (any layout, dtype or byte order, lists, NumPy's other index
 forms, positions that broadcast) or the worded error is raised
 (:mod:`cposembed._validation`), and the same entry is called again, which
 now accepts them. Positions are read by the entries' own reader
-(``_core.index_rows``, ``_core.default_rows``). Outputs the kernel cannot
+(``_core.index_rows``; the offset by ``_core.offset_rule``). Outputs the kernel cannot
 write directly (an ``out`` in another layout, or one sharing memory with an
 input) are computed into a scratch array and copied in at the end, as NumPy
 does.
@@ -97,17 +97,36 @@ def _lookup_numpy(table: np.ndarray, positions: Any, out: Any) -> Any:
     return out
 
 
-def default_rows(offset: int, n_tokens: int, n_rows: int) -> np.ndarray:
-    """What ``positions=None`` means, ``offset + arange(T)``, as the entries make
-    it (``_core.default_rows``), or the ``IndexError`` if it leaves the table."""
-    rows = _core.default_rows(offset, n_tokens, n_rows)
-    if rows is None:
+def check_offset(offset: Any, with_positions: bool, n_tokens: int, n_rows: int) -> int:
+    """``offset`` (one integer for the whole call) as a Python int, if it keeps the
+    entries' rule (``_core.offset_rule``) for ``n_tokens`` rows of a table of
+    ``n_rows`` positions, else the worded error."""
+    if isinstance(offset, np.ndarray) and offset.ndim != 0:
+        raise v.NotAnIntegerError(
+            f"offset must be a single non-negative integer; got {v.describe(offset)} "
+            "(for per-row positions pass positions=, e.g. from positions_from_mask)"
+        )
+    off = v.check_int(offset, "offset", expected="a non-negative integer")
+    rule = _core.offset_rule(off, with_positions, n_tokens, n_rows)
+    if rule == _core.OFFSET_NEGATIVE:
+        raise ValueError(f"offset must be a non-negative integer; got {off}")
+    if rule == _core.OFFSET_WITH_POSITIONS:
+        raise ValueError(
+            f"offset={off} only applies with positions=None; "
+            "add it to the explicit positions instead"
+        )
+    if rule == _core.OFFSET_PAST_END:
         raise IndexError(
-            f"position {offset + n_tokens - 1} (offset {offset} + {n_tokens} tokens) is "
+            f"position {off + n_tokens - 1} (offset {off} + {n_tokens} tokens) is "
             f"out of range for a table of {n_rows} positions "
             f"(expected 0 <= position < {n_rows})"
         )
-    return rows
+    return off
+
+
+def default_rows(offset: int, n_tokens: int) -> np.ndarray:
+    """What ``positions=None`` means, ``offset + arange(T)``, for a checked offset."""
+    return np.arange(offset, offset + n_tokens, dtype=np.int64)
 
 
 def row_positions(
@@ -120,21 +139,15 @@ def row_positions(
 ) -> tuple[np.ndarray | None, int]:
     """``(positions, offset)`` for rows laid out as ``lead`` (``what.shape[:-1]``, or
     ``lead_name``), as the C entries take them."""
-    off = v.as_offset(offset)
-    if positions is None:
-        if not lead:
-            raise ValueError(
-                f"{what} must have shape (..., T, d) when positions is None; got a 1-D array"
-            )
-        if not lead[-1]:
-            return None, 0  # no row is read, whatever the offset
-        default_rows(off, lead[-1], n_rows)
-        return None, off
-    if off:
+    if positions is None and not lead:
+        check_offset(offset, False, 0, n_rows)
         raise ValueError(
-            f"offset={off} only applies with positions=None; "
-            "add it to the explicit positions instead"
+            f"{what} must have shape (..., T, d) when positions is None; got a 1-D array"
         )
+    n_tokens = lead[-1] if positions is None else 0
+    off = check_offset(offset, positions is not None, n_tokens, n_rows)
+    if positions is None:
+        return None, off if n_tokens else 0
     pos = v.as_positions(positions, n_rows)
     if pos is None:
         raise IndexError(
@@ -159,7 +172,7 @@ def add(tokens: Any, table: Any, positions: Any, *, offset: Any, out: Any, num_t
     if dtype != t.dtype:
         # e.g. float64 tokens + float32 table, or float16 tokens + float32
         # table: NumPy's own promotion decides.
-        rows = t[default_rows(off, tok.shape[-2], n_rows)] if pos is None else t[pos]
+        rows = t[default_rows(off, tok.shape[-2])] if pos is None else t[pos]
         return np.add(tok, rows, out=out)
     tok_c = v.plain_copy(tok, dtype)
     rows, pos, off = _shallow(tok_c, pos, off, n_rows)
@@ -193,7 +206,7 @@ def _shallow(
     lead = rows.shape[:-1]
     if len(lead) <= MAX_POSITION_DIMS and (pos is None or pos.ndim <= MAX_POSITION_DIMS):
         return rows, pos, offset
-    full = default_rows(offset, lead[-1], n_rows) if pos is None else pos
+    full = default_rows(offset, lead[-1]) if pos is None else pos
     flat = np.ascontiguousarray(np.broadcast_to(full, lead)).reshape(-1)
     return rows.reshape(-1, rows.shape[-1]), flat, 0
 
@@ -214,8 +227,8 @@ def scatter_add(
     *,
     offset: Any,
     num_threads: Any,
-    touched: _core.RowMarks | None,
-    skip_row: int,
+    touched: _core.RowMarks | None = None,
+    skip_row: int = -1,
 ) -> None:
     """:func:`cposembed.scatter_add` that also marks the rows it touched and skips one:
     the C entry, else the worded error, or the normalised arguments and the entry
@@ -270,7 +283,7 @@ def id_positions(
 ) -> tuple[np.ndarray | None, int]:
     """:func:`row_positions` for the tokens ``ids`` (positions broadcast to ``ids.shape``)."""
     if positions is None and ids.ndim == 0:
-        v.as_offset(offset)
+        check_offset(offset, False, 0, n_rows)
         raise ValueError(
             "token_ids must have shape (..., T) when positions is None; got a single id "
             "(pass positions=, e.g. the token's position)"
@@ -302,7 +315,7 @@ def embed(
         v.check_out(out, shape, dtype)
     if tt.dtype != pt.dtype or ids.ndim > MAX_POSITION_DIMS:
         # Mixed dtypes: NumPy's own promotion decides.
-        rows = pt[default_rows(off, ids.shape[-1], pt.shape[0])] if pos is None else pt[pos]
+        rows = pt[default_rows(off, ids.shape[-1])] if pos is None else pt[pos]
         return np.add(tt[ids], rows, out=out)
     return _into(out, _core.embed, ids, tt, pt, pos, off, num_threads=nt)
 
@@ -342,9 +355,9 @@ def embed_backward(
     *,
     offset: Any,
     num_threads: Any,
-    token_touched: _core.RowMarks | None,
-    position_touched: _core.RowMarks | None,
-    token_skip_row: int,
+    token_touched: _core.RowMarks | None = None,
+    position_touched: _core.RowMarks | None = None,
+    token_skip_row: int = -1,
 ) -> None:
     """:func:`cposembed.embed_backward` that also marks the rows it touched
     (:class:`~cposembed._core.RowMarks` of V and L rows, or None) and gives token row ``token_skip_row``
@@ -363,7 +376,7 @@ def embed_backward(
     nt = _threads.check_num_threads(num_threads)
     ids = _backward_ids(token_ids, gt)
     if not tables:
-        v.as_offset(offset)
+        check_offset(offset, False, 0, 0)
         return
     d = tables[0].shape[1]
     g = v.as_rows(grad_output, d, "grad_output")
@@ -375,7 +388,7 @@ def embed_backward(
     if gp is not None:
         pos, off = id_positions(ids, positions, offset, gp.shape[0])
     else:
-        pos, off = None, v.as_offset(offset)  # checked; no position table to index
+        pos, off = None, check_offset(offset, False, 0, 0)  # no position table to index
     # Both gradients come from grad_output as given, as np.add.at on copies
     # gives them: one that shares memory with a table is copied before the
     # first write. (The ids and positions are arrays this call owns.)
@@ -398,7 +411,7 @@ def embed_backward(
         if gp is not None:
             rows = pos
             if rows is None:
-                rows = np.broadcast_to(default_rows(off, ids.shape[-1], gp.shape[0]), ids.shape)
+                rows = np.broadcast_to(default_rows(off, ids.shape[-1]), ids.shape)
             scatter_add(
                 gp, g, rows, offset=0, num_threads=nt, touched=position_touched, skip_row=-1
             )

@@ -39,6 +39,7 @@ from ._validation import (
     is_float,
     is_real,
     native_dtype,
+    padding_index,
     work_dtype,
 )
 
@@ -97,30 +98,14 @@ def _table(value: Any, what: str) -> np.ndarray:
     return np.array(value, dtype=dtype, order="C", copy=True, subok=False)
 
 
-def _padding(value: Any, n_rows: int, what: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(
-            f"{what} must be None or an integer in [{-n_rows}, {n_rows}); got {describe(value)}"
-        )
-    p = int(value)
-    if not -n_rows <= p < n_rows:
-        raise ValueError(
-            f"{what} must be None or an integer in [{-n_rows}, {n_rows}) for a table of "
-            f"{n_rows} positions; got {p}"
-        )
-    return p + n_rows if p < 0 else p
-
-
 def check_version(version: Any, current_version: int, what: str) -> None:
     """``ValueError`` unless ``version`` is an integer from 1 to ``current_version``."""
     if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
         raise ValueError(f"{what}: version must be an integer; got {describe(version)}")
     if not 1 <= version <= current_version:
         raise ValueError(
-            f"{what} has version {int(version)}; this cposembed reads versions 1 to "
-            f"{current_version} (a newer state needs a newer cposembed)"
+            f"{what} version {int(version)}; this cposembed reads versions 1 to "
+            f"{current_version} (a newer one needs a newer cposembed)"
         )
 
 
@@ -153,7 +138,7 @@ def from_pickle(state: Any, current_version: int) -> State:
     what = "pickled state: embeddings"
     table = _table(state["_embeddings"] if legacy else state["embeddings"], what)
     n_rows = table.shape[0]
-    pad = _padding(state.get("padding_idx"), n_rows, "pickled state: padding_idx")
+    pad = padding_index(state.get("padding_idx"), n_rows, "pickled state: padding_idx")
 
     grad = state.get("grad")
     if grad is not None:
@@ -335,11 +320,10 @@ def _from_archive(
     if str(found_kind) != kind:
         raise _Refused(f"kind is {str(found_kind)!r}, expected {kind!r}")
     version = int(_read_member(archive, "format_version", "iu", 0, "a 0-d integer array"))
-    if not 1 <= version <= current_version:
-        raise _Refused(
-            f"format version {version}; this cposembed reads versions 1 to {current_version} "
-            "(a newer file needs a newer cposembed)"
-        )
+    try:
+        check_version(version, current_version, "format")
+    except ValueError as exc:
+        raise _Refused(str(exc)) from None
     dtype_name = None
     if "dtype.npy" in names:
         dtype_name = str(_read_member(archive, "dtype", "U", 0, "a 0-d string array"))
@@ -497,13 +481,7 @@ def output_problem(path: PathLike, what: str) -> str | None:
         if os.path.exists(folder):  # a file where the path needs a folder
             return f"{what} {name!r}: {folder!r} is a file, not a folder"
         return f"{what} {name!r}: the folder {folder!r} does not exist"
-    try:
-        fd, temp = _create_beside(target)
-    except OSError as exc:
-        return f"{what} {name!r}: cannot create a file in {folder!r} ({exc.strerror or exc})"
-    os.close(fd)
-    _remove(temp)
-    return None
+    return _creation_problem(target, folder, f"{what} {name!r}")
 
 
 def folder_problem(path: PathLike, what: str) -> str | None:
@@ -523,10 +501,16 @@ def folder_problem(path: PathLike, what: str) -> str | None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"{what} {name!r}: {existing!r} is a file, not a folder"
+    return _creation_problem(os.path.join(existing, "check"), existing, f"{what} {name!r}")
+
+
+def _creation_problem(target: str, folder: str, what: str) -> str | None:
+    """Why no file can be created beside ``target`` (in ``folder``), or None:
+    one is created and removed."""
     try:
-        fd, temp = _create_beside(os.path.join(existing, "check"))
+        fd, temp = _create_beside(target)
     except OSError as exc:
-        return f"{what} {name!r}: cannot create a file in {existing!r} ({exc.strerror or exc})"
+        return f"{what}: cannot create a file in {folder!r} ({exc.strerror or exc})"
     os.close(fd)
     _remove(temp)
     return None

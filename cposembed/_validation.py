@@ -102,14 +102,16 @@ def check_int(
     *,
     min_value: int | None = None,
     max_value: int | None = None,
+    expected: str | None = None,
 ) -> int:
     """``value`` as a Python int, in the manner of ``sklearn.utils.check_scalar``.
 
     Anything with ``__index__`` counts (Python and NumPy integers, 0-d integer
     arrays), except bools. Not an integer: :class:`NotAnIntegerError`; outside
-    ``[min_value, max_value]``: ``ValueError``. The message names the argument.
+    ``[min_value, max_value]``: ``ValueError``. The message names the argument
+    and what it must be (``expected``, else the range's own words).
     """
-    expected = _int_range_text(min_value, max_value)
+    expected = expected or _int_range_text(min_value, max_value)
     if (
         isinstance(value, (bool, np.bool_))
         or (isinstance(value, np.ndarray) and value.ndim != 0)
@@ -123,6 +125,14 @@ def check_int(
     if (min_value is not None and n < min_value) or (max_value is not None and n > max_value):
         raise ValueError(f"{name} must be {expected}; got {n}")
     return n
+
+
+def padding_index(value: Any, n_rows: int, name: str = "padding_idx") -> int | None:
+    """``padding_idx`` (None, or an integer in ``[-L, L)``) normalised to ``[0, L)``."""
+    if value is None:
+        return None
+    p = check_int(value, name, min_value=-n_rows, max_value=n_rows - 1)
+    return p + n_rows if p < 0 else p
 
 
 def is_real(dtype: np.dtype) -> bool:
@@ -226,15 +236,6 @@ def as_table(table: Any, name: str = "table") -> np.ndarray:
     return plain_copy(arr, arr.dtype)
 
 
-def range_error(bad: int, n_rows: int, what: str = "position") -> IndexError:
-    """``what`` is ``"position"`` or ``"token id"``: the message names the table's rows."""
-    rows = "positions" if what == "position" else "tokens"
-    return IndexError(
-        f"{what} {bad} is out of range for a table of {n_rows} {rows} "
-        f"(expected {-n_rows} <= {what} < {n_rows})"
-    )
-
-
 def as_positions(positions: Any, n_rows: int, what: str = "position") -> np.ndarray | None:
     """Any NumPy-style index into the rows of an ``(n_rows, d)`` table, checked.
 
@@ -264,16 +265,20 @@ def as_positions(positions: Any, n_rows: int, what: str = "position") -> np.ndar
     except OverflowError:
         rows = None  # a Python int beyond int64
     if rows is None:
-        raise range_error(_outside(index, n_rows), n_rows, what)
+        raise _range_error(index, n_rows, what)
     return rows.reshape(index.shape)
 
 
-def _outside(index: np.ndarray, n_rows: int) -> int:
-    # The value of `index` (which has one outside the range) that the error
-    # names, as pandas' validate_indices does: the largest if it is above the
-    # range, else the smallest.
+def _range_error(index: np.ndarray, n_rows: int, what: str) -> IndexError:
+    # Names the largest value of `index` if it is above the range, else the
+    # smallest, as pandas' validate_indices does; `what` is "position" or
+    # "token id".
     hi, lo = int(index.max()), int(index.min())
-    return hi if hi >= n_rows else lo
+    rows = "positions" if what == "position" else "tokens"
+    return IndexError(
+        f"{what} {hi if hi >= n_rows else lo} is out of range for a table of {n_rows} {rows} "
+        f"(expected {-n_rows} <= {what} < {n_rows})"
+    )
 
 
 def _integer_index(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
@@ -318,16 +323,6 @@ def _integer_index(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def as_offset(offset: Any) -> int:
-    """``offset`` as a non-negative Python int; one value for the whole call."""
-    if isinstance(offset, np.ndarray) and offset.ndim != 0:
-        raise NotAnIntegerError(
-            f"offset must be a single non-negative integer; got {describe(offset)} "
-            "(for per-row positions pass positions=, e.g. from positions_from_mask)"
-        )
-    return check_int(offset, "offset", min_value=0)
 
 
 def as_rows(values: Any, d: int, name: str) -> np.ndarray:

@@ -22,14 +22,6 @@ _PICKLE_VERSION = 1
 __all__ = ["LearnedPositionEmbedding"]
 
 
-def _padding_index(value: Any, n_rows: int) -> int | None:
-    """``padding_idx`` normalised to ``[0, L)`` (negatives count from the end)."""
-    if value is None:
-        return None
-    p = v.check_int(value, "padding_idx", min_value=-n_rows, max_value=n_rows - 1)
-    return p + n_rows if p < 0 else p
-
-
 def _values_of(table: Any) -> np.ndarray:
     """The values of an array-like as an ndarray (a copy may be made).
 
@@ -146,7 +138,7 @@ class LearnedPositionEmbedding(_core.TableCall):
         n_rows = v.check_int(max_seq_len, "max_seq_len", min_value=1)
         d = v.check_int(embed_dim, "embed_dim", min_value=1)
         dt = v.table_dtype(dtype)
-        pad = _padding_index(padding_idx, n_rows)
+        pad = v.padding_index(padding_idx, n_rows)
         self._embeddings = np.ascontiguousarray(draw_tables(seed, d, n_rows)[0], dtype=dt)
         if pad is not None:
             self._embeddings[pad] = 0
@@ -193,7 +185,7 @@ class LearnedPositionEmbedding(_core.TableCall):
                 f"table must be 2-D (max_seq_len, embed_dim) with both sizes >= 1; "
                 f"got shape {arr.shape}"
             )
-        pad = _padding_index(padding_idx, arr.shape[0])
+        pad = v.padding_index(padding_idx, arr.shape[0])
         self = cls.__new__(cls)
         self._embeddings = np.array(arr, dtype=dt, order="C", copy=True)
         self._init_state(pad)
@@ -243,7 +235,7 @@ class LearnedPositionEmbedding(_core.TableCall):
     def padding_idx(self, value: int | None) -> None:
         # As in torch, setting it later does not zero the row; it only stops
         # the row from receiving gradient from now on.
-        self._grad.set_padding(_padding_index(value, self.max_seq_len), self._embeddings)
+        self._grad.set_padding(v.padding_index(value, self.max_seq_len), self._embeddings)
 
     @property
     def max_seq_len(self) -> int:

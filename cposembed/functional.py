@@ -196,14 +196,6 @@ def scatter_add(
            [0., 0.],
            [1., 1.]], dtype=float32)
     """
-    # The entry first, inside the route (nothing marked, no row skipped).
-    _routes.scatter_add(
-        grad_table,
-        grad_output,
-        positions,
-        offset=offset,
-        num_threads=num_threads,
-        touched=None,
-        skip_row=-1,
-    )
+    # The entry first, inside the route.
+    _routes.scatter_add(grad_table, grad_output, positions, offset=offset, num_threads=num_threads)
     return grad_table

@@ -161,7 +161,4 @@ def embed_backward(
         positions,
         offset=offset,
         num_threads=num_threads,
-        token_touched=None,
-        position_touched=None,
-        token_skip_row=-1,
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import numpy as np
@@ -14,13 +13,7 @@ __all__ = ["positions_from_mask"]
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 _INT64_MIN = int(np.iinfo(np.int64).min)
-
-
-def _shown(value: Any) -> str:
-    """A value for a message, as Python prints it (``2``, not ``np.int64(2)``)."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    return repr(value)
+_OFFSET = f"a non-negative integer that fits in int64 (at most {_INT64_MAX})"
 
 
 def _offsets(offset: Any, rows_shape: tuple[int, ...]) -> int | np.ndarray:
@@ -29,15 +22,10 @@ def _offsets(offset: Any, rows_shape: tuple[int, ...]) -> int | np.ndarray:
     Values above the int64 maximum are refused here; whether offset plus the
     tokens of each row still fit is checked once the counts are known.
     """
-    if isinstance(offset, (bool, np.bool_)):
-        raise TypeError(f"offset must be a non-negative integer; got {v.describe(offset)}")
-    if hasattr(offset, "__index__") and not isinstance(offset, np.ndarray):
-        value = operator.index(offset)
-        if value < 0:
-            raise ValueError(f"offset must be non-negative; got {value}")
-        if value > _INT64_MAX:
-            raise ValueError(f"offset must fit in int64 (at most {_INT64_MAX}); got {value}")
-        return value
+    if isinstance(offset, (bool, np.bool_)) or (
+        hasattr(offset, "__index__") and not isinstance(offset, np.ndarray)
+    ):
+        return v.check_int(offset, "offset", min_value=0, max_value=_INT64_MAX, expected=_OFFSET)
     arr = np.asarray(offset)
     if arr.dtype.kind not in "iu":
         raise TypeError(
@@ -53,10 +41,8 @@ def _offsets(offset: Any, rows_shape: tuple[int, ...]) -> int | np.ndarray:
     if arr.size:
         # Python ints: a uint64 maximum must not wrap on its way to int64.
         low, high = int(arr.min()), int(arr.max())
-        if low < 0:
-            raise ValueError(f"offset must be non-negative; got {low}")
-        if high > _INT64_MAX:
-            raise ValueError(f"offset must fit in int64 (at most {_INT64_MAX}); got {high}")
+        if low < 0 or high > _INT64_MAX:
+            raise ValueError(f"offset must be {_OFFSET}; got {low if low < 0 else high}")
     return arr.astype(np.int64)
 
 
@@ -139,19 +125,13 @@ def positions_from_mask(
         )
     if mask.ndim == 0:
         raise ValueError("attention_mask must have shape (B, T) (or (T,)); got a 0-d array")
-    if isinstance(pad_position, (bool, np.bool_)) or not hasattr(pad_position, "__index__"):
-        raise TypeError(f"pad_position must be an integer; got {v.describe(pad_position)}")
-    pad = operator.index(pad_position)
-    if not _INT64_MIN <= pad <= _INT64_MAX:
-        raise ValueError(
-            f"pad_position must fit in int64 ([{_INT64_MIN}, {_INT64_MAX}]); got {pad}"
-        )
+    pad = v.check_int(pad_position, "pad_position", min_value=_INT64_MIN, max_value=_INT64_MAX)
     if mask.dtype.kind != "b":
         bad = (mask != 0) & (mask != 1)
         if bad.any():
             value = mask[bad].flat[0]
             raise ValueError(
-                f"attention_mask must hold only 0 (padding) and 1 (token); found {_shown(value)}"
+                f"attention_mask must hold only 0 (padding) and 1 (token); found {value.item()!r}"
             )
     is_token = mask.astype(bool)
     off = _offsets(offset, mask.shape[:-1])

@@ -2,7 +2,8 @@
 
 matplotlib is an optional extra (``python -m pip install ".[plot]"`` from a
 checkout of cposembed, or ``python -m pip install matplotlib``) imported only
-when a picture is drawn, so ``import cposembed.plot`` always works and
+when a picture is drawn: :func:`heatmap` and :func:`similarity` raise
+``ImportError`` without it, while ``import cposembed.plot`` always works and
 the numbers behind the pictures (:func:`cosine_similarity`,
 :func:`adjacent_similarity`) need NumPy only. Figures are built with
 ``matplotlib.figure.Figure`` and written by the Agg renderer: no pyplot, no
@@ -23,6 +24,15 @@ __all__ = ["adjacent_similarity", "cosine_similarity", "heatmap", "similarity"]
 
 # cposembed is not on a package index yet: the command that works from a checkout.
 _EXTRA_HINT = 'python -m pip install ".[plot]" from a checkout of cposembed, or matplotlib itself'
+
+
+def has_matplotlib() -> bool:
+    """Whether matplotlib can be imported (the pictures need it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _new_figure(figsize: tuple[float, float]) -> Any:
@@ -132,12 +142,6 @@ def heatmap(
     Returns
     -------
     matplotlib.figure.Figure
-
-    Raises
-    ------
-    ImportError
-        matplotlib is not installed (``python -m pip install ".[plot]"`` from a
-        checkout).
     """
     table = _as_table(pe_or_table)
     if vmax is None:
@@ -182,12 +186,6 @@ def similarity(
     Returns
     -------
     matplotlib.figure.Figure
-
-    Raises
-    ------
-    ImportError
-        matplotlib is not installed (``python -m pip install ".[plot]"`` from a
-        checkout).
     """
     title = title if title is not None else "Cosine similarity between positions"
     labels = ("Position", "Cosine similarity", title)

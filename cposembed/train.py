@@ -38,11 +38,10 @@ from typing import IO, Any
 
 import numpy as np
 
-from . import _state
+from . import _state, plot
 from .embedding import LearnedPositionEmbedding
 from .functional import scatter_add
 from .optim import Adam
-from .plot import adjacent_similarity
 
 __all__ = ["TrainResult", "train"]
 
@@ -231,8 +230,8 @@ def train(
     bar.close()
     result = TrainResult(
         pe=pe,
-        similarity_before=adjacent_similarity(before),
-        similarity_after=adjacent_similarity(pe),
+        similarity_before=plot.adjacent_similarity(before),
+        similarity_after=plot.adjacent_similarity(pe),
         loss_first=loss_first,
         loss_last=loss,
         accuracy=correct,
@@ -310,8 +309,6 @@ class _DenseAdam:
 
 def write_pictures(before: np.ndarray, after: np.ndarray, out: str | os.PathLike[str]) -> list[str]:
     """Write the four pictures into ``out``; returns their paths. Needs matplotlib."""
-    from . import plot
-
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(os.fspath(out), name) for name in PICTURES]
     n_pos, d = after.shape
@@ -325,14 +322,6 @@ def write_pictures(before: np.ndarray, after: np.ndarray, out: str | os.PathLike
     plot.similarity(before, paths[2], title="Before training: cosine similarity", vmin=-1, vmax=1)
     plot.similarity(after, paths[3], title="After training: cosine similarity", vmin=-1, vmax=1)
     return paths
-
-
-def _matplotlib_available() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # Seeds NumPy's RandomState takes (the table's draw, LearnedPositionEmbedding's seed=).
@@ -397,7 +386,7 @@ def run(args: Any) -> int:
     if not np.isfinite(lr) or (args.optimizer == "adam" and lr < 0):
         print("error: --lr must be a finite number (>= 0 for adam)", file=sys.stderr)
         return 2
-    plots = _matplotlib_available()
+    plots = plot.has_matplotlib()
     # The output paths are checked before the training: a path that cannot
     # be written would otherwise lose the trained table at the end.
     problem = _output_problem(args.out if plots else None, args.save)

@@ -364,21 +364,51 @@ cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, cnp.ndarray like):
     return arr
 
 
-cdef bint _offset_value(object offset, Py_ssize_t lo, Py_ssize_t hi,
-                        Py_ssize_t* value) noexcept:
-    # An integer (_is_integer) with lo <= offset <= hi.
+# The offset rule, its one home: with explicit positions the offset is 0;
+# with positions=None the rows are offset + arange(T), so 0 <= offset <= L - T
+# (any offset >= 0 when T == 0: no row is read). `offset` must be an integer
+# (_is_integer); the routes make other integers Python ints first and word
+# the error from the code returned (_routes.check_offset).
+cdef enum:
+    _OFFSET_OK = 0
+    _OFFSET_NOT_INT = 1
+    _OFFSET_NEGATIVE = 2
+    _OFFSET_WITH_POSITIONS = 3
+    _OFFSET_PAST_END = 4
+OFFSET_NOT_INT = _OFFSET_NOT_INT
+OFFSET_NEGATIVE = _OFFSET_NEGATIVE
+OFFSET_WITH_POSITIONS = _OFFSET_WITH_POSITIONS
+OFFSET_PAST_END = _OFFSET_PAST_END
+
+
+cdef int _offset_rule(object offset, bint with_positions, Py_ssize_t T, Py_ssize_t L,
+                      Py_ssize_t* start) noexcept:
     cdef int overflow = 0
     cdef long long v
     if not _is_integer(offset):
-        return False
+        return _OFFSET_NOT_INT
     try:
         v = PyLong_AsLongLongAndOverflow(offset, &overflow)
     except Exception:
-        return False
-    if overflow or v < lo or v > hi:
-        return False
-    value[0] = <Py_ssize_t>v
-    return True
+        return _OFFSET_NOT_INT
+    if overflow < 0 or (not overflow and v < 0):
+        return _OFFSET_NEGATIVE
+    if with_positions:
+        return _OFFSET_WITH_POSITIONS if overflow or v else _OFFSET_OK
+    start[0] = 0
+    if T == 0:
+        return _OFFSET_OK
+    if overflow or v > L - T:
+        return _OFFSET_PAST_END
+    start[0] = <Py_ssize_t>v
+    return _OFFSET_OK
+
+
+def offset_rule(offset, bint with_positions, Py_ssize_t T, Py_ssize_t n_rows):
+    """The offset rule for T rows of a table of n_rows positions: 0 if
+    ``offset`` keeps it, else the OFFSET_ code of the part it breaks."""
+    cdef Py_ssize_t start
+    return _offset_rule(offset, with_positions, T, n_rows, &start)
 
 
 cdef int _positions_for(object positions, object offset, Py_ssize_t L,
@@ -390,18 +420,18 @@ cdef int _positions_for(object positions, object offset, Py_ssize_t L,
     trailing axes of the lead shape (anything else that broadcasts is
     materialised by the Python layer). 1; 0: refused, nothing held;
     MemoryError as _read_index."""
-    cdef Py_ssize_t T, start, zero
+    cdef Py_ssize_t T, start
     cdef int k, core
     ix.rows = NULL
     if positions is None:
         if n_lead < 1:
             return 0
         T = lead[n_lead - 1]
-        if not _offset_value(offset, 0, L - T if T else (<Py_ssize_t>1 << 62), &start):
+        if _offset_rule(offset, False, T, L, &start) != _OFFSET_OK:
             return 0
         m[0] = T
         return _arange_index(start, T, ix)
-    if not _offset_value(offset, 0, 0, &zero):
+    if _offset_rule(offset, True, 0, L, &start) != _OFFSET_OK:
         return 0
     if not _read_index(positions, L, ix):
         return 0
@@ -447,18 +477,6 @@ def index_rows(positions, Py_ssize_t n_rows):
     or a value outside [-n_rows, n_rows)."""
     cdef Index ix
     return _owned_rows(&ix, n_rows >= 0 and _read_index(positions, n_rows, &ix))
-
-
-def default_rows(offset, Py_ssize_t T, Py_ssize_t n_rows):
-    """What ``positions=None`` means for rows whose last lead axis is T, as the
-    entries take it (_positions_for): ``offset + arange(T)`` as an int64 array;
-    None unless offset is an integer with 0 <= offset <= n_rows - T (for T == 0,
-    any offset up to 2**62: no row is read)."""
-    cdef Index ix
-    cdef Py_ssize_t m
-    cdef cnp.npy_intp lead = T
-    return _owned_rows(&ix, T >= 0 and n_rows >= 0
-                       and _positions_for(None, offset, n_rows, &lead, 1, &ix, &m))
 
 
 cdef inline Py_ssize_t _lead_size(cnp.ndarray a) noexcept:

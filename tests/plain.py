@@ -33,7 +33,7 @@ INT_DTYPES = [np.dtype(t) for t in INT_TYPES]
 CPUS = _core.cpu_limit()
 
 
-HUGE = 2**62  # the largest offset an empty (T == 0) call takes
+HUGE = 2**62  # a large offset, near the int64 maximum
 
 
 class _Pos(enum.IntEnum):
@@ -404,9 +404,10 @@ def _default_rows(lead, offset, n_rows):
     """offset + arange(T) if the entry must take it, else None."""
     if not lead or not _is_int(offset):
         return None
-    T = lead[-1]
-    hi = n_rows - T if T else HUGE
-    return np.arange(int(offset), int(offset) + T) if 0 <= int(offset) <= hi else None
+    T, start = lead[-1], int(offset)
+    if T == 0:  # no row is read: any non-negative offset
+        return np.arange(0) if start >= 0 else None
+    return np.arange(start, start + T) if 0 <= start <= n_rows - T else None
 
 
 def _explicit_rows(positions, offset, lead, n_rows):

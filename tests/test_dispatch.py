@@ -613,13 +613,41 @@ def test_routes_read_positions_with_the_entries_reader(positions):
     assert _core.index_rows(7, L) is None and _core.index_rows([0, -7], L) is None
 
 
-def test_routes_take_default_positions_from_the_entries_rule():
-    """positions=None is offset + arange(T), 0 <= offset <= L - T, in one place."""
-    assert np.array_equal(_core.default_rows(2, 3, 5), [2, 3, 4])
-    assert _core.default_rows(3, 3, 5) is None and _core.default_rows(-1, 3, 5) is None
-    assert np.array_equal(_routes.default_rows(0, 0, 5), np.empty(0))
+@pytest.mark.parametrize("with_positions", [False, True])
+@pytest.mark.parametrize("T", [0, 3])
+@pytest.mark.parametrize("offset", [0, 1, 2, 3, -1, np.int64(2), 2**63, 2**70, -(2**70)])
+def test_entries_and_routes_keep_one_offset_rule(offset, T, with_positions):
+    """The entry accepts an offset exactly when the route's check passes it."""
+    L = 5
+    table = np.arange(L * 2, dtype=np.float32).reshape(L, 2)
+    tokens = np.ones((1, T, 2), np.float32)
+    positions = np.zeros(T, np.int64) if with_positions else None
+    accepted = _core.add(tokens, table, positions, offset, None, None) is not None
+    try:
+        _routes.check_offset(offset, with_positions, 0 if with_positions else T, L)
+    except (ValueError, IndexError):
+        assert not accepted
+    else:
+        assert accepted
+    if not with_positions and T == 3 and 0 <= offset <= 2:
+        expect = tokens + table[offset : offset + 3]
+        assert np.array_equal(cposembed.add_positions(tokens, table, offset=offset), expect)
+
+
+def test_offset_errors_name_the_rule_they_break():
+    table = np.zeros((5, 2), np.float32)
+    tokens = np.zeros((1, 3, 2), np.float32)
     with pytest.raises(IndexError, match=r"position 5 \(offset 3 \+ 3 tokens\)"):
-        _routes.default_rows(3, 3, 5)
+        cposembed.add_positions(tokens, table, offset=3)
+    with pytest.raises(ValueError, match="only applies with positions=None"):
+        cposembed.add_positions(tokens, table, [0, 1, 2], offset=1)
+    with pytest.raises(ValueError, match="offset must be a non-negative integer; got -1"):
+        cposembed.add_positions(tokens, table, offset=-1)
+    with pytest.raises(cposembed.NotAnIntegerError, match="offset must be a non-negative"):
+        cposembed.add_positions(tokens, table, offset=1.5)
+    # A 0-d integer array is an integer; the route passes it on as one.
+    got = cposembed.add_positions(tokens, table, offset=np.array(2))
+    assert np.array_equal(got, tokens + table[2:5])
 
 
 # Outputs and inputs that share memory with the positions, in a child process;

@@ -251,4 +251,4 @@ def test_bad_mask_values_are_shown_as_python_values(mask, shown):
 def test_a_negative_offset_in_an_array_is_shown_as_a_python_value():
     with pytest.raises(ValueError) as info:
         positions_from_mask([[1], [1]], offset=np.array([3, -2], np.int8))
-    assert str(info.value) == "offset must be non-negative; got -2"
+    assert str(info.value).endswith("; got -2") and "non-negative" in str(info.value)

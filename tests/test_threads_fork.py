@@ -124,12 +124,16 @@ def child_runs_on_its_own_team():
 """
 
 
+def _ok_with_child_checks(body: str) -> None:
+    """Run ``body`` after CHILD_THREADS's checks; it must print OK."""
+    _ok(_run(CHILD_THREADS + textwrap.dedent(body)))
+
+
 @needs_openmp
 def test_fork_pool_after_parallel_parent():
     """The issue's scenario: parent used 2 threads, then a fork Pool runs every kernel."""
-    proc = _run(
-        CHILD_THREADS
-        + textwrap.dedent("""
+    _ok_with_child_checks(
+        """
         assert check(run_all(2))
         assert _core.thread_info()["went_parallel"], "parent did not actually go parallel"
 
@@ -146,17 +150,15 @@ def test_fork_pool_after_parallel_parent():
         assert _threads.effective_num_threads(2, 1 << 20, 100) == 2
         assert check(run_all(2))
         print("OK")
-        """),
+        """
     )
-    _ok(proc)
 
 
 @needs_openmp
 def test_fork_grandchild_and_repeated_forks():
     """Plain os.fork, nested: children and grandchildren all finish correctly."""
-    proc = _run(
-        CHILD_THREADS
-        + textwrap.dedent("""
+    _ok_with_child_checks(
+        """
         assert check(run_all(2))
         for round_ in range(4):
             pid = os.fork()
@@ -171,9 +173,8 @@ def test_fork_grandchild_and_repeated_forks():
             assert os.waitstatus_to_exitcode(status) == 0, (round_, status)
             assert check(run_all(2))  # parent between forks, parallel again
         print("OK")
-        """),
+        """
     )
-    _ok(proc)
 
 
 @needs_openmp
@@ -207,9 +208,8 @@ def test_fork_while_other_threads_run_kernels():
     module the loop needs is imported first: a child forked while another
     thread imports a module waits for that import's lock forever, in any
     Python program.)"""
-    proc = _run(
-        CHILD_THREADS
-        + textwrap.dedent("""
+    _ok_with_child_checks(
+        """
         import threading
         assert check(run_all(2)) and check(run_all(None))
         stop = threading.Event()
@@ -237,9 +237,8 @@ def test_fork_while_other_threads_run_kernels():
                 w.join()
         assert not failures
         print("OK")
-        """),
+        """
     )
-    _ok(proc)
 
 
 @needs_openmp

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from .. import _membench, _state, _threads
+from .._config import config
 from ._common import OURS, Group
 from ._groups import GROUP_NAMES, build_groups
 from ._report import RATIO, fmt_ms, markdown, mismatched, missed, report, summary
@@ -33,8 +34,6 @@ def _try_torch(enabled: bool, n_threads: int) -> Any:
 
 
 def machine_info(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
-    from .._config import config
-
     cfg = config()
     cpu = platform.processor() or platform.machine()
     try:

@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import _core, _threads
 from ..functional import add_positions, scatter_add
+from ..train import train
 from ._common import OURS, Contender, Fixture, Group
 from .pools import pools
 
@@ -40,8 +41,6 @@ def _versus_one(run: Callable[..., Any], nbytes: int, target: float | None) -> l
 
 
 def _run_train(num_threads: int | None) -> None:
-    from ..train import train
-
     before = _core.user_threads() or None  # set_num_threads(n), or None: not set
     _threads.set_num_threads(num_threads)
     try:
