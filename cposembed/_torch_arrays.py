@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -334,12 +333,6 @@ def output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < _core.POOL_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     return _on(_storage(nbytes, False), shape, dtype)
-
-
-def written(y: torch.Tensor, compute: Callable[..., np.ndarray]) -> torch.Tensor:
-    """``compute(out=...)`` into ``y``; ``y``."""
-    compute(out=as_array(y))
-    return y
 
 
 _FREE = _free_references()

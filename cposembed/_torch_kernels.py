@@ -24,7 +24,6 @@ Tensors become arrays, and gradients get their memory, in
 from __future__ import annotations
 
 import contextvars
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +45,6 @@ from cposembed._torch_arrays import (
     numpy_dtype,
     output,
     skip_row,
-    written,
 )
 
 # ---- the operators ----------------------------------------------------------------
@@ -101,90 +99,79 @@ def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
     )
 
 
-def _cpu(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _kernels(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the decorated function as the operator's CPU kernel and, called
+    with ``fake=True`` (its checks and empty outputs of the right shapes), as
+    its fake kernel."""
+
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         def kernel(*args: Any) -> Any:
             _refuse_tangents(name, args)
             return fn(*args)
 
+        def fake(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs, fake=True)
+
         LIB.impl(name, kernel, "CPU")
+        torch.library.register_fake(f"cposembed::{name}", fake, lib=LIB)
         return fn
 
     return register
 
 
-def _fake(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        torch.library.register_fake(f"cposembed::{name}", fn, lib=LIB)
-        return fn
-
-    return register
-
-
-@_cpu("lookup")
+@_kernels("lookup")
 def _lookup(
-    table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    padding_idx: int | None = None,
+    fake: bool = False,
 ) -> torch.Tensor:
     check_table(table, "table")
     check_index(positions, "positions")
+    shape = (*positions.shape, table.shape[1])
+    if fake:
+        return table.new_empty(shape)
     skip_row(padding_idx, table.shape[0])
-    y = output((*positions.shape, table.shape[1]), table.dtype)
-    ids = checked_ids(positions, table.shape[0])
-    return written(y, functools.partial(_f.lookup, as_array(table), ids))
+    y = output(shape, table.dtype)
+    _f.lookup(as_array(table), checked_ids(positions, table.shape[0]), out=as_array(y))
+    return y
 
 
-@_fake("lookup")
-def _lookup_fake(
-    table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
-) -> torch.Tensor:
-    check_table(table, "table")
-    check_index(positions, "positions")
-    return table.new_empty((*positions.shape, table.shape[1]))
-
-
-def _check_add(tok: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> None:
-    check_table(table, "table")
-    check_rows(tok, table.shape[1], "tok")
-    check_index(positions, "positions")
-
-
-@_cpu("add_positions")
+@_kernels("add_positions")
 def _add_positions(
     tok: torch.Tensor,
     table: torch.Tensor,
     positions: torch.Tensor | None,
     offset: int,
     padding_idx: int | None = None,
+    fake: bool = False,
 ) -> torch.Tensor:
-    _check_add(tok, table, positions)
+    check_table(table, "table")
+    check_rows(tok, table.shape[1], "tok")
+    check_index(positions, "positions")
+    dtype = torch.promote_types(tok.dtype, table.dtype)
+    if fake:
+        return tok.new_empty(tok.shape, dtype=dtype)
     skip_row(padding_idx, table.shape[0])
     tok_a = as_array(tok)
     if {tok.dtype, table.dtype} == HALF_PAIR:
         tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
-    y = output(tuple(tok.shape), torch.promote_types(tok.dtype, table.dtype))
+    y = output(tuple(tok.shape), dtype)
     pos = checked_ids(positions, table.shape[0])
-    add = functools.partial(_f.add_positions, tok_a, as_array(table), pos, offset=offset)
-    return written(y, add)
+    _f.add_positions(tok_a, as_array(table), pos, offset=offset, out=as_array(y))
+    return y
 
 
-@_fake("add_positions")
-def _add_positions_fake(
-    tok: torch.Tensor,
-    table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_add(tok, table, positions)
-    return tok.new_empty(tok.shape, dtype=torch.promote_types(tok.dtype, table.dtype))
-
-
-def _check_embed(
+@_kernels("embed")
+def _embed(
     token_ids: torch.Tensor,
     token_table: torch.Tensor,
     position_table: torch.Tensor,
     positions: torch.Tensor | None,
-) -> None:
+    offset: int,
+    padding_idx: int | None = None,
+    fake: bool = False,
+) -> torch.Tensor:
     check_table(token_table, "token_table")
     check_table(position_table, "position_table")
     if token_table.shape[1] != position_table.shape[1]:
@@ -194,52 +181,28 @@ def _check_embed(
         )
     check_index(token_ids, "token_ids")
     check_index(positions, "positions")
-
-
-@_cpu("embed")
-def _embed(
-    token_ids: torch.Tensor,
-    token_table: torch.Tensor,
-    position_table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_embed(token_ids, token_table, position_table, positions)
+    shape = (*token_ids.shape, token_table.shape[1])
+    dtype = torch.promote_types(token_table.dtype, position_table.dtype)
+    if fake:
+        return token_table.new_empty(shape, dtype=dtype)
     skip_row(padding_idx, token_table.shape[0])
     ids = checked_ids(token_ids, token_table.shape[0])
     pos = checked_ids(positions, position_table.shape[0])
-    shape = (*token_ids.shape, token_table.shape[1])
-    y = output(shape, torch.promote_types(token_table.dtype, position_table.dtype))
+    y = output(shape, dtype)
     if {token_table.dtype, position_table.dtype} == HALF_PAIR:
         # torch adds the pair in float32: the token rows converted (exactly), then
         # added; ids and positions checked as embed checks them.
         ids = _routes.checked_ids(ids, token_table.shape[0])
         pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
         rows = _f.lookup(as_array(token_table), ids).astype(np.float32)
-        add = functools.partial(
-            _f.add_positions, rows, as_array(position_table), pos, offset=offset
-        )
-        return written(y, add)
+        _f.add_positions(rows, as_array(position_table), pos, offset=offset, out=as_array(y))
+        return y
     tables = (as_array(token_table), as_array(position_table))
-    return written(y, functools.partial(_layer.embed, ids, *tables, pos, offset=offset))
+    _layer.embed(ids, *tables, pos, offset=offset, out=as_array(y))
+    return y
 
 
-@_fake("embed")
-def _embed_fake(
-    token_ids: torch.Tensor,
-    token_table: torch.Tensor,
-    position_table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_embed(token_ids, token_table, position_table, positions)
-    dtype = torch.promote_types(token_table.dtype, position_table.dtype)
-    return token_table.new_empty((*token_ids.shape, token_table.shape[1]), dtype=dtype)
-
-
-@_cpu("table_grad")
+@_kernels("table_grad")
 def _table_grad(
     grad_output: torch.Tensor,
     positions: torch.Tensor | None,
@@ -247,8 +210,12 @@ def _table_grad(
     num_rows: int,
     dtype: torch.dtype,
     padding_idx: int | None = None,
+    fake: bool = False,
 ) -> torch.Tensor:
     check_index(positions, "positions")
+    numpy_dtype(dtype)
+    if fake:
+        return grad_output.new_empty((num_rows, grad_output.shape[-1]), dtype=dtype)
     grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
     _routes.scatter_add(
         array,
@@ -262,20 +229,7 @@ def _table_grad(
     return grad
 
 
-@_fake("table_grad")
-def _table_grad_fake(
-    grad_output: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    num_rows: int,
-    dtype: torch.dtype,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    numpy_dtype(dtype)
-    return grad_output.new_empty((num_rows, grad_output.shape[-1]), dtype=dtype)
-
-
-@_cpu("embed_backward")
+@_kernels("embed_backward")
 def _embed_backward(
     grad_output: torch.Tensor,
     token_ids: torch.Tensor,
@@ -286,12 +240,20 @@ def _embed_backward(
     token_dtype: torch.dtype,
     position_dtype: torch.dtype,
     padding_idx: int | None = None,
+    fake: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_index(token_ids, "token_ids")
     check_index(positions, "positions")
+    numpy_dtype(token_dtype)
+    numpy_dtype(position_dtype)
+    d = grad_output.shape[-1]
+    if fake:
+        return (
+            grad_output.new_empty((vocab_size, d), dtype=token_dtype),
+            grad_output.new_empty((max_seq_len, d), dtype=position_dtype),
+        )
     skip = skip_row(padding_idx, vocab_size)
     ids, pos = checked_ids(token_ids, vocab_size), checked_ids(positions, max_seq_len)
-    d = grad_output.shape[-1]
     g_tok, a_tok = fresh_zeros(vocab_size, d, token_dtype)
     g_pos, a_pos = fresh_zeros(max_seq_len, d, position_dtype)
     _routes.embed_backward(
@@ -307,27 +269,6 @@ def _embed_backward(
         token_skip_row=skip,
     )
     return g_tok, g_pos
-
-
-@_fake("embed_backward")
-def _embed_backward_fake(
-    grad_output: torch.Tensor,
-    token_ids: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    vocab_size: int,
-    max_seq_len: int,
-    token_dtype: torch.dtype,
-    position_dtype: torch.dtype,
-    padding_idx: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    d = grad_output.shape[-1]
-    numpy_dtype(token_dtype)
-    numpy_dtype(position_dtype)
-    return (
-        grad_output.new_empty((vocab_size, d), dtype=token_dtype),
-        grad_output.new_empty((max_seq_len, d), dtype=position_dtype),
-    )
 
 
 # ---- vmap: one call per batch entry ---------------------------------------------
