@@ -50,24 +50,6 @@ from cposembed._torch_arrays import (
 # ---- the operators ----------------------------------------------------------------
 
 LIB = torch.library.Library("cposembed", "DEF")
-LIB.define("lookup(Tensor table, Tensor positions, int? padding_idx=None) -> Tensor")
-LIB.define(
-    "add_positions(Tensor tok, Tensor table, Tensor? positions, SymInt offset, "
-    "int? padding_idx=None) -> Tensor"
-)
-LIB.define(
-    "embed(Tensor token_ids, Tensor token_table, Tensor position_table, Tensor? positions, "
-    "SymInt offset, int? padding_idx=None) -> Tensor"
-)
-LIB.define(
-    "table_grad(Tensor grad_output, Tensor? positions, SymInt offset, SymInt num_rows, "
-    "ScalarType dtype, int? padding_idx=None) -> Tensor"
-)
-LIB.define(
-    "embed_backward(Tensor grad_output, Tensor token_ids, Tensor? positions, SymInt offset, "
-    "SymInt vocab_size, SymInt max_seq_len, ScalarType token_dtype, "
-    "ScalarType position_dtype, int? padding_idx=None) -> (Tensor, Tensor)"
-)
 ops = torch.ops.cposembed
 
 
@@ -99,10 +81,29 @@ def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
     )
 
 
-def _kernels(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Registers the decorated function as the operator's CPU kernel and, called
-    with ``fake=True`` (its checks and empty outputs of the right shapes), as
-    its fake kernel."""
+def _vmap_by_loop(op: Any) -> Callable[..., Any]:
+    """A vmap rule that calls ``op`` once per batch entry and stacks the results
+    (batch dimension first), for ``torch.func.vmap``, ``jacrev`` and ``jacfwd``."""
+
+    def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+        results = []
+        for b in range(info.batch_size):
+            one = [a.select(dim, b) if dim is not None else a for a, dim in zip(args, in_dims)]
+            results.append(op(*one))
+        if isinstance(results[0], tuple):
+            stacked = tuple(torch.stack(parts) for parts in zip(*results))
+            return stacked, (0,) * len(stacked)
+        return torch.stack(results), 0
+
+    return rule
+
+
+def _operator(schema: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Defines the operator of ``schema`` and registers the decorated function
+    as its CPU kernel and, called with ``fake=True`` (its checks and empty
+    outputs of the right shapes), as its fake kernel; its vmap rule calls the
+    operator once per batch entry."""
+    name = schema.split("(", 1)[0]
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         def kernel(*args: Any) -> Any:
@@ -112,14 +113,17 @@ def _kernels(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def fake(*args: Any, **kwargs: Any) -> Any:
             return fn(*args, **kwargs, fake=True)
 
+        LIB.define(schema)
         LIB.impl(name, kernel, "CPU")
         torch.library.register_fake(f"cposembed::{name}", fake, lib=LIB)
+        op = getattr(ops, name).default
+        torch.library.register_vmap(f"cposembed::{name}", _vmap_by_loop(op), lib=LIB)
         return fn
 
     return register
 
 
-@_kernels("lookup")
+@_operator("lookup(Tensor table, Tensor positions, int? padding_idx=None) -> Tensor")
 def _lookup(
     table: torch.Tensor,
     positions: torch.Tensor,
@@ -137,7 +141,10 @@ def _lookup(
     return y
 
 
-@_kernels("add_positions")
+@_operator(
+    "add_positions(Tensor tok, Tensor table, Tensor? positions, SymInt offset, "
+    "int? padding_idx=None) -> Tensor"
+)
 def _add_positions(
     tok: torch.Tensor,
     table: torch.Tensor,
@@ -162,7 +169,10 @@ def _add_positions(
     return y
 
 
-@_kernels("embed")
+@_operator(
+    "embed(Tensor token_ids, Tensor token_table, Tensor position_table, Tensor? positions, "
+    "SymInt offset, int? padding_idx=None) -> Tensor"
+)
 def _embed(
     token_ids: torch.Tensor,
     token_table: torch.Tensor,
@@ -202,7 +212,10 @@ def _embed(
     return y
 
 
-@_kernels("table_grad")
+@_operator(
+    "table_grad(Tensor grad_output, Tensor? positions, SymInt offset, SymInt num_rows, "
+    "ScalarType dtype, int? padding_idx=None) -> Tensor"
+)
 def _table_grad(
     grad_output: torch.Tensor,
     positions: torch.Tensor | None,
@@ -229,7 +242,11 @@ def _table_grad(
     return grad
 
 
-@_kernels("embed_backward")
+@_operator(
+    "embed_backward(Tensor grad_output, Tensor token_ids, Tensor? positions, SymInt offset, "
+    "SymInt vocab_size, SymInt max_seq_len, ScalarType token_dtype, "
+    "ScalarType position_dtype, int? padding_idx=None) -> (Tensor, Tensor)"
+)
 def _embed_backward(
     grad_output: torch.Tensor,
     token_ids: torch.Tensor,
@@ -269,29 +286,3 @@ def _embed_backward(
         token_skip_row=skip,
     )
     return g_tok, g_pos
-
-
-# ---- vmap: one call per batch entry ---------------------------------------------
-
-
-def _vmap_by_loop(op: Any) -> Callable[..., Any]:
-    """A vmap rule that calls ``op`` once per batch entry and stacks the results
-    (batch dimension first), for ``torch.func.vmap``, ``jacrev`` and ``jacfwd``."""
-
-    def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
-        results = []
-        for b in range(info.batch_size):
-            one = [a.select(dim, b) if dim is not None else a for a, dim in zip(args, in_dims)]
-            results.append(op(*one))
-        if isinstance(results[0], tuple):
-            stacked = tuple(torch.stack(parts) for parts in zip(*results))
-            return stacked, (0,) * len(stacked)
-        return torch.stack(results), 0
-
-    return rule
-
-
-for _name in ("lookup", "add_positions", "embed", "table_grad", "embed_backward"):
-    torch.library.register_vmap(
-        f"cposembed::{_name}", _vmap_by_loop(getattr(ops, _name).default), lib=LIB
-    )
