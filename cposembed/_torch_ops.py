@@ -1,7 +1,7 @@
 """The autograd of cposembed's PyTorch operators (:mod:`cposembed._torch_kernels`)
 and the differentiable calls :mod:`cposembed.torch` makes.
 
-The autograd formulas are plain functions shared by the operators'
+The autograd formulas are functions shared by the operators'
 registrations (what ``torch.compile`` traces) and by the
 :class:`torch.autograd.Function` classes below, which add forward-mode AD
 (``jvp``: Dynamo does not trace a custom ``jvp``, so the modules use these

@@ -339,13 +339,13 @@ def convert_embeddings(module: nn.Module) -> nn.Module:
     return module
 
 
-def _check_size(value: Any, name: str) -> int:
-    return _validation.check_int(value, name, min_value=1)
-
-
-def _check_float_dtype(dtype: torch.dtype | None) -> None:
+def _shape(rows: Any, rows_name: str, embed_dim: Any, dtype: torch.dtype | None) -> tuple[int, int]:
+    """A new table's shape, each a positive int, once its dtype (floating
+    point, or None for torch's default) is checked."""
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype; got {dtype}")
+    check = _validation.check_int
+    return check(rows, rows_name, min_value=1), check(embed_dim, "embed_dim", min_value=1)
 
 
 class LearnedPositionEmbedding(Embedding):
@@ -394,10 +394,8 @@ class LearnedPositionEmbedding(Embedding):
         dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_float_dtype(dtype)
         super().__init__(
-            _check_size(max_seq_len, "max_seq_len"),
-            _check_size(embed_dim, "embed_dim"),
+            *_shape(max_seq_len, "max_seq_len", embed_dim, dtype),
             padding_idx=padding_idx,
             device=device,
             dtype=dtype,
@@ -496,11 +494,10 @@ class LearnedPositionEmbedding(Embedding):
             and not self.scale_grad_by_freq
             and not self.sparse
         )
-        if not fused:
+        if not fused or self.max_norm is not None:
             full = _ops.default_positions(offset, tuple(tok.shape[:-1])) if pos is None else pos
-            return tok + self(full.to(tok.device) if full.device != tok.device else full)
-        if self.max_norm is not None:
-            full = _ops.default_positions(offset, tuple(tok.shape[:-1])) if pos is None else pos
+            if self.max_norm is None or not fused:
+                return tok + self(full.to(tok.device))
             _renorm(self.weight, full, self.max_norm, self.norm_type)
         return _ops.add_positions(tok, self.weight, pos, offset, self.padding_idx)
 
@@ -554,10 +551,8 @@ class TokenPositionEmbedding(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_float_dtype(dtype)
         self.tokens = Embedding(
-            _check_size(vocab_size, "vocab_size"),
-            _check_size(embed_dim, "embed_dim"),
+            *_shape(vocab_size, "vocab_size", embed_dim, dtype),
             padding_idx=padding_idx,
             device=device,
             dtype=dtype,
@@ -628,12 +623,12 @@ class TokenPositionEmbedding(nn.Module):
         return self.tokens.padding_idx
 
     def _fused(self, ids: torch.Tensor, pos: torch.Tensor | None) -> bool:
-        plain = all(
+        defaults = all(
             t.max_norm is None and not t.scale_grad_by_freq and not t.sparse
             for t in (self.tokens, self.positions)
         )
         return (
-            plain
+            defaults
             and _on_kernels(self.tokens.weight, ids, pos)
             and _on_kernels(self.positions.weight)
         )
