@@ -212,26 +212,6 @@ def _looked_up_grad(
     return g
 
 
-torch.library.register_autograd(
-    "cposembed::lookup", _lookup_backward, setup_context=_lookup_setup, lib=LIB
-)
-torch.library.register_autograd(
-    "cposembed::add_positions", _add_backward, setup_context=_add_setup, lib=LIB
-)
-torch.library.register_autograd(
-    "cposembed::embed", _embed_backward_formula, setup_context=_embed_setup, lib=LIB
-)
-torch.library.register_autograd(
-    "cposembed::table_grad", _table_grad_backward, setup_context=_table_grad_setup, lib=LIB
-)
-torch.library.register_autograd(
-    "cposembed::embed_backward",
-    _embed_backward_backward,
-    setup_context=_embed_backward_setup,
-    lib=LIB,
-)
-
-
 # ---- the calls: autograd functions in eager mode, the operators when compiling ----
 #
 # The operators' own autograd registrations are what torch.compile traces.
@@ -268,17 +248,22 @@ def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
 
 def _differentiable(
     name: str,
-    forward: Callable[..., Any],
+    op: str,
     setup: Callable[..., None],
     backward: Callable[..., Any],
     for_jvp: Callable[[tuple[Any, ...]], tuple[Any, ...]],
     jvp: Callable[..., Any],
+    forward: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """The differentiable call of ``forward`` (an operator): in eager mode an
-    autograd function named ``name`` with the formulas ``setup`` and
-    ``backward`` and a ``jvp`` that finds the tensors ``for_jvp(inputs)`` in
-    ``ctx.saved_tensors``; the operator itself (its registered autograd) when
-    Dynamo is tracing."""
+    """Registers the formulas ``setup`` and ``backward`` as the operator
+    ``op``'s autograd, and gives its differentiable call, of ``forward`` (by
+    default the operator): in eager mode through an autograd function named
+    ``name`` with those formulas and a ``jvp`` that finds the tensors
+    ``for_jvp(inputs)`` in ``ctx.saved_tensors``; through the operator itself
+    (its registered autograd) when Dynamo is tracing."""
+    torch.library.register_autograd(f"cposembed::{op}", backward, setup_context=setup, lib=LIB)
+    if forward is None:
+        forward = getattr(ops, op)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         setup(ctx, inputs, output)
@@ -339,19 +324,21 @@ def _embed_backward_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
     )
 
 
-def _lookup_op(table: Any, positions: Any, padding_idx: Any, sparse: Any) -> Any:
-    return ops.lookup(table, positions, padding_idx)
-
-
 # table[positions] (sparse: a sparse gradient, eager only);
 # tok + table[positions]; token_table[token_ids] + position_table[positions];
 # and the two backward operators: each with its operator's arguments.
 lookup = _differentiable(
-    "LookupFn", _lookup_op, _lookup_setup, _lookup_backward, lambda i: (i[1],), _lookup_jvp
+    "LookupFn",
+    "lookup",
+    _lookup_setup,
+    _lookup_backward,
+    lambda i: (i[1],),
+    _lookup_jvp,
+    forward=lambda table, positions, padding_idx, sparse: ops.lookup(table, positions, padding_idx),
 )
 add_positions = _differentiable(
     "AddPositionsFn",
-    ops.add_positions,
+    "add_positions",
     _add_setup,
     _add_backward,
     lambda i: (_positions_or_default(i[2], i[3], i[0].shape[:-1]),),
@@ -359,7 +346,7 @@ add_positions = _differentiable(
 )
 embed = _differentiable(
     "EmbedFn",
-    ops.embed,
+    "embed",
     _embed_setup,
     _embed_backward_formula,
     lambda i: (i[0], _positions_or_default(i[3], i[4], i[0].shape)),
@@ -367,7 +354,7 @@ embed = _differentiable(
 )
 table_grad = _differentiable(
     "TableGradFn",
-    ops.table_grad,
+    "table_grad",
     _table_grad_setup,
     _table_grad_backward,
     lambda i: (i[1],),
@@ -375,7 +362,7 @@ table_grad = _differentiable(
 )
 embed_backward = _differentiable(
     "EmbedBackwardFn",
-    ops.embed_backward,
+    "embed_backward",
     _embed_backward_setup,
     _embed_backward_backward,
     lambda i: (i[1], i[2]),
