@@ -26,13 +26,6 @@ from cposembed import _core
 # Table dtypes the kernels take; other dtypes go to torch's own F.embedding.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPE_NAMES = "float16, bfloat16, float32 or float64"
-# NumPy's bfloat16 is ml_dtypes' (torch has no NumPy view of a bfloat16 tensor),
-# imported with the first bfloat16 tensor (_core.bfloat16()).
-_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.float16: np.dtype(np.float16),
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-}
 # float16 with bfloat16: NumPy has no common type (cposembed refuses the pair),
 # torch promotes both to float32.
 HALF_PAIR = frozenset((torch.float16, torch.bfloat16))
@@ -116,8 +109,7 @@ def skip_row(padding_idx: int | None, n_rows: int) -> int:
 
 
 def check_table(t: torch.Tensor, name: str) -> None:
-    if t.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{name} must have dtype {DTYPE_NAMES}; got {t.dtype}")
+    check_dtype(t.dtype, name)
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D (rows, embed_dim); got shape {tuple(t.shape)}")
 
@@ -146,18 +138,14 @@ def checked_ids(t: torch.Tensor | None, n_rows: int) -> np.ndarray | None:
 
 
 def check_rows(t: torch.Tensor, d: int, name: str) -> None:
-    if t.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{name} must have dtype {DTYPE_NAMES}; got {t.dtype}")
+    check_dtype(t.dtype, name)
     if t.dim() == 0 or t.shape[-1] != d:
         raise ValueError(f"{name} must have shape (..., {d}); got {tuple(t.shape)}")
 
 
-def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+def check_dtype(dtype: torch.dtype, name: str = "gradient") -> None:
     if dtype not in KERNEL_DTYPES:
-        raise TypeError(f"gradient dtype must be {DTYPE_NAMES}; got {dtype}")
-    if dtype == torch.bfloat16:
-        return _core.bfloat16()
-    return _NUMPY_DTYPES[dtype]
+        raise TypeError(f"{name} must have dtype {DTYPE_NAMES}; got {dtype}")
 
 
 # ---- gradient and output memory ---------------------------------------------------
@@ -320,8 +308,8 @@ def fresh_zeros(n_rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     (:func:`_storage`): one torch has freed, zeroed whole, or new memory whose
     pages read as zero and fault in only where the backward writes rows.
     """
-    itemsize = numpy_dtype(dtype).itemsize
-    nbytes = n_rows * d * itemsize
+    check_dtype(dtype)
+    nbytes = n_rows * d * dtype.itemsize
     if nbytes < FRESH_MIN_BYTES:
         t = torch.empty((n_rows, d), dtype=dtype)
         array = as_array(t)
@@ -335,7 +323,8 @@ def output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor for the kernel to write whole: torch's memory (resizable, as
     ``nn.Embedding``'s outputs are); from :data:`_core.POOL_MIN_BYTES` up, a
     storage this module keeps (:func:`_storage`), resident when reused."""
-    nbytes = math.prod(shape) * numpy_dtype(dtype).itemsize
+    check_dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < _core.POOL_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     return _on(_storage(nbytes, False), shape, dtype)

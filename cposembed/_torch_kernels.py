@@ -2,20 +2,13 @@
 kernels (meta tensors, ``torch.compile``) and vmap rules. Their autograd and the
 differentiable calls are in :mod:`cposembed._torch_ops`.
 
-Five operators in the ``cposembed`` namespace, defined with
-:func:`torch.library.define`:
-
-- ``lookup(table, positions, padding_idx=None)``: ``table[positions]``
-- ``add_positions(tok, table, positions, offset, padding_idx=None)``:
-  ``tok + table[positions]`` (``positions=None``: ``offset + arange(T)``)
-- ``embed(token_ids, token_table, position_table, positions, offset, padding_idx=None)``:
-  ``token_table[token_ids] + position_table[positions]``
-- ``table_grad(grad_output, positions, offset, num_rows, dtype, padding_idx=None)``:
-  the dense gradient of a looked-up table (``np.add.at``, which is what
-  ``nn.Embedding``'s CPU backward computes), itself differentiable (double
-  backward)
-- ``embed_backward(...)``: both table gradients of ``embed`` from one read
-  of the output gradient
+Five operators in the ``cposembed`` namespace (each schema stands above its
+kernel): ``lookup`` (``table[positions]``), ``add_positions`` (``tok +
+table[positions]``; ``positions=None``: ``offset + arange(T)``), ``embed``
+(``token_table[token_ids] + position_table[positions]``), ``table_grad`` (the
+dense gradient of a looked-up table: ``np.add.at``, what ``nn.Embedding``'s CPU
+backward computes; itself differentiable) and ``embed_backward`` (both table
+gradients of ``embed`` from one read of the output gradient).
 
 Tensors become arrays, and gradients get their memory, in
 :mod:`cposembed._torch_arrays`.
@@ -37,12 +30,12 @@ from cposembed import layer as _layer
 from cposembed._torch_arrays import (
     HALF_PAIR,
     as_array,
+    check_dtype,
     check_index,
     check_rows,
     check_table,
     checked_ids,
     fresh_zeros,
-    numpy_dtype,
     output,
     skip_row,
 )
@@ -226,7 +219,7 @@ def _table_grad(
     fake: bool = False,
 ) -> torch.Tensor:
     check_index(positions, "positions")
-    numpy_dtype(dtype)
+    check_dtype(dtype)
     if fake:
         return grad_output.new_empty((num_rows, grad_output.shape[-1]), dtype=dtype)
     grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
@@ -261,8 +254,8 @@ def _embed_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_index(token_ids, "token_ids")
     check_index(positions, "positions")
-    numpy_dtype(token_dtype)
-    numpy_dtype(position_dtype)
+    check_dtype(token_dtype)
+    check_dtype(position_dtype)
     d = grad_output.shape[-1]
     if fake:
         return (

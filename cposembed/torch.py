@@ -83,12 +83,10 @@ def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
         return False
     if torch.jit.is_tracing() or torch.compiler.is_exporting():
         return False
-    for i in indices:
-        if i is not None and (
-            i.device.type != "cpu" or i.layout != torch.strided or not _is_integer(i.dtype)
-        ):
-            return False
-    return True
+    return all(
+        i is None or (i.device.type == "cpu" and i.layout == torch.strided and _is_integer(i.dtype))
+        for i in indices
+    )
 
 
 def _is_dtensor(t: torch.Tensor | None) -> bool:
