@@ -121,16 +121,9 @@ def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     need_tok, need_pos = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     g_tok = g_pos = None
     if need_tok and need_pos and ctx.token_dtype == ctx.position_dtype:
+        tables = ctx.vocab_size, ctx.max_seq_len, ctx.token_dtype, ctx.position_dtype
         g_tok, g_pos = embed_backward(
-            grad.to(ctx.token_dtype),
-            token_ids,
-            positions,
-            ctx.offset,
-            ctx.vocab_size,
-            ctx.max_seq_len,
-            ctx.token_dtype,
-            ctx.position_dtype,
-            ctx.padding_idx,
+            grad.to(ctx.token_dtype), token_ids, positions, ctx.offset, *tables, ctx.padding_idx
         )
         return None, g_tok, g_pos, None, None, None
     # One table, or tables of two dtypes: each gets the gradient in its own
@@ -213,12 +206,8 @@ def _looked_up_grad(
 
 
 # ---- the calls: autograd functions in eager mode, the operators when compiling ----
-#
-# The operators' own autograd registrations are what torch.compile traces.
-# In eager mode the calls below go through torch.autograd.Function classes
-# with the same formulas, which also work under torch.func transforms
-# (setup_context, vmap through the operators' vmap rules) and add forward-mode
-# AD (jvp); Dynamo does not trace a custom jvp, hence the two routes.
+# (The autograd functions also work under torch.func: setup_context, and vmap
+# through the operators' vmap rules.)
 
 
 def _lookup_tangent(table_t: torch.Tensor | None, positions: torch.Tensor) -> Any:
@@ -263,7 +252,13 @@ def _differentiable(
     (its registered autograd) when Dynamo is tracing."""
     torch.library.register_autograd(f"cposembed::{op}", backward, setup_context=setup, lib=LIB)
     if forward is None:
-        forward = getattr(ops, op)
+        # A function, not the operator: Function.apply binds its arguments to
+        # forward's signature on every call, which inspect finds slowly for an
+        # operator.
+        overload = getattr(ops, op).default
+
+        def forward(*args: Any) -> Any:
+            return overload(*args)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         setup(ctx, inputs, output)
@@ -334,7 +329,9 @@ lookup = _differentiable(
     _lookup_backward,
     lambda i: (i[1],),
     _lookup_jvp,
-    forward=lambda table, positions, padding_idx, sparse: ops.lookup(table, positions, padding_idx),
+    forward=lambda table, positions, padding_idx, sparse: ops.lookup.default(
+        table, positions, padding_idx
+    ),
 )
 add_positions = _differentiable(
     "AddPositionsFn",
