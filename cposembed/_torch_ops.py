@@ -19,15 +19,18 @@ import torch.autograd.forward_ad as fwAD
 from cposembed._torch_arrays import skip_row
 from cposembed._torch_kernels import LIB, carries_tangents, ops
 
-__all__ = ["add_positions", "default_positions", "embed", "lookup"]
+__all__ = ["add_positions", "embed", "full_positions", "lookup"]
 
 # ---- autograd formulas ------------------------------------------------------------
 
 
-def default_positions(offset: int, token_shape: tuple[int, ...]) -> torch.Tensor:
-    """``offset + arange(T)`` broadcast to ``token_shape`` ``(..., T)``."""
-    T = token_shape[-1] if token_shape else 1
-    return torch.arange(offset, offset + T).expand(token_shape)
+def full_positions(positions: Any, offset: int, token_shape: Any) -> torch.Tensor:
+    """``positions``; for ``None``, ``offset + arange(T)`` broadcast to
+    ``token_shape`` ``(..., T)``."""
+    if positions is not None:
+        return positions
+    T = token_shape[-1] if len(token_shape) else 1
+    return torch.arange(offset, offset + T).expand(tuple(token_shape))
 
 
 def _lookup_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -133,8 +136,7 @@ def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
             grad.to(ctx.token_dtype), token_ids, 0, ctx.vocab_size, ctx.token_dtype, ctx.padding_idx
         )
     if need_pos:
-        if positions is None:
-            positions = default_positions(ctx.offset, tuple(token_ids.shape))
+        positions = full_positions(positions, ctx.offset, token_ids.shape)
         g_pos = table_grad(
             grad.to(ctx.position_dtype), positions, 0, ctx.max_seq_len, ctx.position_dtype, None
         )
@@ -155,8 +157,7 @@ def _table_grad_backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:
     (positions,) = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None, None
-    if positions is None:
-        positions = default_positions(ctx.offset, ctx.shape[:-1])
+    positions = full_positions(positions, ctx.offset, ctx.shape[:-1])
     g = _looked_up_grad(gg, positions, ctx.padding_idx, ctx.shape, ctx.grad_dtype)
     return g, None, None, None, None, None
 
@@ -176,8 +177,7 @@ def _embed_backward_backward(ctx: Any, gg_tok: Any, gg_pos: Any) -> tuple[Any, .
     none = (None,) * 8
     if not ctx.needs_input_grad[0]:
         return (None, *none)
-    if positions is None:
-        positions = default_positions(ctx.offset, ctx.shape[:-1])
+    positions = full_positions(positions, ctx.offset, ctx.shape[:-1])
     terms = tuple(
         _looked_up_grad(gg, idx, pad, ctx.shape, ctx.grad_dtype)
         for gg, idx, pad in ((gg_tok, token_ids, ctx.padding_idx), (gg_pos, positions, None))
@@ -285,10 +285,6 @@ def _differentiable(
     return call
 
 
-def _positions_or_default(positions: Any, offset: int, shape: Any) -> Any:
-    return default_positions(offset, tuple(shape)) if positions is None else positions
-
-
 def _lookup_jvp(ctx: Any, table_t: Any, *_: Any) -> Any:
     (positions,) = ctx.saved_tensors
     return _lookup_tangent(table_t, positions)
@@ -338,7 +334,7 @@ add_positions = _differentiable(
     "add_positions",
     _add_setup,
     _add_backward,
-    lambda i: (_positions_or_default(i[2], i[3], i[0].shape[:-1]),),
+    lambda i: (full_positions(i[2], i[3], i[0].shape[:-1]),),
     _add_jvp,
 )
 embed = _differentiable(
@@ -346,7 +342,7 @@ embed = _differentiable(
     "embed",
     _embed_setup,
     _embed_backward_formula,
-    lambda i: (i[0], _positions_or_default(i[3], i[4], i[0].shape)),
+    lambda i: (i[0], full_positions(i[3], i[4], i[0].shape)),
     _embed_jvp,
 )
 table_grad = _differentiable(

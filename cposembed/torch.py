@@ -493,7 +493,7 @@ class LearnedPositionEmbedding(Embedding):
             and not self.sparse
         )
         if not fused or self.max_norm is not None:
-            full = _ops.default_positions(offset, tuple(tok.shape[:-1])) if pos is None else pos
+            full = _ops.full_positions(pos, offset, tok.shape[:-1])
             if self.max_norm is None or not fused:
                 return tok + self(full.to(tok.device))
             _renorm(self.weight, full, self.max_norm, self.norm_type)
@@ -670,7 +670,7 @@ class TokenPositionEmbedding(nn.Module):
         _check_offset(pos, offset)
         if not self._fused(ids, pos):
             if pos is None:
-                pos = _ops.default_positions(offset, tuple(ids.shape)).to(ids.device)
+                pos = _ops.full_positions(None, offset, ids.shape).to(ids.device)
             return self.tokens(ids) + self.positions(pos.expand(ids.shape))
         return _ops.embed(
             ids, self.tokens.weight, self.positions.weight, pos, offset, self.padding_idx
