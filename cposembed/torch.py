@@ -182,10 +182,9 @@ def embedding(
     )
     on_kernels = on_kernels and not scale_grad_by_freq
     if padding_idx is not None and on_kernels:
-        # Out of range, F.embedding raises its own AssertionError.
+        # Out of range, F.embedding raises its own AssertionError; the kernels
+        # take a negative padding_idx as counted from the end.
         on_kernels = -weight.shape[0] <= padding_idx < weight.shape[0]
-        if on_kernels and padding_idx < 0:
-            padding_idx += weight.shape[0]
     if not on_kernels or (sparse and torch.compiler.is_compiling()):
         return F.embedding(
             idx, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
