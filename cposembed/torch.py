@@ -130,8 +130,9 @@ def _values(x: Any) -> torch.Tensor:
 
 
 def _check_offset(positions: torch.Tensor | None, offset: int) -> None:
-    """The fused kernels' rule, for every path (also the unfused ones under
-    torch.export): an offset only with positions=None."""
+    """The fused kernels' rule, for every path (the unfused ones under
+    torch.export, and what torch.jit.script compiles): an offset only with
+    positions=None."""
     if positions is not None and offset != 0:
         raise ValueError(
             f"offset={offset} only applies with positions=None; "
@@ -651,14 +652,10 @@ class TokenPositionEmbedding(nn.Module):
             Shape ``token_ids.shape + (embed_dim,)``.
         """
         if torch.jit.is_scripting():  # what torch.jit.script compiles
+            _check_offset(positions, offset)
             if positions is None:
                 T = token_ids.shape[-1] if token_ids.dim() > 0 else 1
                 positions = torch.arange(offset, offset + T, device=token_ids.device)
-            elif offset != 0:
-                raise ValueError(
-                    "offset only applies with positions=None; "
-                    "add it to the explicit positions instead"
-                )
             return self.tokens(token_ids) + self.positions(positions.expand(token_ids.shape))
         return self._eager(token_ids, positions, offset)
 
