@@ -148,16 +148,11 @@ def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_t
     """``max_norm``: the looked-up rows rescaled in place, as ``F.embedding`` does.
 
     torch's renorm takes int32 and int64 indices only: other integer dtypes
-    are converted to int64 first (uint64 ids past int64's range are out of
-    range for any table, and are refused before any row is touched)."""
+    are checked as the kernels check ids (out of range: ``IndexError`` before
+    any row is touched; torch has no comparisons of uint64), then converted
+    to int64."""
     if indices.dtype not in (torch.int32, torch.int64):
-        ids = _arrays.as_array(indices)  # torch has no comparisons of uint64
-        if indices.dtype == torch.uint64 and ids.size and ids.max() > 2**63 - 1:
-            n = weight.shape[0]
-            raise IndexError(
-                f"index out of range in self: got id {ids.max()} for a table of {n} rows "
-                f"(ids must be in [0, {n}), as nn.Embedding takes them)"
-            )
+        _arrays.checked_ids(indices, weight.shape[0])
         indices = indices.to(torch.int64)
     with torch.no_grad():
         torch.embedding_renorm_(weight.detach(), indices.contiguous(), max_norm, norm_type)
