@@ -114,6 +114,14 @@ def check_table(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 2-D (rows, embed_dim); got shape {tuple(t.shape)}")
 
 
+def check_same_width(token_table: torch.Tensor, position_table: torch.Tensor) -> None:
+    if token_table.shape[1] != position_table.shape[1]:
+        raise ValueError(
+            "token_table and position_table must share embed_dim; got "
+            f"{token_table.shape[1]} and {position_table.shape[1]}"
+        )
+
+
 def check_index(t: torch.Tensor | None, name: str) -> None:
     # Boolean masks would give data-dependent shapes, which fake kernels cannot.
     if t is not None and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):

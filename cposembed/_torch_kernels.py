@@ -33,6 +33,7 @@ from cposembed._torch_arrays import (
     check_dtype,
     check_index,
     check_rows,
+    check_same_width,
     check_table,
     checked_ids,
     fresh_zeros,
@@ -177,11 +178,7 @@ def _embed(
 ) -> torch.Tensor:
     check_table(token_table, "token_table")
     check_table(position_table, "position_table")
-    if token_table.shape[1] != position_table.shape[1]:
-        raise ValueError(
-            "token_table and position_table must share embed_dim; got "
-            f"{token_table.shape[1]} and {position_table.shape[1]}"
-        )
+    check_same_width(token_table, position_table)
     check_index(token_ids, "token_ids")
     check_index(positions, "positions")
     shape = (*token_ids.shape, token_table.shape[1])

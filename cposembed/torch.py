@@ -584,11 +584,7 @@ class TokenPositionEmbedding(nn.Module):
         for name, t in (("token_table", token_table), ("position_table", position_table)):
             if not isinstance(t, torch.Tensor) or t.dim() != 2:
                 raise ValueError(f"{name} must be a 2-D tensor; got {t!r:.60}")
-        if token_table.shape[1] != position_table.shape[1]:
-            raise ValueError(
-                "token_table and position_table must share embed_dim; got "
-                f"{token_table.shape[1]} and {position_table.shape[1]}"
-            )
+        _arrays.check_same_width(token_table, position_table)
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         m.tokens = Embedding.from_pretrained(token_table, freeze=freeze, padding_idx=padding_idx)
