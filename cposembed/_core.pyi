@@ -10,6 +10,7 @@
 # those, or an ndarray of a native-order integer dtype; values in [-L, L).
 
 import enum
+from collections.abc import Callable
 from typing import Any, TypeVar, final
 
 import numpy as np
@@ -205,6 +206,7 @@ def advise_huge(address: int, nbytes: int) -> None: ...  # (size_t, size_t)
 def pool_info() -> tuple[int, int, int, bool]: ...  # (blocks, bytes, limit, enabled)
 def set_pool(enabled: bool = True, limit_bytes: int | None = None) -> None: ...
 def clear_pool() -> None: ...
+def on_clear_pool(hook: Callable[[], object]) -> None: ...
 def fail_scratch(n: int, after: int = 0) -> int: ...  # tests: n requests of scratch fail
 
 ISAS: tuple[str, ...]  # the half-precision primitives' variants: sse2, f16c, avx2

@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,13 +26,6 @@ from cposembed import _core
 # Table dtypes the kernels take; other dtypes go to torch's own F.embedding.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPE_NAMES = "float16, bfloat16, float32 or float64"
-# NumPy's bfloat16 is ml_dtypes' (torch has no NumPy view of a bfloat16 tensor),
-# imported with the first bfloat16 tensor (_core.bfloat16()).
-_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.float16: np.dtype(np.float16),
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-}
 # float16 with bfloat16: NumPy has no common type (cposembed refuses the pair),
 # torch promotes both to float32.
 HALF_PAIR = frozenset((torch.float16, torch.bfloat16))
@@ -117,10 +109,17 @@ def skip_row(padding_idx: int | None, n_rows: int) -> int:
 
 
 def check_table(t: torch.Tensor, name: str) -> None:
-    if t.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{name} must have dtype {DTYPE_NAMES}; got {t.dtype}")
+    check_dtype(t.dtype, name)
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D (rows, embed_dim); got shape {tuple(t.shape)}")
+
+
+def check_same_width(token_table: torch.Tensor, position_table: torch.Tensor) -> None:
+    if token_table.shape[1] != position_table.shape[1]:
+        raise ValueError(
+            "token_table and position_table must share embed_dim; got "
+            f"{token_table.shape[1]} and {position_table.shape[1]}"
+        )
 
 
 def check_index(t: torch.Tensor | None, name: str) -> None:
@@ -147,18 +146,14 @@ def checked_ids(t: torch.Tensor | None, n_rows: int) -> np.ndarray | None:
 
 
 def check_rows(t: torch.Tensor, d: int, name: str) -> None:
-    if t.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{name} must have dtype {DTYPE_NAMES}; got {t.dtype}")
+    check_dtype(t.dtype, name)
     if t.dim() == 0 or t.shape[-1] != d:
         raise ValueError(f"{name} must have shape (..., {d}); got {tuple(t.shape)}")
 
 
-def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+def check_dtype(dtype: torch.dtype, name: str = "gradient") -> None:
     if dtype not in KERNEL_DTYPES:
-        raise TypeError(f"gradient dtype must be {DTYPE_NAMES}; got {dtype}")
-    if dtype == torch.bfloat16:
-        return _core.bfloat16()
-    return _NUMPY_DTYPES[dtype]
+        raise TypeError(f"{name} must have dtype {DTYPE_NAMES}; got {dtype}")
 
 
 # ---- gradient and output memory ---------------------------------------------------
@@ -170,10 +165,8 @@ FRESH_MIN_BYTES = 1 << 21
 
 
 class _Held:
-    """A storage this module made and handed out: torch's memory, which
-    torch can resize. It holds the storage through a tensor of its own (never
-    handed out), and is handed out again only when nothing else holds it
-    (:meth:`free`)."""
+    """A storage this module made and handed out, held through a tensor of its
+    own (never handed out); handed out again only when nothing else holds it."""
 
     __slots__ = ("tensor", "ptr", "nbytes", "zeroed")
 
@@ -191,23 +184,18 @@ class _Held:
         assert _USE_COUNT is not None
         return _USE_COUNT(s._cdata), sys.getrefcount(s)
 
-    def free(self) -> bool:
-        return self.references() == _FREE
-
     def unchanged(self) -> bool:
         """Still the memory handed out (a user may have resized it)."""
         s = self.tensor.untyped_storage()
         return s.data_ptr() == self.ptr and s.nbytes() == self.nbytes
 
 
-# The storages handed out (live or free), newest last. Free ones follow the
-# allocator's keeping policy (docs/architecture.md, "Memory"): at most
-# _core.KEEP_SLOTS of them, within the bytes its limit leaves, the largest
-# kept; nothing when keeping is off. Live ones beyond _HELD_MAX are forgotten.
+# The storages handed out (live or free), newest last; live ones beyond
+# _HELD_MAX are forgotten. The lock is only ever tried by the calls (a thread
+# that finds it taken makes new memory); a forked child starts with a new one
+# and nothing held.
 _held: list[_Held] = []
 _HELD_MAX = 2 * _core.KEEP_SLOTS
-# Only ever tried, never waited for (a thread that finds it taken makes new
-# memory); a forked child starts with a new one and nothing held.
 _held_lock = threading.Lock()
 # The one private torch function the bridge uses: how many references a
 # storage has (c10's use count). Without it nothing is handed out again.
@@ -239,8 +227,41 @@ def _forget_after_fork() -> None:
     _held.clear()
 
 
+def _release_held() -> None:
+    """Forget every storage handed out, so torch frees the free ones now
+    (``_core.clear_pool`` and ``set_pool(False)`` call this)."""
+    with _held_lock:
+        _held.clear()
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
+_core.on_clear_pool(_release_held)
+
+
+def _reusable(nbytes: int, zeroed: bool, room: int) -> _Held | None:
+    """The allocator's keeping policy (docs/architecture.md, "Memory") applied
+    to the free storages: one of ``nbytes`` for the same use is taken; of the
+    others, at most ``_core.KEEP_SLOTS``, the largest, within ``room`` bytes,
+    are kept, and the rest (and any a user resized) forgotten."""
+    found = None
+    free = []
+    for h in list(_held):
+        if h.references() != _FREE:
+            continue
+        if not h.unchanged():
+            _held.remove(h)
+        elif found is None and h.nbytes == nbytes and h.zeroed == zeroed:
+            found = h
+        else:
+            free.append(h)
+    slots = _core.KEEP_SLOTS
+    for h in sorted(free, key=lambda h: h.nbytes, reverse=True):
+        if slots and h.nbytes <= room:
+            slots, room = slots - 1, room - h.nbytes
+        else:
+            _held.remove(h)
+    return found
 
 
 def _storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
@@ -248,52 +269,32 @@ def _storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
     zero if ``zeroed``: a free one handed out before for the same size and use
     (resident: zeroed whole with memset), else a new one (zeroed lazily: its
     pages read as zero and fault in only where written; not zeroed: advised
-    for huge pages)."""
+    for huge pages), kept while keeping is on."""
     _, kept_bytes, limit, enabled = _core.pool_info()
-    if not _held_lock.acquire(blocking=False):  # another thread is here: new memory
-        return _new_storage(nbytes, zeroed, keep=False)
+    if not enabled or _FREE is None or not _held_lock.acquire(blocking=False):
+        return _new_storage(nbytes, zeroed)
     try:
-        if not enabled or _FREE is None:
-            _held.clear()
-            return _new_storage(nbytes, zeroed, keep=False)
-        found = None
-        free = []
-        for h in list(_held):
-            if not h.free():
-                continue
-            if not h.unchanged():
-                _held.remove(h)
-            elif found is None and h.nbytes == nbytes and h.zeroed == zeroed:
-                found = h
-            else:
-                free.append(h)
-        room, slots = limit - kept_bytes, _core.KEEP_SLOTS
-        for h in sorted(free, key=lambda h: h.nbytes, reverse=True):
-            if slots and h.nbytes <= room:
-                slots, room = slots - 1, room - h.nbytes
-            else:
-                _held.remove(h)
-        if found is not None:
-            _held.remove(found)
-            _held.append(found)
-            if zeroed:
-                _core.zero_memory(found.ptr, nbytes, False)
-            return found.tensor.untyped_storage()
-        s = _new_storage(nbytes, zeroed, keep=True)
-        del _held[: max(0, len(_held) - _HELD_MAX)]
-        return s
+        found = _reusable(nbytes, zeroed, limit - kept_bytes)
+        if found is None:
+            s = _new_storage(nbytes, zeroed)
+            _held.append(_Held(s, zeroed))
+            del _held[: max(0, len(_held) - _HELD_MAX)]
+            return s
+        _held.remove(found)
+        _held.append(found)
+        if zeroed:
+            _core.zero_memory(found.ptr, nbytes, False)
+        return found.tensor.untyped_storage()
     finally:
         _held_lock.release()
 
 
-def _new_storage(nbytes: int, zeroed: bool, keep: bool) -> torch.UntypedStorage:
+def _new_storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
     s = torch.UntypedStorage(nbytes)
     if zeroed:
         _core.zero_memory(s.data_ptr(), nbytes, True)
     else:  # an output, written whole: huge pages, as the allocator's dense blocks
         _core.advise_huge(s.data_ptr(), nbytes)
-    if keep:
-        _held.append(_Held(s, zeroed))
     return s
 
 
@@ -315,8 +316,8 @@ def fresh_zeros(n_rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     (:func:`_storage`): one torch has freed, zeroed whole, or new memory whose
     pages read as zero and fault in only where the backward writes rows.
     """
-    itemsize = numpy_dtype(dtype).itemsize
-    nbytes = n_rows * d * itemsize
+    check_dtype(dtype)
+    nbytes = n_rows * d * dtype.itemsize
     if nbytes < FRESH_MIN_BYTES:
         t = torch.empty((n_rows, d), dtype=dtype)
         array = as_array(t)
@@ -330,16 +331,11 @@ def output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor for the kernel to write whole: torch's memory (resizable, as
     ``nn.Embedding``'s outputs are); from :data:`_core.POOL_MIN_BYTES` up, a
     storage this module keeps (:func:`_storage`), resident when reused."""
-    nbytes = math.prod(shape) * numpy_dtype(dtype).itemsize
+    check_dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < _core.POOL_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     return _on(_storage(nbytes, False), shape, dtype)
-
-
-def written(y: torch.Tensor, compute: Callable[..., np.ndarray]) -> torch.Tensor:
-    """``compute(out=...)`` into ``y``; ``y``."""
-    compute(out=as_array(y))
-    return y
 
 
 _FREE = _free_references()

@@ -2,20 +2,13 @@
 kernels (meta tensors, ``torch.compile``) and vmap rules. Their autograd and the
 differentiable calls are in :mod:`cposembed._torch_ops`.
 
-Five operators in the ``cposembed`` namespace, defined with
-:func:`torch.library.define`:
-
-- ``lookup(table, positions, padding_idx=None)``: ``table[positions]``
-- ``add_positions(tok, table, positions, offset, padding_idx=None)``:
-  ``tok + table[positions]`` (``positions=None``: ``offset + arange(T)``)
-- ``embed(token_ids, token_table, position_table, positions, offset, padding_idx=None)``:
-  ``token_table[token_ids] + position_table[positions]``
-- ``table_grad(grad_output, positions, offset, num_rows, dtype, padding_idx=None)``:
-  the dense gradient of a looked-up table (``np.add.at``, which is what
-  ``nn.Embedding``'s CPU backward computes), itself differentiable (double
-  backward)
-- ``embed_backward(...)``: both table gradients of ``embed`` from one read
-  of the output gradient
+Five operators in the ``cposembed`` namespace (each schema stands above its
+kernel): ``lookup`` (``table[positions]``), ``add_positions`` (``tok +
+table[positions]``; ``positions=None``: ``offset + arange(T)``), ``embed``
+(``token_table[token_ids] + position_table[positions]``), ``table_grad`` (the
+dense gradient of a looked-up table: ``np.add.at``, what ``nn.Embedding``'s CPU
+backward computes; itself differentiable) and ``embed_backward`` (both table
+gradients of ``embed`` from one read of the output gradient).
 
 Tensors become arrays, and gradients get their memory, in
 :mod:`cposembed._torch_arrays`.
@@ -24,7 +17,6 @@ Tensors become arrays, and gradients get their memory, in
 from __future__ import annotations
 
 import contextvars
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,38 +30,20 @@ from cposembed import layer as _layer
 from cposembed._torch_arrays import (
     HALF_PAIR,
     as_array,
+    check_dtype,
     check_index,
     check_rows,
+    check_same_width,
     check_table,
     checked_ids,
     fresh_zeros,
-    numpy_dtype,
     output,
     skip_row,
-    written,
 )
 
 # ---- the operators ----------------------------------------------------------------
 
 LIB = torch.library.Library("cposembed", "DEF")
-LIB.define("lookup(Tensor table, Tensor positions, int? padding_idx=None) -> Tensor")
-LIB.define(
-    "add_positions(Tensor tok, Tensor table, Tensor? positions, SymInt offset, "
-    "int? padding_idx=None) -> Tensor"
-)
-LIB.define(
-    "embed(Tensor token_ids, Tensor token_table, Tensor position_table, Tensor? positions, "
-    "SymInt offset, int? padding_idx=None) -> Tensor"
-)
-LIB.define(
-    "table_grad(Tensor grad_output, Tensor? positions, SymInt offset, SymInt num_rows, "
-    "ScalarType dtype, int? padding_idx=None) -> Tensor"
-)
-LIB.define(
-    "embed_backward(Tensor grad_output, Tensor token_ids, Tensor? positions, SymInt offset, "
-    "SymInt vocab_size, SymInt max_seq_len, ScalarType token_dtype, "
-    "ScalarType position_dtype, int? padding_idx=None) -> (Tensor, Tensor)"
-)
 ops = torch.ops.cposembed
 
 
@@ -101,238 +75,6 @@ def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
     )
 
 
-def _cpu(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def kernel(*args: Any) -> Any:
-            _refuse_tangents(name, args)
-            return fn(*args)
-
-        LIB.impl(name, kernel, "CPU")
-        return fn
-
-    return register
-
-
-def _fake(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        torch.library.register_fake(f"cposembed::{name}", fn, lib=LIB)
-        return fn
-
-    return register
-
-
-@_cpu("lookup")
-def _lookup(
-    table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
-) -> torch.Tensor:
-    check_table(table, "table")
-    check_index(positions, "positions")
-    skip_row(padding_idx, table.shape[0])
-    y = output((*positions.shape, table.shape[1]), table.dtype)
-    ids = checked_ids(positions, table.shape[0])
-    return written(y, functools.partial(_f.lookup, as_array(table), ids))
-
-
-@_fake("lookup")
-def _lookup_fake(
-    table: torch.Tensor, positions: torch.Tensor, padding_idx: int | None = None
-) -> torch.Tensor:
-    check_table(table, "table")
-    check_index(positions, "positions")
-    return table.new_empty((*positions.shape, table.shape[1]))
-
-
-def _check_add(tok: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> None:
-    check_table(table, "table")
-    check_rows(tok, table.shape[1], "tok")
-    check_index(positions, "positions")
-
-
-@_cpu("add_positions")
-def _add_positions(
-    tok: torch.Tensor,
-    table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_add(tok, table, positions)
-    skip_row(padding_idx, table.shape[0])
-    tok_a = as_array(tok)
-    if {tok.dtype, table.dtype} == HALF_PAIR:
-        tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
-    y = output(tuple(tok.shape), torch.promote_types(tok.dtype, table.dtype))
-    pos = checked_ids(positions, table.shape[0])
-    add = functools.partial(_f.add_positions, tok_a, as_array(table), pos, offset=offset)
-    return written(y, add)
-
-
-@_fake("add_positions")
-def _add_positions_fake(
-    tok: torch.Tensor,
-    table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_add(tok, table, positions)
-    return tok.new_empty(tok.shape, dtype=torch.promote_types(tok.dtype, table.dtype))
-
-
-def _check_embed(
-    token_ids: torch.Tensor,
-    token_table: torch.Tensor,
-    position_table: torch.Tensor,
-    positions: torch.Tensor | None,
-) -> None:
-    check_table(token_table, "token_table")
-    check_table(position_table, "position_table")
-    if token_table.shape[1] != position_table.shape[1]:
-        raise ValueError(
-            "token_table and position_table must share embed_dim; got "
-            f"{token_table.shape[1]} and {position_table.shape[1]}"
-        )
-    check_index(token_ids, "token_ids")
-    check_index(positions, "positions")
-
-
-@_cpu("embed")
-def _embed(
-    token_ids: torch.Tensor,
-    token_table: torch.Tensor,
-    position_table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_embed(token_ids, token_table, position_table, positions)
-    skip_row(padding_idx, token_table.shape[0])
-    ids = checked_ids(token_ids, token_table.shape[0])
-    pos = checked_ids(positions, position_table.shape[0])
-    shape = (*token_ids.shape, token_table.shape[1])
-    y = output(shape, torch.promote_types(token_table.dtype, position_table.dtype))
-    if {token_table.dtype, position_table.dtype} == HALF_PAIR:
-        # torch adds the pair in float32: the token rows converted (exactly), then
-        # added; ids and positions checked as embed checks them.
-        ids = _routes.checked_ids(ids, token_table.shape[0])
-        pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
-        rows = _f.lookup(as_array(token_table), ids).astype(np.float32)
-        add = functools.partial(
-            _f.add_positions, rows, as_array(position_table), pos, offset=offset
-        )
-        return written(y, add)
-    tables = (as_array(token_table), as_array(position_table))
-    return written(y, functools.partial(_layer.embed, ids, *tables, pos, offset=offset))
-
-
-@_fake("embed")
-def _embed_fake(
-    token_ids: torch.Tensor,
-    token_table: torch.Tensor,
-    position_table: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    _check_embed(token_ids, token_table, position_table, positions)
-    dtype = torch.promote_types(token_table.dtype, position_table.dtype)
-    return token_table.new_empty((*token_ids.shape, token_table.shape[1]), dtype=dtype)
-
-
-@_cpu("table_grad")
-def _table_grad(
-    grad_output: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    num_rows: int,
-    dtype: torch.dtype,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    check_index(positions, "positions")
-    grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
-    _routes.scatter_add(
-        array,
-        as_array(grad_output),
-        checked_ids(positions, num_rows),
-        offset=offset,
-        num_threads=None,
-        touched=None,
-        skip_row=skip_row(padding_idx, num_rows),
-    )
-    return grad
-
-
-@_fake("table_grad")
-def _table_grad_fake(
-    grad_output: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    num_rows: int,
-    dtype: torch.dtype,
-    padding_idx: int | None = None,
-) -> torch.Tensor:
-    numpy_dtype(dtype)
-    return grad_output.new_empty((num_rows, grad_output.shape[-1]), dtype=dtype)
-
-
-@_cpu("embed_backward")
-def _embed_backward(
-    grad_output: torch.Tensor,
-    token_ids: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    vocab_size: int,
-    max_seq_len: int,
-    token_dtype: torch.dtype,
-    position_dtype: torch.dtype,
-    padding_idx: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    check_index(token_ids, "token_ids")
-    check_index(positions, "positions")
-    skip = skip_row(padding_idx, vocab_size)
-    ids, pos = checked_ids(token_ids, vocab_size), checked_ids(positions, max_seq_len)
-    d = grad_output.shape[-1]
-    g_tok, a_tok = fresh_zeros(vocab_size, d, token_dtype)
-    g_pos, a_pos = fresh_zeros(max_seq_len, d, position_dtype)
-    _routes.embed_backward(
-        a_tok,
-        a_pos,
-        as_array(grad_output),
-        ids,
-        pos,
-        offset=offset,
-        num_threads=None,
-        token_touched=None,
-        position_touched=None,
-        token_skip_row=skip,
-    )
-    return g_tok, g_pos
-
-
-@_fake("embed_backward")
-def _embed_backward_fake(
-    grad_output: torch.Tensor,
-    token_ids: torch.Tensor,
-    positions: torch.Tensor | None,
-    offset: int,
-    vocab_size: int,
-    max_seq_len: int,
-    token_dtype: torch.dtype,
-    position_dtype: torch.dtype,
-    padding_idx: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    d = grad_output.shape[-1]
-    numpy_dtype(token_dtype)
-    numpy_dtype(position_dtype)
-    return (
-        grad_output.new_empty((vocab_size, d), dtype=token_dtype),
-        grad_output.new_empty((max_seq_len, d), dtype=position_dtype),
-    )
-
-
-# ---- vmap: one call per batch entry ---------------------------------------------
-
-
 def _vmap_by_loop(op: Any) -> Callable[..., Any]:
     """A vmap rule that calls ``op`` once per batch entry and stacks the results
     (batch dimension first), for ``torch.func.vmap``, ``jacrev`` and ``jacfwd``."""
@@ -350,7 +92,187 @@ def _vmap_by_loop(op: Any) -> Callable[..., Any]:
     return rule
 
 
-for _name in ("lookup", "add_positions", "embed", "table_grad", "embed_backward"):
-    torch.library.register_vmap(
-        f"cposembed::{_name}", _vmap_by_loop(getattr(ops, _name).default), lib=LIB
+def _operator(schema: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Defines the operator of ``schema`` and registers the decorated function
+    as its CPU kernel and, called with ``fake=True`` (its checks and empty
+    outputs of the right shapes), as its fake kernel; its vmap rule calls the
+    operator once per batch entry."""
+    name = schema.split("(", 1)[0]
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def kernel(*args: Any) -> Any:
+            _refuse_tangents(name, args)
+            return fn(*args)
+
+        def fake(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs, fake=True)
+
+        LIB.define(schema)
+        LIB.impl(name, kernel, "CPU")
+        torch.library.register_fake(f"cposembed::{name}", fake, lib=LIB)
+        op = getattr(ops, name).default
+        torch.library.register_vmap(f"cposembed::{name}", _vmap_by_loop(op), lib=LIB)
+        return fn
+
+    return register
+
+
+@_operator("lookup(Tensor table, Tensor positions, int? padding_idx=None) -> Tensor")
+def _lookup(
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    padding_idx: int | None = None,
+    fake: bool = False,
+) -> torch.Tensor:
+    check_table(table, "table")
+    check_index(positions, "positions")
+    shape = (*positions.shape, table.shape[1])
+    if fake:
+        return table.new_empty(shape)
+    skip_row(padding_idx, table.shape[0])
+    y = output(shape, table.dtype)
+    _f.lookup(as_array(table), checked_ids(positions, table.shape[0]), out=as_array(y))
+    return y
+
+
+@_operator(
+    "add_positions(Tensor tok, Tensor table, Tensor? positions, SymInt offset, "
+    "int? padding_idx=None) -> Tensor"
+)
+def _add_positions(
+    tok: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    padding_idx: int | None = None,
+    fake: bool = False,
+) -> torch.Tensor:
+    check_table(table, "table")
+    check_rows(tok, table.shape[1], "tok")
+    check_index(positions, "positions")
+    dtype = torch.promote_types(tok.dtype, table.dtype)
+    if fake:
+        return tok.new_empty(tok.shape, dtype=dtype)
+    skip_row(padding_idx, table.shape[0])
+    tok_a = as_array(tok)
+    if {tok.dtype, table.dtype} == HALF_PAIR:
+        tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
+    y = output(tuple(tok.shape), dtype)
+    pos = checked_ids(positions, table.shape[0])
+    _f.add_positions(tok_a, as_array(table), pos, offset=offset, out=as_array(y))
+    return y
+
+
+@_operator(
+    "embed(Tensor token_ids, Tensor token_table, Tensor position_table, Tensor? positions, "
+    "SymInt offset, int? padding_idx=None) -> Tensor"
+)
+def _embed(
+    token_ids: torch.Tensor,
+    token_table: torch.Tensor,
+    position_table: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    padding_idx: int | None = None,
+    fake: bool = False,
+) -> torch.Tensor:
+    check_table(token_table, "token_table")
+    check_table(position_table, "position_table")
+    check_same_width(token_table, position_table)
+    check_index(token_ids, "token_ids")
+    check_index(positions, "positions")
+    shape = (*token_ids.shape, token_table.shape[1])
+    dtype = torch.promote_types(token_table.dtype, position_table.dtype)
+    if fake:
+        return token_table.new_empty(shape, dtype=dtype)
+    skip_row(padding_idx, token_table.shape[0])
+    ids = checked_ids(token_ids, token_table.shape[0])
+    pos = checked_ids(positions, position_table.shape[0])
+    y = output(shape, dtype)
+    if {token_table.dtype, position_table.dtype} == HALF_PAIR:
+        # torch adds the pair in float32: the token rows converted (exactly), then
+        # added; ids and positions checked as embed checks them.
+        ids = _routes.checked_ids(ids, token_table.shape[0])
+        pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
+        rows = _f.lookup(as_array(token_table), ids).astype(np.float32)
+        _f.add_positions(rows, as_array(position_table), pos, offset=offset, out=as_array(y))
+        return y
+    tables = (as_array(token_table), as_array(position_table))
+    _layer.embed(ids, *tables, pos, offset=offset, out=as_array(y))
+    return y
+
+
+@_operator(
+    "table_grad(Tensor grad_output, Tensor? positions, SymInt offset, SymInt num_rows, "
+    "ScalarType dtype, int? padding_idx=None) -> Tensor"
+)
+def _table_grad(
+    grad_output: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    num_rows: int,
+    dtype: torch.dtype,
+    padding_idx: int | None = None,
+    fake: bool = False,
+) -> torch.Tensor:
+    check_index(positions, "positions")
+    check_dtype(dtype)
+    if fake:
+        return grad_output.new_empty((num_rows, grad_output.shape[-1]), dtype=dtype)
+    grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
+    _routes.scatter_add(
+        array,
+        as_array(grad_output),
+        checked_ids(positions, num_rows),
+        offset=offset,
+        num_threads=None,
+        touched=None,
+        skip_row=skip_row(padding_idx, num_rows),
     )
+    return grad
+
+
+@_operator(
+    "embed_backward(Tensor grad_output, Tensor token_ids, Tensor? positions, SymInt offset, "
+    "SymInt vocab_size, SymInt max_seq_len, ScalarType token_dtype, "
+    "ScalarType position_dtype, int? padding_idx=None) -> (Tensor, Tensor)"
+)
+def _embed_backward(
+    grad_output: torch.Tensor,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor | None,
+    offset: int,
+    vocab_size: int,
+    max_seq_len: int,
+    token_dtype: torch.dtype,
+    position_dtype: torch.dtype,
+    padding_idx: int | None = None,
+    fake: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_index(token_ids, "token_ids")
+    check_index(positions, "positions")
+    check_dtype(token_dtype)
+    check_dtype(position_dtype)
+    d = grad_output.shape[-1]
+    if fake:
+        return (
+            grad_output.new_empty((vocab_size, d), dtype=token_dtype),
+            grad_output.new_empty((max_seq_len, d), dtype=position_dtype),
+        )
+    skip = skip_row(padding_idx, vocab_size)
+    ids, pos = checked_ids(token_ids, vocab_size), checked_ids(positions, max_seq_len)
+    g_tok, a_tok = fresh_zeros(vocab_size, d, token_dtype)
+    g_pos, a_pos = fresh_zeros(max_seq_len, d, position_dtype)
+    _routes.embed_backward(
+        a_tok,
+        a_pos,
+        as_array(grad_output),
+        ids,
+        pos,
+        offset=offset,
+        num_threads=None,
+        token_touched=None,
+        position_touched=None,
+        token_skip_row=skip,
+    )
+    return g_tok, g_pos

@@ -1,7 +1,7 @@
 """The autograd of cposembed's PyTorch operators (:mod:`cposembed._torch_kernels`)
 and the differentiable calls :mod:`cposembed.torch` makes.
 
-The autograd formulas are plain functions shared by the operators'
+The autograd formulas are functions shared by the operators'
 registrations (what ``torch.compile`` traces) and by the
 :class:`torch.autograd.Function` classes below, which add forward-mode AD
 (``jvp``: Dynamo does not trace a custom ``jvp``, so the modules use these
@@ -16,20 +16,21 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from cposembed._torch_arrays import (
-    skip_row,
-)
+from cposembed._torch_arrays import skip_row
 from cposembed._torch_kernels import LIB, carries_tangents, ops
 
-__all__ = ["add_positions", "default_positions", "embed", "lookup"]
+__all__ = ["add_positions", "embed", "full_positions", "lookup"]
 
 # ---- autograd formulas ------------------------------------------------------------
 
 
-def default_positions(offset: int, token_shape: tuple[int, ...]) -> torch.Tensor:
-    """``offset + arange(T)`` broadcast to ``token_shape`` ``(..., T)``."""
-    T = token_shape[-1] if token_shape else 1
-    return torch.arange(offset, offset + T).expand(token_shape)
+def full_positions(positions: Any, offset: int, token_shape: Any) -> torch.Tensor:
+    """``positions``; for ``None``, ``offset + arange(T)`` broadcast to
+    ``token_shape`` ``(..., T)``."""
+    if positions is not None:
+        return positions
+    T = token_shape[-1] if len(token_shape) else 1
+    return torch.arange(offset, offset + T).expand(tuple(token_shape))
 
 
 def _lookup_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -94,7 +95,7 @@ def _add_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     tok, table, positions, offset, padding_idx = inputs
     ctx.save_for_backward(positions)
     ctx.tok_dtype, ctx.offset, ctx.padding_idx = tok.dtype, offset, padding_idx
-    ctx.num_rows, ctx.dtype = table.shape[0], table.dtype
+    ctx.num_rows, ctx.dtype, ctx.out_dtype = table.shape[0], table.dtype, output.dtype
 
 
 def _add_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -115,6 +116,7 @@ def _embed_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.offset, ctx.padding_idx = offset, padding_idx
     ctx.vocab_size, ctx.token_dtype = token_table.shape[0], token_table.dtype
     ctx.max_seq_len, ctx.position_dtype = position_table.shape[0], position_table.dtype
+    ctx.out_dtype = output.dtype
 
 
 def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -122,16 +124,9 @@ def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     need_tok, need_pos = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     g_tok = g_pos = None
     if need_tok and need_pos and ctx.token_dtype == ctx.position_dtype:
+        tables = ctx.vocab_size, ctx.max_seq_len, ctx.token_dtype, ctx.position_dtype
         g_tok, g_pos = embed_backward(
-            grad.to(ctx.token_dtype),
-            token_ids,
-            positions,
-            ctx.offset,
-            ctx.vocab_size,
-            ctx.max_seq_len,
-            ctx.token_dtype,
-            ctx.position_dtype,
-            ctx.padding_idx,
+            grad.to(ctx.token_dtype), token_ids, positions, ctx.offset, *tables, ctx.padding_idx
         )
         return None, g_tok, g_pos, None, None, None
     # One table, or tables of two dtypes: each gets the gradient in its own
@@ -141,8 +136,7 @@ def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
             grad.to(ctx.token_dtype), token_ids, 0, ctx.vocab_size, ctx.token_dtype, ctx.padding_idx
         )
     if need_pos:
-        if positions is None:
-            positions = default_positions(ctx.offset, tuple(token_ids.shape))
+        positions = full_positions(positions, ctx.offset, token_ids.shape)
         g_pos = table_grad(
             grad.to(ctx.position_dtype), positions, 0, ctx.max_seq_len, ctx.position_dtype, None
         )
@@ -163,8 +157,7 @@ def _table_grad_backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:
     (positions,) = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None, None
-    if positions is None:
-        positions = default_positions(ctx.offset, ctx.shape[:-1])
+    positions = full_positions(positions, ctx.offset, ctx.shape[:-1])
     g = _looked_up_grad(gg, positions, ctx.padding_idx, ctx.shape, ctx.grad_dtype)
     return g, None, None, None, None, None
 
@@ -184,8 +177,7 @@ def _embed_backward_backward(ctx: Any, gg_tok: Any, gg_pos: Any) -> tuple[Any, .
     none = (None,) * 8
     if not ctx.needs_input_grad[0]:
         return (None, *none)
-    if positions is None:
-        positions = default_positions(ctx.offset, ctx.shape[:-1])
+    positions = full_positions(positions, ctx.offset, ctx.shape[:-1])
     terms = tuple(
         _looked_up_grad(gg, idx, pad, ctx.shape, ctx.grad_dtype)
         for gg, idx, pad in ((gg_tok, token_ids, ctx.padding_idx), (gg_pos, positions, None))
@@ -205,7 +197,7 @@ def _looked_up_grad(
     the position is the padding row: the derivative of a table gradient with
     respect to the output gradient it was summed from."""
     positions = positions.expand(shape[:-1])
-    g = lookup(gg, positions).to(dtype)
+    g = lookup(gg, positions, None, False).to(dtype)
     skip = skip_row(padding_idx, gg.shape[0])
     if skip >= 0:
         rows = torch.where(positions < 0, positions + gg.shape[0], positions)
@@ -213,37 +205,13 @@ def _looked_up_grad(
     return g
 
 
-torch.library.register_autograd(
-    "cposembed::lookup", _lookup_backward, setup_context=_lookup_setup, lib=LIB
-)
-torch.library.register_autograd(
-    "cposembed::add_positions", _add_backward, setup_context=_add_setup, lib=LIB
-)
-torch.library.register_autograd(
-    "cposembed::embed", _embed_backward_formula, setup_context=_embed_setup, lib=LIB
-)
-torch.library.register_autograd(
-    "cposembed::table_grad", _table_grad_backward, setup_context=_table_grad_setup, lib=LIB
-)
-torch.library.register_autograd(
-    "cposembed::embed_backward",
-    _embed_backward_backward,
-    setup_context=_embed_backward_setup,
-    lib=LIB,
-)
-
-
-# ---- the same formulas as autograd functions (eager mode) -------------------------
-#
-# The operators' own autograd registrations are what torch.compile traces.
-# In eager mode the calls below go through these autograd.Function classes
-# instead, which also work under torch.func transforms (setup_context, vmap
-# through the operators' vmap rules) and forward-mode AD (jvp); Dynamo does
-# not trace a custom jvp, hence the two routes.
+# ---- the calls: autograd functions in eager mode, the operators when compiling ----
+# (The autograd functions also work under torch.func: setup_context, and vmap
+# through the operators' vmap rules.)
 
 
 def _lookup_tangent(table_t: torch.Tensor | None, positions: torch.Tensor) -> Any:
-    return None if table_t is None else lookup(table_t, positions)
+    return None if table_t is None else lookup(table_t, positions, None, False)
 
 
 def _tangent_sum(parts: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -253,153 +221,6 @@ def _tangent_sum(parts: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> 
     for t in terms[1:]:
         total = total + t
     return total
-
-
-class LookupFn(torch.autograd.Function):
-    """``lookup`` with a ``jvp``; ``apply(table, positions, padding_idx, sparse)``."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(table: Any, positions: Any, padding_idx: Any, sparse: Any) -> Any:
-        return ops.lookup(table, positions, padding_idx)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _lookup_setup(ctx, inputs, output)
-        ctx.save_for_forward(inputs[1])
-
-    backward = staticmethod(_lookup_backward)
-
-    @staticmethod
-    def jvp(ctx: Any, table_t: Any, *_: Any) -> Any:
-        (positions,) = ctx.saved_tensors
-        return _lookup_tangent(table_t, positions)
-
-
-class AddPositionsFn(torch.autograd.Function):
-    """``add_positions`` with a ``jvp``; the operator's arguments."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(tok: Any, table: Any, positions: Any, offset: Any, padding_idx: Any) -> Any:
-        return ops.add_positions(tok, table, positions, offset, padding_idx)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _add_setup(ctx, inputs, output)
-        tok, positions, offset = inputs[0], inputs[2], inputs[3]
-        if positions is None:
-            positions = default_positions(offset, tuple(tok.shape[:-1]))
-        ctx.save_for_forward(positions)
-        ctx.out_dtype = output.dtype
-
-    backward = staticmethod(_add_backward)
-
-    @staticmethod
-    def jvp(ctx: Any, tok_t: Any, table_t: Any, *_: Any) -> Any:
-        (positions,) = ctx.saved_tensors
-        return _tangent_sum((tok_t, _lookup_tangent(table_t, positions)), ctx.out_dtype)
-
-
-class EmbedFn(torch.autograd.Function):
-    """``embed`` with a ``jvp``; the operator's arguments."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(
-        token_ids: Any,
-        token_table: Any,
-        position_table: Any,
-        positions: Any,
-        offset: Any,
-        padding_idx: Any,
-    ) -> Any:
-        return ops.embed(token_ids, token_table, position_table, positions, offset, padding_idx)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _embed_setup(ctx, inputs, output)
-        token_ids, positions, offset = inputs[0], inputs[3], inputs[4]
-        if positions is None:
-            positions = default_positions(offset, tuple(token_ids.shape))
-        ctx.save_for_forward(token_ids, positions)
-        ctx.out_dtype = output.dtype
-
-    backward = staticmethod(_embed_backward_formula)
-
-    @staticmethod
-    def jvp(ctx: Any, _ids_t: Any, token_t: Any, position_t: Any, *_: Any) -> Any:
-        token_ids, positions = ctx.saved_tensors
-        return _tangent_sum(
-            (_lookup_tangent(token_t, token_ids), _lookup_tangent(position_t, positions)),
-            ctx.out_dtype,
-        )
-
-
-class TableGradFn(torch.autograd.Function):
-    """``table_grad`` with a ``jvp`` (it is linear in ``grad_output``)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(
-        grad_output: Any, positions: Any, offset: Any, num_rows: Any, dtype: Any, padding_idx: Any
-    ) -> Any:
-        return ops.table_grad(grad_output, positions, offset, num_rows, dtype, padding_idx)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _table_grad_setup(ctx, inputs, output)
-        ctx.save_for_forward(inputs[1])
-
-    backward = staticmethod(_table_grad_backward)
-
-    @staticmethod
-    def jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
-        (positions,) = ctx.saved_tensors
-        return table_grad(grad_output_t, positions, ctx.offset, *ctx.table, ctx.padding_idx)
-
-
-class EmbedBackwardFn(torch.autograd.Function):
-    """``embed_backward`` with a ``jvp``."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(*args: Any) -> Any:
-        return ops.embed_backward(*args)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _embed_backward_setup(ctx, inputs, output)
-        ctx.save_for_forward(inputs[1], inputs[2])
-
-    backward = staticmethod(_embed_backward_backward)
-
-    @staticmethod
-    def jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
-        token_ids, positions = ctx.saved_tensors
-        return embed_backward(
-            grad_output_t, token_ids, positions, ctx.offset, *ctx.tables, ctx.padding_idx
-        )
-
-
-# ---- the calls: autograd functions in eager mode, the operators when compiling ----
-
-
-def _route(op: Any, fn: type[torch.autograd.Function]) -> Callable[..., Any]:
-    """A call of ``op``'s arguments: through ``fn`` in eager mode, through the
-    operator itself (its registered autograd) when Dynamo is tracing."""
-
-    def call(*args: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return op(*args)
-        return _apply(fn, *args)
-
-    return call
 
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
@@ -414,16 +235,129 @@ def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
         carries_tangents.reset(token)
 
 
-def lookup(table: Any, positions: Any, padding_idx: int | None = None, sparse: bool = False) -> Any:
-    """``table[positions]``, differentiable (``sparse``: a sparse gradient, eager only)."""
-    if torch.compiler.is_compiling():
-        return ops.lookup(table, positions, padding_idx)
-    return _apply(LookupFn, table, positions, padding_idx, sparse)
+def _differentiable(
+    name: str,
+    op: str,
+    setup: Callable[..., None],
+    backward: Callable[..., Any],
+    for_jvp: Callable[[tuple[Any, ...]], tuple[Any, ...]],
+    jvp: Callable[..., Any],
+    forward: Callable[..., Any] | None = None,
+) -> Callable[..., Any]:
+    """Registers the formulas ``setup`` and ``backward`` as the operator
+    ``op``'s autograd, and gives its differentiable call, of ``forward`` (by
+    default the operator): in eager mode through an autograd function named
+    ``name`` with those formulas and a ``jvp`` that finds the tensors
+    ``for_jvp(inputs)`` in ``ctx.saved_tensors``; through the operator itself
+    (its registered autograd) when Dynamo is tracing."""
+    torch.library.register_autograd(f"cposembed::{op}", backward, setup_context=setup, lib=LIB)
+    if forward is None:
+        # A function, not the operator: Function.apply binds its arguments to
+        # forward's signature on every call, which inspect finds slowly for an
+        # operator.
+        overload = getattr(ops, op).default
+
+        def forward(*args: Any) -> Any:
+            return overload(*args)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        setup(ctx, inputs, output)
+        ctx.save_for_forward(*for_jvp(inputs))
+
+    fn = type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "generate_vmap_rule": True,
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp),
+        },
+    )
+
+    def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return forward(*args)
+        return _apply(fn, *args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
+def _lookup_jvp(ctx: Any, table_t: Any, *_: Any) -> Any:
+    (positions,) = ctx.saved_tensors
+    return _lookup_tangent(table_t, positions)
+
+
+def _add_jvp(ctx: Any, tok_t: Any, table_t: Any, *_: Any) -> Any:
+    (positions,) = ctx.saved_tensors
+    return _tangent_sum((tok_t, _lookup_tangent(table_t, positions)), ctx.out_dtype)
+
+
+def _embed_jvp(ctx: Any, _ids_t: Any, token_t: Any, position_t: Any, *_: Any) -> Any:
+    token_ids, positions = ctx.saved_tensors
+    return _tangent_sum(
+        (_lookup_tangent(token_t, token_ids), _lookup_tangent(position_t, positions)),
+        ctx.out_dtype,
+    )
+
+
+def _table_grad_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
+    (positions,) = ctx.saved_tensors  # linear in grad_output
+    return table_grad(grad_output_t, positions, ctx.offset, *ctx.table, ctx.padding_idx)
+
+
+def _embed_backward_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
+    token_ids, positions = ctx.saved_tensors
+    return embed_backward(
+        grad_output_t, token_ids, positions, ctx.offset, *ctx.tables, ctx.padding_idx
+    )
+
+
+# table[positions] (sparse: a sparse gradient, eager only);
 # tok + table[positions]; token_table[token_ids] + position_table[positions];
 # and the two backward operators: each with its operator's arguments.
-add_positions = _route(ops.add_positions, AddPositionsFn)
-embed = _route(ops.embed, EmbedFn)
-table_grad = _route(ops.table_grad, TableGradFn)
-embed_backward = _route(ops.embed_backward, EmbedBackwardFn)
+lookup = _differentiable(
+    "LookupFn",
+    "lookup",
+    _lookup_setup,
+    _lookup_backward,
+    lambda i: (i[1],),
+    _lookup_jvp,
+    forward=lambda table, positions, padding_idx, sparse: ops.lookup.default(
+        table, positions, padding_idx
+    ),
+)
+add_positions = _differentiable(
+    "AddPositionsFn",
+    "add_positions",
+    _add_setup,
+    _add_backward,
+    lambda i: (full_positions(i[2], i[3], i[0].shape[:-1]),),
+    _add_jvp,
+)
+embed = _differentiable(
+    "EmbedFn",
+    "embed",
+    _embed_setup,
+    _embed_backward_formula,
+    lambda i: (i[0], full_positions(i[3], i[4], i[0].shape)),
+    _embed_jvp,
+)
+table_grad = _differentiable(
+    "TableGradFn",
+    "table_grad",
+    _table_grad_setup,
+    _table_grad_backward,
+    lambda i: (i[1],),
+    _table_grad_jvp,
+)
+embed_backward = _differentiable(
+    "EmbedBackwardFn",
+    "embed_backward",
+    _embed_backward_setup,
+    _embed_backward_backward,
+    lambda i: (i[1], i[2]),
+    _embed_backward_jvp,
+)

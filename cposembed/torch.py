@@ -83,12 +83,10 @@ def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
         return False
     if torch.jit.is_tracing() or torch.compiler.is_exporting():
         return False
-    for i in indices:
-        if i is not None and (
-            i.device.type != "cpu" or i.layout != torch.strided or not _is_integer(i.dtype)
-        ):
-            return False
-    return True
+    return all(
+        i is None or (i.device.type == "cpu" and i.layout == torch.strided and _is_integer(i.dtype))
+        for i in indices
+    )
 
 
 def _is_dtensor(t: torch.Tensor | None) -> bool:
@@ -132,8 +130,9 @@ def _values(x: Any) -> torch.Tensor:
 
 
 def _check_offset(positions: torch.Tensor | None, offset: int) -> None:
-    """The fused kernels' rule, for every path (also the unfused ones under
-    torch.export): an offset only with positions=None."""
+    """The fused kernels' rule, for every path (the unfused ones under
+    torch.export, and what torch.jit.script compiles): an offset only with
+    positions=None."""
     if positions is not None and offset != 0:
         raise ValueError(
             f"offset={offset} only applies with positions=None; "
@@ -149,16 +148,11 @@ def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_t
     """``max_norm``: the looked-up rows rescaled in place, as ``F.embedding`` does.
 
     torch's renorm takes int32 and int64 indices only: other integer dtypes
-    are converted to int64 first (uint64 ids past int64's range are out of
-    range for any table, and are refused before any row is touched)."""
+    are checked as the kernels check ids (out of range: ``IndexError`` before
+    any row is touched; torch has no comparisons of uint64), then converted
+    to int64."""
     if indices.dtype not in (torch.int32, torch.int64):
-        ids = _arrays.as_array(indices)  # torch has no comparisons of uint64
-        if indices.dtype == torch.uint64 and ids.size and ids.max() > 2**63 - 1:
-            n = weight.shape[0]
-            raise IndexError(
-                f"index out of range in self: got id {ids.max()} for a table of {n} rows "
-                f"(ids must be in [0, {n}), as nn.Embedding takes them)"
-            )
+        _arrays.checked_ids(indices, weight.shape[0])
         indices = indices.to(torch.int64)
     with torch.no_grad():
         torch.embedding_renorm_(weight.detach(), indices.contiguous(), max_norm, norm_type)
@@ -184,10 +178,9 @@ def embedding(
     )
     on_kernels = on_kernels and not scale_grad_by_freq
     if padding_idx is not None and on_kernels:
-        # Out of range, F.embedding raises its own AssertionError.
+        # Out of range, F.embedding raises its own AssertionError; the kernels
+        # take a negative padding_idx as counted from the end.
         on_kernels = -weight.shape[0] <= padding_idx < weight.shape[0]
-        if on_kernels and padding_idx < 0:
-            padding_idx += weight.shape[0]
     if not on_kernels or (sparse and torch.compiler.is_compiling()):
         return F.embedding(
             idx, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
@@ -339,13 +332,13 @@ def convert_embeddings(module: nn.Module) -> nn.Module:
     return module
 
 
-def _check_size(value: Any, name: str) -> int:
-    return _validation.check_int(value, name, min_value=1)
-
-
-def _check_float_dtype(dtype: torch.dtype | None) -> None:
+def _shape(rows: Any, rows_name: str, embed_dim: Any, dtype: torch.dtype | None) -> tuple[int, int]:
+    """A new table's shape, each a positive int, once its dtype (floating
+    point, or None for torch's default) is checked."""
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype; got {dtype}")
+    check = _validation.check_int
+    return check(rows, rows_name, min_value=1), check(embed_dim, "embed_dim", min_value=1)
 
 
 class LearnedPositionEmbedding(Embedding):
@@ -394,10 +387,8 @@ class LearnedPositionEmbedding(Embedding):
         dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_float_dtype(dtype)
         super().__init__(
-            _check_size(max_seq_len, "max_seq_len"),
-            _check_size(embed_dim, "embed_dim"),
+            *_shape(max_seq_len, "max_seq_len", embed_dim, dtype),
             padding_idx=padding_idx,
             device=device,
             dtype=dtype,
@@ -496,11 +487,10 @@ class LearnedPositionEmbedding(Embedding):
             and not self.scale_grad_by_freq
             and not self.sparse
         )
-        if not fused:
-            full = _ops.default_positions(offset, tuple(tok.shape[:-1])) if pos is None else pos
-            return tok + self(full.to(tok.device) if full.device != tok.device else full)
-        if self.max_norm is not None:
-            full = _ops.default_positions(offset, tuple(tok.shape[:-1])) if pos is None else pos
+        if not fused or self.max_norm is not None:
+            full = _ops.full_positions(pos, offset, tok.shape[:-1])
+            if self.max_norm is None or not fused:
+                return tok + self(full.to(tok.device))
             _renorm(self.weight, full, self.max_norm, self.norm_type)
         return _ops.add_positions(tok, self.weight, pos, offset, self.padding_idx)
 
@@ -554,10 +544,8 @@ class TokenPositionEmbedding(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_float_dtype(dtype)
         self.tokens = Embedding(
-            _check_size(vocab_size, "vocab_size"),
-            _check_size(embed_dim, "embed_dim"),
+            *_shape(vocab_size, "vocab_size", embed_dim, dtype),
             padding_idx=padding_idx,
             device=device,
             dtype=dtype,
@@ -596,11 +584,7 @@ class TokenPositionEmbedding(nn.Module):
         for name, t in (("token_table", token_table), ("position_table", position_table)):
             if not isinstance(t, torch.Tensor) or t.dim() != 2:
                 raise ValueError(f"{name} must be a 2-D tensor; got {t!r:.60}")
-        if token_table.shape[1] != position_table.shape[1]:
-            raise ValueError(
-                "token_table and position_table must share embed_dim; got "
-                f"{token_table.shape[1]} and {position_table.shape[1]}"
-            )
+        _arrays.check_same_width(token_table, position_table)
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         m.tokens = Embedding.from_pretrained(token_table, freeze=freeze, padding_idx=padding_idx)
@@ -628,12 +612,12 @@ class TokenPositionEmbedding(nn.Module):
         return self.tokens.padding_idx
 
     def _fused(self, ids: torch.Tensor, pos: torch.Tensor | None) -> bool:
-        plain = all(
+        defaults = all(
             t.max_norm is None and not t.scale_grad_by_freq and not t.sparse
             for t in (self.tokens, self.positions)
         )
         return (
-            plain
+            defaults
             and _on_kernels(self.tokens.weight, ids, pos)
             and _on_kernels(self.positions.weight)
         )
@@ -659,14 +643,10 @@ class TokenPositionEmbedding(nn.Module):
             Shape ``token_ids.shape + (embed_dim,)``.
         """
         if torch.jit.is_scripting():  # what torch.jit.script compiles
+            _check_offset(positions, offset)
             if positions is None:
                 T = token_ids.shape[-1] if token_ids.dim() > 0 else 1
                 positions = torch.arange(offset, offset + T, device=token_ids.device)
-            elif offset != 0:
-                raise ValueError(
-                    "offset only applies with positions=None; "
-                    "add it to the explicit positions instead"
-                )
             return self.tokens(token_ids) + self.positions(positions.expand(token_ids.shape))
         return self._eager(token_ids, positions, offset)
 
@@ -677,7 +657,7 @@ class TokenPositionEmbedding(nn.Module):
         _check_offset(pos, offset)
         if not self._fused(ids, pos):
             if pos is None:
-                pos = _ops.default_positions(offset, tuple(ids.shape)).to(ids.device)
+                pos = _ops.full_positions(None, offset, ids.shape).to(ids.device)
             return self.tokens(ids) + self.positions(pos.expand(ids.shape))
         return _ops.embed(
             ids, self.tokens.weight, self.positions.weight, pos, offset, self.padding_idx

@@ -132,10 +132,22 @@ def set_pool(bint enabled=True, limit_bytes=None):
         clear_pool()
 
 
+# What clear_pool calls after releasing the blocks: the release of memory
+# kept elsewhere under the same policy (the PyTorch bridge's storages).
+_clear_hooks = []
+
+
+def on_clear_pool(hook):
+    """Have ``clear_pool`` (and ``set_pool(False)``) call ``hook()``."""
+    _clear_hooks.append(hook)
+
+
 def clear_pool():
-    """Release every kept block."""
+    """Release every kept block, then call the hooks of ``on_clear_pool``."""
     while not cpe_blocks_clear():
         pass  # another thread is putting a block back: a moment
+    for hook in _clear_hooks:
+        hook()
 
 
 # The entries' scratch (the buffer of a call's positions, the scatter-adds'

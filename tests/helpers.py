@@ -312,11 +312,31 @@ def make_out(kind, shape=None, dtype=None, *, like=None, fill=0):
     return out
 
 
-# The end of a script for run_on_two_ranks: spawns run(rank, world, port, out)
-# on two processes, with a free loopback port, and prints the file `out`.
+# The end of a script for run_on_two_ranks: each of two processes joins a gloo
+# group on a free loopback port, calls the script's work(rank, world), and
+# gathers both results on rank 0, which writes them to the file `out`; each
+# then exits without the exit-time teardown of PyTorch's distributed threads.
 _TWO_RANKS_MAIN = """
+
+def run(rank, world, port, out):
+    import json, os, sys
+    import torch, torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    results = [None] * world
+    dist.all_gather_object(results, work(rank, world))
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
-    import socket, torch.multiprocessing as mp
+    import socket, sys, torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -327,9 +347,9 @@ if __name__ == "__main__":
 
 
 def run_on_two_ranks(script, tmp_path):
-    """`script` (which defines ``run(rank, world, port, out)``, rank 0 writing
-    its JSON result to `out`) on two spawned processes in a child Python: the
-    JSON that rank 0 wrote."""
+    """`script` (which defines ``work(rank, world)``, returning the rank's
+    result as JSON takes it) on two spawned processes in a child Python, in
+    one gloo group: the list of both ranks' results."""
     path = tmp_path / "two_ranks.py"
     path.write_text(script + _TWO_RANKS_MAIN)
     proc = run_python([str(path), str(tmp_path / "out.json")], timeout=300)

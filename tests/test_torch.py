@@ -8,6 +8,7 @@ without it).
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,6 +99,16 @@ def _grad_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return _same_bits(a, b)
 
 
+def _backward_same(x: torch.Tensor, y: torch.Tensor, *pairs: tuple[Any, Any]) -> None:
+    """``x`` and ``y`` back-propagated with one random gradient; each pair of
+    tensors then has the same gradient, bit for bit."""
+    g = torch.randn_like(x)
+    x.backward(g)
+    y.backward(g)
+    for a, b in pairs:
+        assert _grad_equal(a.grad, b.grad)
+
+
 def _embedding(weight: torch.Tensor, padding_idx: int | None = None) -> nn.Embedding:
     e = nn.Embedding(*weight.shape, padding_idx=padding_idx, dtype=weight.dtype)
     with torch.no_grad():
@@ -131,10 +142,7 @@ def test_values_and_gradients_equal_nn_embedding(dtype, kw, index_dtype) -> None
     x, y = ours(ids), ref(ids)
     assert x.dtype == y.dtype and torch.equal(x, y)
     assert torch.equal(ours.weight, ref.weight)  # max_norm renormalised both alike
-    g = torch.randn_like(x)
-    x.backward(g)
-    y.backward(g)
-    assert _grad_equal(ours.weight.grad, ref.weight.grad)
+    _backward_same(x, y, (ours.weight, ref.weight))
     assert ours.weight.grad.is_sparse == ref.weight.grad.is_sparse
 
 
@@ -195,10 +203,7 @@ def test_large_tables_equal_nn_embedding_for_any_thread_count(n_tokens, threads,
         for a, b in ((ours, ref), (big_ours, big_ref)):
             x, y = a(ids), b(ids)
             assert _same_bits(x, y)
-            g = torch.randn_like(x)
-            x.backward(g)
-            y.backward(g)
-            assert _same_bits(a.weight.grad, b.weight.grad)
+            _backward_same(x, y, (a.weight, b.weight))
     finally:
         cposembed.set_num_threads(old)
 
@@ -329,13 +334,11 @@ def test_token_position_equals_two_nn_embeddings(dtype, index_dtype) -> None:
     theirs = e_tok(ids) + e_pos(pos)
     assert ours.dtype == dtype and _same_bits(ours, theirs)
     assert type(ours.grad_fn).__name__ == "EmbedFnBackward"  # on the kernels
-    g = torch.randn_like(ours)
-    ours.backward(g)
-    theirs.backward(g)
     # nn.Embedding's CPU backward sums each row's terms in index order, as ours does
     # (float16, bfloat16: each add in float32, rounded to the table's dtype).
-    assert _same_bits(m.tokens.weight.grad, e_tok.weight.grad)
-    assert _same_bits(m.positions.weight.grad, e_pos.weight.grad)
+    _backward_same(
+        ours, theirs, (m.tokens.weight, e_tok.weight), (m.positions.weight, e_pos.weight)
+    )
 
 
 def test_token_position_attributes_and_from_pretrained() -> None:
@@ -365,11 +368,7 @@ def test_token_position_with_renormalised_or_sparse_tables_equals_nn_embeddings(
     ids = torch.randint(0, 40, (2, 8))
     x, y = m(ids, offset=3), e_tok(ids) + e_pos(torch.arange(3, 11).expand(2, 8))
     assert torch.equal(x, y) and torch.equal(m.tokens.weight, e_tok.weight)
-    g = torch.randn_like(x)
-    x.backward(g)
-    y.backward(g)
-    assert _grad_equal(m.tokens.weight.grad, e_tok.weight.grad)
-    assert _grad_equal(m.positions.weight.grad, e_pos.weight.grad)
+    _backward_same(x, y, (m.tokens.weight, e_tok.weight), (m.positions.weight, e_pos.weight))
 
 
 def test_learned_position_embedding_forward_and_add_to() -> None:
@@ -380,10 +379,7 @@ def test_learned_position_embedding_forward_and_add_to() -> None:
     out = pe(pos)
     ref = e(pos)
     assert torch.equal(out, ref)
-    g = torch.randn_like(out)
-    out.backward(g)
-    ref.backward(g)
-    assert torch.equal(pe.weight.grad, e.weight.grad)
+    _backward_same(out, ref, (pe.weight, e.weight))
 
     tok = torch.randn(2, 4, 4, requires_grad=True)
     tok_ref = tok.detach().clone().requires_grad_(True)
@@ -391,11 +387,7 @@ def test_learned_position_embedding_forward_and_add_to() -> None:
     x = pe.add_to(tok, offset=3)
     y = tok_ref + e(torch.arange(3, 7).expand(2, 4))
     assert torch.equal(x, y)
-    g = torch.randn_like(x)
-    x.backward(g)
-    y.backward(g)
-    assert torch.equal(tok.grad, tok_ref.grad)
-    assert torch.equal(pe.weight.grad, e.weight.grad)  # summed over every token
+    _backward_same(x, y, (tok, tok_ref), (pe.weight, e.weight))  # summed over every token
     assert torch.equal(pe.add_to(tok, pos), tok + e(pos))
     pe.max_norm = e.max_norm = 0.5  # add_to renormalises the rows it adds, as forward
     assert torch.equal(pe.add_to(tok, offset=1), tok + e(torch.arange(1, 5)))

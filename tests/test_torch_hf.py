@@ -9,6 +9,8 @@ takes ``resize_token_embeddings`` and ``tie_weights``.
 from __future__ import annotations
 
 import copy
+import functools
+from typing import Any
 
 import pytest
 
@@ -20,38 +22,26 @@ import cposembed.torch as ct  # noqa: E402
 VOCAB = 120
 
 
-def _gpt2() -> torch.nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=24,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+def _model(model_class: Any, config_class: Any, **settings: Any) -> torch.nn.Module:
+    config = config_class(vocab_size=VOCAB, **settings)
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
+    return model_class(config)
 
 
-def _bert() -> torch.nn.Module:
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=48,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+# Tiny configurations without dropout: the model class, its config class, its settings.
+MODELS = {
+    "gpt2": functools.partial(
+        _model, transformers.GPT2LMHeadModel, transformers.GPT2Config,
+        n_positions=32, n_embd=24, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ),
+    "bert": functools.partial(
+        _model, transformers.BertForMaskedLM, transformers.BertConfig,
+        hidden_size=24, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.BertForMaskedLM(config)
-
-
-MODELS = {"gpt2": _gpt2, "bert": _bert}
+    ),
+}  # fmt: skip
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -126,7 +116,7 @@ def test_resize_token_embeddings_and_tie_weights(name) -> None:
 
 def test_a_model_built_on_the_meta_device_converts() -> None:
     with torch.device("meta"):
-        model = _gpt2()
+        model = MODELS["gpt2"]()
     ct.convert_embeddings(model)
     out = model(input_ids=torch.zeros(2, 5, dtype=torch.long, device="meta"))
     assert out.logits.is_meta and out.logits.shape == (2, 5, VOCAB)

@@ -9,11 +9,14 @@ Every value and gradient is compared bitwise with ``torch.nn.Embedding`` /
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import os
 import pickle
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -624,63 +627,79 @@ def test_memory_held_through_any_referent_is_never_written_again(kind) -> None:
     assert snapshot() == before
 
 
+def _trained_alike(
+    make: Callable[[type], nn.Module],
+    optimizer: Callable[..., torch.optim.Optimizer],
+    steps: int,
+    backward: Callable[[Any, int], None],
+    set_to_none: Callable[[int], bool] = lambda k: True,
+) -> None:
+    """``steps`` steps of ``optimizer`` on ``make(cls)`` (each: ``zero_grad``,
+    ``backward(model, k)``, ``step``) from seed 0, with ct.Embedding and with
+    nn.Embedding: the same parameters after."""
+    results = []
+    for cls in (ct.Embedding, nn.Embedding):
+        torch.manual_seed(0)
+        model = make(cls)
+        opt = optimizer(model.parameters())
+        for k in range(steps):
+            opt.zero_grad(set_to_none=set_to_none(k))
+            backward(model, k)
+            opt.step()
+        results.append([p.detach() for p in model.parameters()])
+    assert all(map(torch.equal, *results))
+
+
 def test_collective_like_writes_to_grad_between_steps() -> None:
-    results = []
-    for cls in (ct.Embedding, nn.Embedding):
-        torch.manual_seed(0)
-        e = cls(BIG, 4)
-        opt = torch.optim.SGD(e.parameters(), lr=0.1)
-        for k in range(3):
-            opt.zero_grad(set_to_none=(k % 2 == 0))
-            e(IDS + k).pow(2).sum().backward()
-            e.weight.grad.mul_(0.5).add_(1.0)  # every element written, as all_reduce does
-            opt.step()
-        results.append(e.weight.detach())
-    assert torch.equal(*results)
+    def backward(e: Any, k: int) -> None:
+        e(IDS + k).pow(2).sum().backward()
+        e.weight.grad.mul_(0.5).add_(1.0)  # every element written, as all_reduce does
+
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    _trained_alike(lambda cls: cls(BIG, 4), sgd, 3, backward, lambda k: k % 2 == 0)
 
 
-@pytest.mark.parametrize("name", ["adam_fused", "adamw_foreach", "sgd_foreach"])
-def test_dense_optimizers_with_a_tied_head_and_clipping(name) -> None:
-    make = {
-        "adam_fused": lambda p: torch.optim.Adam(p, fused=True),
-        "adamw_foreach": lambda p: torch.optim.AdamW(p, foreach=True),
-        "sgd_foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
-    }[name]
-    results = []
-    for cls in (ct.Embedding, nn.Embedding):
-        torch.manual_seed(0)
-        e = cls(BIG, 4)
-        head = nn.Linear(4, BIG, bias=False)
-        head.weight = e.weight  # tied, as GPT-2's lm_head
-        opt = make(list(e.parameters()))
-        for k in range(2):
-            opt.zero_grad(set_to_none=k == 0)
-            head(e(IDS + k)).logsumexp(-1).sum().backward()
-            torch.nn.utils.clip_grad_norm_(e.parameters(), 0.5)
-            opt.step()
-        results.append(e.weight.detach())
-    assert torch.equal(*results)
+def _tied_head(cls: type) -> nn.Module:
+    model = nn.Sequential(cls(BIG, 4), nn.Linear(4, BIG, bias=False))
+    model[1].weight = model[0].weight  # tied, as GPT-2's lm_head
+    return model
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "sparse_adam", "adagrad"])
-def test_sparse_optimizers_with_two_backward_calls_per_step(name) -> None:
-    make = {
-        "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-        "sparse_adam": lambda p: torch.optim.SparseAdam(p, lr=0.1),
-        "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
-    }[name]
-    results = []
-    for cls in (ct.Embedding, nn.Embedding):
-        torch.manual_seed(0)
-        e = cls(10, 3, sparse=True)
-        opt = make(list(e.parameters()))
-        for k in range(3):
-            opt.zero_grad()
-            e(IDS % 9 + k % 2).pow(2).sum().backward()
-            e(IDS).sum().backward()
-            opt.step()
-        results.append(e.weight.detach())
-    assert torch.equal(*results)
+def _clipped_backward(model: Any, k: int) -> None:
+    model(IDS + k).logsumexp(-1).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        functools.partial(torch.optim.Adam, fused=True),
+        functools.partial(torch.optim.AdamW, foreach=True),
+        functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, foreach=True),
+    ],
+    ids=["adam_fused", "adamw_foreach", "sgd_foreach"],
+)
+def test_dense_optimizers_with_a_tied_head_and_clipping(optimizer) -> None:
+    _trained_alike(_tied_head, optimizer, 2, _clipped_backward, lambda k: k == 0)
+
+
+def _two_backward_calls(e: Any, k: int) -> None:
+    e(IDS % 9 + k % 2).pow(2).sum().backward()
+    e(IDS).sum().backward()
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+        functools.partial(torch.optim.SparseAdam, lr=0.1),
+        functools.partial(torch.optim.Adagrad, lr=0.1),
+    ],
+    ids=["sgd_momentum", "sparse_adam", "adagrad"],
+)
+def test_sparse_optimizers_with_two_backward_calls_per_step(optimizer) -> None:
+    sparse = lambda cls: cls(10, 3, sparse=True)  # noqa: E731
+    _trained_alike(sparse, optimizer, 3, _two_backward_calls)
 
 
 def test_threads_training_separate_modules() -> None:
@@ -709,16 +728,12 @@ def test_threads_training_separate_modules() -> None:
 
 
 _DDP = """
-import json, os, sys
-import torch, torch.distributed as dist
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 import cposembed.torch as ct
 
-def run(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def work(rank, world):
     equal = {}
     # 2.1 MiB gradients: storages the bridge keeps. torch adds no sparse float16 tensors.
     for dtype, d in ((torch.float32, 8), (torch.bfloat16, 16), (torch.float16, 16)):
@@ -736,17 +751,11 @@ def run(rank, world, port, out):
                     opt.step()
                 weights.append([p.detach().clone() for p in model.parameters()])
             equal[f"{dtype} sparse={sparse} view={view}"] = all(map(torch.equal, *weights))
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(equal, f)
-    sys.stdout.flush()
-    os._exit(0)
+    return equal
 
 """
 
 
 def test_distributed_data_parallel_trains_as_nn_embedding(tmp_path) -> None:
-    result = run_on_two_ranks(_DDP, tmp_path)
-    assert result == dict.fromkeys(result, True) and len(result) == 5, result
+    for result in run_on_two_ranks(_DDP, tmp_path):
+        assert result == dict.fromkeys(result, True) and len(result) == 5, result

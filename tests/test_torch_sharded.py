@@ -12,30 +12,8 @@ from helpers import run_on_two_ranks
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
-# The end of each rank's run: both ranks' verdicts, gathered on rank 0 and
-# written to `out`; then out without the exit-time teardown of PyTorch's
-# distributed threads.
-_FINISH = """
-import json, os, sys
-import torch.distributed as dist
-
-
-def finish(result, rank, world, out):
-    verdicts = [None] * world
-    dist.all_gather_object(verdicts, result)
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(verdicts, f)
-    sys.stdout.flush()
-    os._exit(0)
-
-"""
-
 _FSDP = """
-import json, os, sys
-import torch, torch.distributed as dist
+import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 import cposembed.torch as ct
@@ -99,10 +77,7 @@ def train(kind, ours, rank):
     return losses, grads, params
 
 
-def run(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def work(rank, world):
     result = {}
     for kind in ("Embedding", "TokenPositionEmbedding", "gpt2"):
         (l1, g1, p1), (l2, g2, p2) = train(kind, True, rank), train(kind, False, rank)
@@ -111,22 +86,21 @@ def run(rank, world, port, out):
             "grads": all(torch.equal(a, b) for s1, s2 in zip(g1, g2) for a, b in zip(s1, s2)),
             "params": all(map(torch.equal, p1, p2)),
         }
-    finish(result, rank, world, out)
+    return result
 
 """
 
 
 def test_fully_shard_trains_as_nn_embedding(tmp_path) -> None:
     pytest.importorskip("transformers")
-    verdicts = run_on_two_ranks(_FINISH + _FSDP, tmp_path)
+    verdicts = run_on_two_ranks(_FSDP, tmp_path)
     every = {"losses": True, "grads": True, "params": True}
     want = dict.fromkeys(("Embedding", "TokenPositionEmbedding", "gpt2"), every)
     assert verdicts == [want, want], verdicts
 
 
 _TP = """
-import json, os, sys
-import torch, torch.distributed as dist
+import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -179,10 +153,7 @@ def step(kind, ours, plan, mesh, dtype):
     return full(y), grads, kernels
 
 
-def run(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def work(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -194,14 +165,14 @@ def run(rank, world, port, out):
                     "grads": all(map(torch.equal, g1, g2)),
                     "kernels": k1,
                 }
-    finish(result, rank, world, out)
+    return result
 
 """
 
 
 def test_tensor_parallel_plans_give_nn_embeddings_outputs_and_gradient_shards(tmp_path) -> None:
     pytest.importorskip("torch.distributed.tensor.parallel")
-    verdicts = run_on_two_ranks(_FINISH + _TP, tmp_path)
+    verdicts = run_on_two_ranks(_TP, tmp_path)
     assert verdicts[0] == verdicts[1]
     rows = verdicts[0]
     assert len(rows) == 12
