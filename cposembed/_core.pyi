@@ -128,6 +128,16 @@ class RowMarks:
     def clear(self) -> None: ...
     def zero_rows(self, grad: np.ndarray) -> None: ...
 
+# Where an optimizer keeps each row's state (src_c/_marks.pxi).
+@final
+class RowSlots:
+    def __new__(cls, n_rows: int, rows: npt.ArrayLike | None = None) -> RowSlots: ...
+    @property
+    def n_rows(self) -> int: ...
+    def __len__(self) -> int: ...
+    def rows(self) -> npt.NDArray[np.int64]: ...  # in slot order
+    def slot_of(self, row: int) -> int: ...  # -1: no state
+
 def distinct_rows(
     rows: Any,  # plain int64, any shape, in [0, n_rows)
     n_rows: int,
@@ -141,13 +151,13 @@ def optimizer_step(
     compact: bool,
     state1: Any,  # None or plain writable (L, d), the state's dtype
     state2: Any,
-    has: RowMarks | None,
+    slots: RowSlots | None,  # None: row r's state is row r
     hyper: dict[str, Any],
     skip_row: int,
     num_threads: Any = None,
 ) -> bool | None: ...
 def fused_embed_step(
-    token_step: tuple[Any, ...],  # (table, state1, state2, has, skip_row) of the tokens
+    token_step: tuple[Any, ...],  # (table, state1, state2, slots, skip_row) of the tokens
     position_step: tuple[Any, ...],  # the same for the positions
     grad_output: Any,  # as embed_backward's, apart from both tables and their state
     token_ids: Any,
@@ -217,4 +227,4 @@ def isas() -> tuple[str, ...]: ...  # the variants this CPU has
 # Zeroed tables (src_c/_blocks.h), as NumPy arrays.
 ZEROED_MIN_BYTES: int  # zeroed tables at least this large are the allocator's
 
-def zeros(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray: ...
+def zeros(shape: tuple[int, ...], dtype: npt.DTypeLike, growing: bool = False) -> np.ndarray: ...

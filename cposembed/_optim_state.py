@@ -64,23 +64,25 @@ def check_betas(pair: Any) -> tuple[float, float]:
 # -- per-row state -----------------------------------------------------------------
 class RowState:
     """The state of one table: a zeroed ``(L, d)`` array per buffer (``buffers``;
-    fresh memory whose pages fault in only where rows are stepped,
-    ``_core.zeros``) and the rows that have state (``has``, marked at their
-    first step)."""
+    fresh memory that faults in as it fills, ``_core.zeros(growing=True)``) and
+    where each row's state is in them (``slots``, a :class:`~cposembed._core.RowSlots`:
+    rows get the buffers' rows 0, 1, 2, ... in the order they are first stepped,
+    so new rows' state costs pages in sequence, not a page per row)."""
 
     def __init__(self, names: tuple[str, ...], shape: tuple[int, int], dtype: np.dtype) -> None:
         self.names = names
         self.dtype = dtype
-        self.buffers = {name: _core.zeros(shape, dtype) for name in names}
+        self.buffers = {name: _core.zeros(shape, dtype, growing=True) for name in names}
         # Plain SGD keeps no state: no rows have any.
-        self.has = _core.RowMarks(shape[0] if names else 0)
+        self.slots = _core.RowSlots(shape[0] if names else 0)
 
     def export(self) -> dict[str, np.ndarray]:
         """Copies of the state in row order: ``rows`` and one ``(n, d)`` array per buffer."""
-        rows = np.sort(self.has.rows())
-        out = {"rows": rows}
+        rows = self.slots.rows()
+        order = np.argsort(rows, kind="stable")
+        out = {"rows": rows[order]}
         for name, buf in self.buffers.items():
-            out[name] = buf[rows]
+            out[name] = buf[order]
         return out
 
     @classmethod
@@ -92,10 +94,8 @@ class RowState:
         rows = checked["rows"]
         if names:
             for name in names:
-                state.buffers[name][rows] = checked[name]
-            mask = np.zeros(table.shape[0], dtype=bool)
-            mask[rows] = True
-            state.has = _core.RowMarks(table.shape[0], mask)
+                state.buffers[name][: rows.size] = checked[name]
+            state.slots = _core.RowSlots(table.shape[0], rows)
         return state
 
 

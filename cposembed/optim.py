@@ -285,10 +285,10 @@ class Optimizer:
         and their state: ``grad`` in the state's dtype, row ``i`` that of
         ``rows[i]`` if ``compact``, else of the table's shape. False if the
         entry declined ``grad`` (nothing written), unless ``strict``."""
-        table, state1, state2, has, skip = self._target_of(name, skip_row)
+        table, state1, state2, slots, skip = self._target_of(name, skip_row)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         done = _core.optimizer_step(
-            table, grad, rows, compact, state1, state2, has, self._kernel_hyper(), skip
+            table, grad, rows, compact, state1, state2, slots, self._kernel_hyper(), skip
         )
         if done is None and strict:  # the optimizer's own arrays: the entry takes them all
             raise RuntimeError("the optimizer step's kernel declined its arguments")
@@ -296,12 +296,12 @@ class Optimizer:
 
     def _target_of(self, name: str, skip_row: int) -> tuple[Any, ...]:
         """Table ``name``, its state arrays (None where this optimizer keeps
-        none), the marks of the rows with state and the row never to update,
+        none), where each row's state is (its RowSlots) and the row never to update,
         as the C steps take them."""
         state = self._states[name]
         buffers = [state.buffers.get(n) for n in self._buffer_slots]
-        has = state.has if state.names else None
-        return self._tables[name].table, buffers[0], buffers[1], has, skip_row
+        slots = state.slots if state.names else None
+        return self._tables[name].table, buffers[0], buffers[1], slots, skip_row
 
     # -- fused backward --------------------------------------------------------------
     def _scratch_rows(self, name: str, n: int, d: int) -> np.ndarray:

@@ -15,6 +15,9 @@
      more is anonymous memory from mmap, zero until written and advised
      against huge pages, so that touching a row faults in its 4 KiB page,
      not 2 MiB around it, whatever the transparent huge pages mode.
+   - CPE_GROWING (the optimizers' state, written from its first row on as
+     rows get state): as CPE_ZEROED, but advised for huge pages, so that it
+     faults in 2 MiB at a time as it grows.
 
    Keeping: a freed dense block of CPE_KEEP_MIN bytes or more is kept for a
    later dense request (at most CPE_KEEP_SLOTS blocks and cpe_keep_limit
@@ -22,7 +25,7 @@
    kept blocks smaller than itself (released, smallest first), or is released
    if only larger ones would make room: what a miss costs grows with the
    size. A request takes the smallest kept block that fits without wasting
-   more than half. Zeroed blocks are never kept: a gradient or optimizer
+   more than half. Zeroed and growing blocks are never kept: a gradient or optimizer
    state lives as long as its layer, and fresh memory costs only the pages
    written, where a kept block would have to be zeroed whole.
 
@@ -47,7 +50,7 @@
 #include <unistd.h>
 #endif
 
-enum { CPE_DENSE = 0, CPE_ZEROED = 1 };
+enum { CPE_DENSE = 0, CPE_ZEROED = 1, CPE_GROWING = 2 };
 
 /* A block: its memory, its size, how to release it, and its kind. */
 typedef struct {
@@ -90,18 +93,18 @@ static void cpe_release(cpe_Mem m) {
     free(m.ptr);
 }
 
-/* Fresh memory of the kind (zeroed for CPE_ZEROED); m.ptr NULL when there is
+/* Fresh memory of the kind (zeroed unless CPE_DENSE); m.ptr NULL when there is
    none. */
 static cpe_Mem cpe_fresh(size_t nbytes, int kind) {
     cpe_Mem m = {NULL, nbytes, 0, kind};
-    if (kind == CPE_ZEROED) {
+    if (kind != CPE_DENSE) {
 #if defined(MAP_ANONYMOUS)
         if (nbytes >= CPE_ZERO_MMAP_MIN) {
             void *p = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                            -1, 0);
             if (p != MAP_FAILED) {
-#if defined(MADV_NOHUGEPAGE)
-                madvise(p, nbytes, MADV_NOHUGEPAGE);
+#if defined(MADV_NOHUGEPAGE) && defined(MADV_HUGEPAGE)
+                madvise(p, nbytes, kind == CPE_ZEROED ? MADV_NOHUGEPAGE : MADV_HUGEPAGE);
 #endif
                 m.ptr = p;
                 m.mapped = 1;

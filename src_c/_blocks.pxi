@@ -8,6 +8,7 @@ cdef extern from "_blocks.h" nogil:
     enum:
         CPE_DENSE
         CPE_ZEROED
+        CPE_GROWING
         CPE_KEEP_SLOTS
     ctypedef struct cpe_Mem:
         void* ptr
@@ -82,18 +83,20 @@ def block(Py_ssize_t nbytes):
 ZEROED_MIN_BYTES = 1 << 22
 
 
-def zeros(shape, dtype):
-    """``np.zeros(shape, dtype)`` for a table touched sparsely (a gradient, an
-    optimizer's state, made once and kept): at ``ZEROED_MIN_BYTES`` or more,
-    fresh memory whose pages fault in only where rows are written, 4 KiB at a
-    time."""
+def zeros(shape, dtype, bint growing=False):
+    """``np.zeros(shape, dtype)`` for a table made once and kept: at
+    ``ZEROED_MIN_BYTES`` or more, fresh memory whose pages fault in only where
+    written, 4 KiB at a time for a table touched sparsely (a gradient), 2 MiB at
+    a time if ``growing`` (an optimizer's state, written from its first row
+    on)."""
     dt = np.dtype(dtype)
     nbytes = dt.itemsize
     for n in shape:
         nbytes *= n
     if nbytes < ZEROED_MIN_BYTES:
         return np.zeros(shape, dt)
-    return np.frombuffer(_new_block(nbytes, CPE_ZEROED), dt).reshape(shape)
+    return np.frombuffer(_new_block(nbytes, CPE_GROWING if growing else CPE_ZEROED),
+                         dt).reshape(shape)
 
 
 KEEP_SLOTS = CPE_KEEP_SLOTS

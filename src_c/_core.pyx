@@ -1095,12 +1095,12 @@ cdef bint _read_hyper(object hyper, cpe_opt_hyper* h) noexcept:
 
 
 cdef bint _opt_target(OptJob* job, const cpe_opt_hyper* h, object table, object state1,
-                      object state2, object has, Py_ssize_t skip_row) noexcept:
+                      object state2, object slots, Py_ssize_t skip_row) noexcept:
     # Fills the table and state of `job` (zeroed first) for a step with
     # hyper-parameters h: table a plain writable (L, d) table; state1,
     # state2 None or plain writable (L, d) arrays of the state's dtype (the
     # table's for float64, else float32), apart from the table and each
-    # other, as the kind of step needs them; has None or a RowMarks of L
+    # other, as the kind of step needs them; slots None or a RowSlots of L
     # rows; skip_row in [-1, L). False: declined.
     memset(job, 0, sizeof(OptJob))
     cdef int typenum = _table_type(table)
@@ -1115,7 +1115,7 @@ cdef bint _opt_target(OptJob* job, const cpe_opt_hyper* h, object table, object 
         or not _state_ok(state2, ktype, L, d, t)
         or (state1 is not None and state2 is not None
             and not _apart(<cnp.ndarray>state1, <cnp.ndarray>state2))
-        or not _marks_ok(has, L)
+        or not (slots is None or (type(slots) is RowSlots and (<RowSlots>slots).n_rows == L))
         or not -1 <= skip_row < L
         or (h.kind == CPE_OPT_ADAM and (state1 is None or state2 is None))
         or (h.kind == CPE_OPT_SGD and h.momentum_on and state1 is None)
@@ -1124,7 +1124,6 @@ cdef bint _opt_target(OptJob* job, const cpe_opt_hyper* h, object table, object 
     job.table = cnp.PyArray_BYTES(t)
     job.state1 = cnp.PyArray_BYTES(<cnp.ndarray>state1) if state1 is not None else NULL
     job.state2 = cnp.PyArray_BYTES(<cnp.ndarray>state2) if state2 is not None else NULL
-    job.has = (<RowMarks>has).flags if has is not None else NULL
     job.d = d
     job.skip_row = skip_row
     job.tsize = cnp.PyArray_ITEMSIZE(t)
@@ -1142,7 +1141,25 @@ cdef bint _apart_from_target(cnp.ndarray a, object table, object state1,
         state2 is None or _apart(a, <cnp.ndarray>state2))
 
 
-def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
+cdef int64_t* _take_slots(object slots, OptJob* job, size_t* capacity) except? NULL:
+    # Scratch of the slots of job.rows[:job.n] in `slots` (a RowSlots, or
+    # None: NULL), with room for them reserved (MemoryError before anything
+    # changes). _give_slots assigns them.
+    if slots is None or not job.n:
+        return NULL
+    (<RowSlots>slots)._reserve(job.n)
+    return <int64_t*>_scratch_or_raise(job.n * sizeof(int64_t), capacity, "the step's slots")
+
+
+cdef void _give_slots(object slots, OptJob* job, int64_t* buf) noexcept:
+    # The slots of job.rows[:job.n] into `buf` (from _take_slots), new ones
+    # made for rows without state, and the job pointed at them.
+    if buf != NULL:
+        job.fresh_from = (<RowSlots>slots)._assign(job.rows, job.n, job.skip_row, buf)
+        job.slots = buf
+
+
+def optimizer_step(table, grad, rows, bint compact, state1, state2, slots, hyper,
                    Py_ssize_t skip_row, num_threads=None):
     """One optimizer step on the distinct table rows `rows` but skip_row
     (cpe_opt_T of _rows.h.tp); True, or None if declined.
@@ -1153,17 +1170,17 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
     grad is (L, d) and row r is row r's. rows: a plain 1-D int64 array of
     distinct rows in [0, L) (repeated rows would race). state1, state2: None
     or plain writable (L, d) K arrays, apart from the table and grad (SGD's
-    momentum buffer; Adam's two moments). has: None or a RowMarks of L
-    rows: the rows that have state; a row it does not mark is fresh (SGD's
-    momentum starts at its gradient), and every updated row is marked
-    after the step. hyper: a dict of (kind, l2, decoupled, momentum_on, nesterov,
+    momentum buffer; Adam's two moments). slots: None (row r's state is
+    row r) or a RowSlots of L rows: row r's state is row slots.slot_of(r);
+    a row without a slot gets the next one and is fresh (SGD's momentum
+    starts at its gradient). hyper: a dict of (kind, l2, decoupled, momentum_on, nesterov,
     neg_lr, weight_decay, momentum, damp1, decay, w1, beta2, omb2,
     bc2_sqrt, eps, neg_step), as cpe_opt_hyper. skip_row: a row in [0, L)
     never updated, or -1.
     """
     cdef cpe_opt_hyper h
     cdef OptJob job
-    if not _read_hyper(hyper, &h) or not _opt_target(&job, &h, table, state1, state2, has,
+    if not _read_hyper(hyper, &h) or not _opt_target(&job, &h, table, state1, state2, slots,
                                                      skip_row):
         return None
     cdef Py_ssize_t L = cnp.PyArray_DIMS(<cnp.ndarray>table)[0], n, i
@@ -1192,7 +1209,9 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
     cdef int nt = _threads_for(num_threads, job.n * job.d, job.n)
     if not nt:
         return None
-    _reserve_marks(has, job.n)
+    cdef size_t capacity = 0
+    cdef int64_t* buf = _take_slots(slots, &job, &capacity)
+    _give_slots(slots, &job, buf)
     cdef PyThreadState* gil
     cdef long long t0 = 0
     cdef bint measured
@@ -1206,7 +1225,7 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, has, hyper,
         _take_gil(gil)
         if measured:
             cpe_took(K_OPT, job.n * job.d, nt, cpe_now_ns() - t0)
-    _mark_rows(has, job.rows, job.n, skip_row)
+    _scratch_give(buf, capacity)
     return True
 
 
@@ -1215,7 +1234,7 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
     """The layer's backward and an optimizer step on the rows it touches, in
     one pass (FusedStep): no gradient table; True, or None if declined.
 
-    token_step / position_step: (table, state1, state2, has, skip_row), as
+    token_step / position_step: (table, state1, state2, slots, skip_row), as
     optimizer_step takes them, for the token table (V, d) and the position
     table (L, d), one dtype; no table or state array of one shares memory
     with the other's. grad_output, token_ids, positions, offset: as
@@ -1224,7 +1243,7 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
     hyper: as optimizer_step's. Each distinct row of the call is summed into
     a scratch row of the state's dtype by the thread that owns it, in input
     order (as embed_backward sums it), and updated once all its
-    contributions are in; the rows the step updates are marked in `has`.
+    contributions are in; rows without state get slots in `slots`.
     """
     cdef cpe_opt_hyper h
     cdef FusedStep fs
@@ -1263,6 +1282,9 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
     cdef KernelCall c
     cdef int nt
     cdef int64_t* lists = NULL
+    cdef int64_t* tok_slots = NULL
+    cdef int64_t* pos_slots = NULL
+    cdef size_t tok_slots_capacity = 0, pos_slots_capacity = 0
     cdef uint8_t* single
     memset(&tok, 0, sizeof(Compact))
     memset(&pos, 0, sizeof(Compact))
@@ -1280,8 +1302,6 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
             return None
         if not (N and d and m):
             return True
-        _reserve_marks(token_step[3], min(N, V))
-        _reserve_marks(position_step[3], min(m, L))
         # The distinct rows: the call's ids and positions become the slots
         # of compact scratch rows (in place, in their owned buffers).
         _compact(&tok, ids.rows, N, V, rb, True, "the fused step")
@@ -1312,7 +1332,7 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
         fs.tok.grad = <const char*>tok.rows
         fs.tok.compact = True
         fs.tok.order = lists
-        fs.tok.n = n_multi
+        fs.tok.n = k  # for the slots; n_multi once they are given
         fs.pos.rows = pos.uniq
         fs.pos.grad = <const char*>pos.rows
         fs.pos.compact = True
@@ -1328,12 +1348,22 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
         if nbytes:
             c.scratch = <int64_t*>_scratch_or_raise(nbytes, &capacity,
                                                     "the backward pass's scratch")
+        # The rows' state slots, last: nothing can fail once they are given.
+        try:
+            tok_slots = _take_slots(token_step[3], &fs.tok, &tok_slots_capacity)
+            pos_slots = _take_slots(position_step[3], &fs.pos, &pos_slots_capacity)
+        except MemoryError:
+            _scratch_give(c.scratch, capacity)
+            raise
+        _give_slots(token_step[3], &fs.tok, tok_slots)
+        _give_slots(position_step[3], &fs.pos, pos_slots)
+        fs.tok.n = n_multi
         _run_kernel(&c, ktype)
         _scratch_give(c.scratch, capacity)
-        _mark_rows(token_step[3], tok.uniq, k, fs.tok.skip_row)
-        _mark_rows(position_step[3], pos.uniq, pos.k, fs.pos.skip_row)
         return True
     finally:
+        _scratch_give(pos_slots, pos_slots_capacity)
+        _scratch_give(tok_slots, tok_slots_capacity)
         _scratch_give(lists, lists_capacity)
         _compact_give(&pos)
         _compact_give(&tok)

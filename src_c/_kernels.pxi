@@ -857,17 +857,17 @@ cdef struct OptJob:
     # An optimizer's step on the team: chunk c updates the rows rows[i] for
     # i = order[q] (i = q if order is NULL), q in c * per .. (c + 1) * per - 1
     # (q < n): distinct table rows, skip_row left alone. Row i's gradient is
-    # grad row i (compact) or grad row rows[i]; its state rows are those of
-    # the table row in state1 / state2 (NULL: none); it is fresh (SGD's
-    # momentum starts at it) where `has` (NULL: never) does not mark it.
+    # grad row i (compact) or grad row rows[i]; its state is row slots[i]
+    # (rows[i] if slots is NULL) of state1 / state2 (NULL: none), fresh (SGD's
+    # momentum starts at it) if slots[i] >= fresh_from (never if slots is NULL).
     char* table
     const char* grad
     const int64_t* rows
     const int64_t* order
+    const int64_t* slots
     char* state1
     char* state2
-    const uint8_t* has
-    Py_ssize_t n, d, per, skip_row, tsize, ssize
+    Py_ssize_t n, d, per, skip_row, tsize, ssize, fresh_from
     bint compact
     cpe_opt_fn update
     const cpe_opt_hyper* hyper
@@ -877,30 +877,33 @@ cdef inline void _opt_row(const OptJob* j, Py_ssize_t i, const char* grad,
                           int flags) noexcept nogil:
     # The step of row rows[i] with the gradient row `grad` (flags: 0, or
     # CPE_OPT_ADD_ZERO).
-    cdef Py_ssize_t r = j.rows[i], sb = j.d * j.ssize
+    cdef Py_ssize_t r = j.rows[i], s = r, sb = j.d * j.ssize
     if r == j.skip_row:
         return
-    if j.has != NULL and not j.has[r]:
-        flags |= CPE_OPT_FRESH
+    if j.slots != NULL:
+        s = j.slots[i]
+        if s >= j.fresh_from:
+            flags |= CPE_OPT_FRESH
     j.update(j.table + r * j.d * j.tsize, grad,
-             j.state1 + r * sb if j.state1 != NULL else NULL,
-             j.state2 + r * sb if j.state2 != NULL else NULL, flags, j.hyper, j.d)
+             j.state1 + s * sb if j.state1 != NULL else NULL,
+             j.state2 + s * sb if j.state2 != NULL else NULL, flags, j.hyper, j.d)
 
 
 cdef void _opt_block(const OptJob* j, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
-    # The rows lie at random in the table and its state: the rows of the
-    # step _AHEAD further are asked for into L2 while this one is updated.
-    cdef Py_ssize_t q, i, r, sb = j.d * j.ssize, rb = j.d * j.tsize
+    # The rows lie at random in the table: the rows of the step _AHEAD
+    # further are asked for into L2 while this one is updated.
+    cdef Py_ssize_t q, i, r, s, sb = j.d * j.ssize, rb = j.d * j.tsize
     for q in range(lo, hi):
         if q + _AHEAD < hi:
             i = j.order[q + _AHEAD] if j.order != NULL else q + _AHEAD
             r = j.rows[i]
+            s = j.slots[i] if j.slots != NULL else r
             _prefetch_row(j.table + r * rb, rb, _TO_L2)
             _prefetch_row(j.grad + (i if j.compact else r) * sb, sb, _TO_L2)
-            if j.state1 != NULL:
-                _prefetch_row(j.state1 + r * sb, sb, _TO_L2)
-            if j.state2 != NULL:
-                _prefetch_row(j.state2 + r * sb, sb, _TO_L2)
+            if j.state1 != NULL and s >= 0:
+                _prefetch_row(j.state1 + s * sb, sb, _TO_L2)
+            if j.state2 != NULL and s >= 0:
+                _prefetch_row(j.state2 + s * sb, sb, _TO_L2)
         i = j.order[q] if j.order != NULL else q
         _opt_row(j, i, j.grad + (i if j.compact else j.rows[i]) * sb, 0)
 

@@ -262,3 +262,135 @@ cdef class RowMarks:
 
     def __reduce__(self):
         return (RowMarks, (self.n_rows, np.array(self.mask)))
+
+
+@cython.final
+cdef class RowSlots:
+    """RowSlots(n_rows, rows=None)
+
+    Where an optimizer keeps the state of each row of a table of ``n_rows``
+    rows that has state: row ``r``'s state is row :meth:`slot_of` ``(r)``
+    of the state arrays. Rows get slots 0, 1, 2, ... in the order they are
+    first stepped, so the state of rows stepped for the first time lands in
+    the next rows of the state arrays, pages that are already resident or
+    come in one after the other, however scattered the rows are in the
+    table. A hash table (open addressing, multiply-shift as _distinct's,
+    kept at most half full) maps a row to its slot; its size grows with the
+    rows that have state, not the table. ``rows``: rows that start with
+    state, given slots in their order (a restored state)."""
+
+    cdef int64_t* index      # 2**bits entries: a slot, or -1
+    cdef int64_t* row_of     # row_of[s]: the row of slot s
+    cdef Py_ssize_t n, capacity, n_rows
+    cdef int bits
+
+    def __cinit__(self, Py_ssize_t n_rows, rows=None):
+        cdef cnp.ndarray given
+        cdef Py_ssize_t i
+        if n_rows < 0:
+            raise ValueError(f"n_rows must be >= 0; got {n_rows}")
+        self.n_rows = n_rows
+        self._reserve(0)
+        if rows is not None:
+            given = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
+            if given.size and (given.min() < 0 or given.max() >= n_rows):
+                raise ValueError(f"rows must be in [0, {n_rows})")
+            if np.unique(given).size != given.size:
+                raise ValueError("rows must be distinct")
+            self._reserve(given.size)
+            for i in range(given.size):
+                self._slot(<int64_t>given[i], True)
+
+    def __dealloc__(self):
+        free(self.index)
+        free(self.row_of)
+
+    cdef int _reserve(self, Py_ssize_t extra) except -1:
+        # Room for `extra` more rows (MemoryError before anything changes).
+        cdef Py_ssize_t need = self.n + extra, size, s
+        cdef int bits = 4
+        cdef int64_t* index
+        cdef int64_t* row_of
+        cdef size_t h, mask
+        while (<Py_ssize_t>1 << bits) < 2 * need:
+            bits += 1
+        if need > self.capacity:
+            size = max(need, 2 * self.capacity, 16)
+            row_of = <int64_t*>realloc(self.row_of, size * sizeof(int64_t))
+            if row_of == NULL:
+                raise MemoryError("cannot allocate the optimizer's row slots")
+            self.row_of = row_of
+            self.capacity = size
+        if self.index != NULL and bits <= self.bits:
+            return 0
+        size = <Py_ssize_t>1 << bits
+        index = <int64_t*>malloc(size * sizeof(int64_t))
+        if index == NULL:
+            raise MemoryError("cannot allocate the optimizer's row slots")
+        memset(index, 0xff, size * sizeof(int64_t))  # every entry -1
+        mask = <size_t>(size - 1)
+        for s in range(self.n):
+            h = cpe_row_hash(self.row_of[s], bits)
+            while index[h] >= 0:
+                h = (h + 1) & mask
+            index[h] = s
+        free(self.index)
+        self.index = index
+        self.bits = bits
+        return 0
+
+    cdef int64_t _slot(self, int64_t row, bint add) noexcept nogil:
+        # The slot of `row` (in [0, n_rows)); a new one if it has none and
+        # `add` (room reserved first: _reserve), else -1.
+        cdef size_t mask = (<size_t>1 << self.bits) - 1
+        cdef size_t h = cpe_row_hash(row, self.bits)
+        cdef int64_t s
+        while True:
+            s = self.index[h]
+            if s < 0:
+                if not add:
+                    return -1
+                s = self.n
+                self.index[h] = s
+                self.row_of[s] = row
+                self.n += 1
+                return s
+            if self.row_of[s] == row:
+                return s
+            h = (h + 1) & mask
+
+    cdef Py_ssize_t _assign(self, const int64_t* rows, Py_ssize_t m, Py_ssize_t skip_row,
+                            int64_t* slots) noexcept nogil:
+        # slots[j] = the slot of rows[j] (distinct, in [0, n_rows)), new ones
+        # made (room for m reserved first: _reserve); -1 for skip_row. Returns
+        # the first new slot: slots from it on belong to rows without state
+        # before this call.
+        cdef Py_ssize_t j, before = self.n
+        for j in range(m):
+            slots[j] = -1 if rows[j] == skip_row else self._slot(rows[j], True)
+        return before
+
+    def __len__(self):
+        return self.n
+
+    @property
+    def n_rows(self):
+        """The table's rows."""
+        return self.n_rows
+
+    def rows(self):
+        """The rows that have state, in slot order (a new int64 array)."""
+        cdef cnp.npy_intp dims = self.n
+        out = cnp.PyArray_SimpleNew(1, &dims, cnp.NPY_INT64)
+        if self.n:
+            memcpy(cnp.PyArray_DATA(<cnp.ndarray>out), self.row_of, self.n * sizeof(int64_t))
+        return out
+
+    def slot_of(self, Py_ssize_t row):
+        """The slot of ``row``, or -1 if it has no state."""
+        if not 0 <= row < self.n_rows:
+            raise IndexError(f"row {row} is out of bounds for {self.n_rows} rows")
+        return self._slot(row, False)
+
+    def __reduce__(self):
+        return (RowSlots, (self.n_rows, self.rows()))

@@ -285,31 +285,42 @@ def optim_huge(f: Fixture) -> list[Group]:
 
 
 def _adam_new_rows(f: Fixture, n_rows: int, g: np.ndarray, note: str) -> Group:
-    """The fused Adam step on rows no step touched before (their state faults in,
-    a 4 KiB page per row and moment) against the same step on rows it touched
-    already. The table is resident first, as a trained one is."""
+    """The fused Adam step on rows no step touched before (their state is the next
+    rows of the state arrays) against the same step on rows it touched already:
+    the same rows every time (in cache), and rows drawn from a pool stepped before
+    (about a million rows: in memory, as new rows' table rows are). The table is
+    resident first, as a trained one is."""
     n, d = g.shape
     pe = LearnedPositionEmbedding.from_pretrained(np.full((n_rows, d), 0.01, f.dt), dtype=f.dt)
     adam = Adam(pe, ADAM_LR)
     order = f.rng.permutation(n_rows)
-    old = order[:n]
-    pe.backward(g, old, optimizer=adam)
-    first = same(pe.embeddings[old], _adam_first_rule(np.full((n, d), 0.01, f.dt), g))
-    fresh = {"next": n}
+    old, pool = order[:n], order[n : n + min(n_rows // 4, 4096 * n)]
+    g_all = np.resize(g, (n + pool.size, d))  # g, then g again and again
+    pe.backward(g_all, order[: n + pool.size], optimizer=adam)
+    start = np.full(g_all.shape, 0.01, f.dt)
+    first = same(pe.embeddings[order[: n + pool.size]], _adam_first_rule(start, g_all))
+    drawn = [f.rng.choice(pool, n, replace=False) for _ in range(64)]
+    fresh = {"next": n + pool.size, "drawn": 0}
 
     def new_rows() -> None:
         start = fresh["next"] if fresh["next"] + n <= n_rows else n  # then: rows seen before
         fresh["next"] = start + n
         pe.backward(g, order[start : start + n], optimizer=adam)
 
+    def pool_rows() -> None:
+        fresh["drawn"] += 1
+        pe.backward(g, drawn[fresh["drawn"] % len(drawn)], optimizer=adam)
+
     peer = Contender(
         "cposembed, rows stepped before", lambda: pe.backward(g, old, optimizer=adam), 0
     )
     peer.target = 1.5
     peer.check = first  # the first step on distinct rows: torch.optim.Adam's rule
+    pool_peer = Contender("cposembed, pool rows stepped before", pool_rows, 0)
+    pool_peer.check = first
     return Group(
         "huge table: fused Adam, new rows",
-        [Contender(OURS, new_rows, g.nbytes), peer],
+        [Contender(OURS, new_rows, g.nbytes), peer, pool_peer],
         f"pe.backward(g, rows, optimizer=Adam(lr={ADAM_LR:g})), 256 rows no step touched "
-        f"before vs 256 rows stepped before, {note}",
+        f"before vs 256 rows stepped before (the same ones; or drawn from a pool), {note}",
     )
