@@ -1113,17 +1113,18 @@ cdef inline const char* _token_dest(const FusedStep* fused, const char* gtok, in
     # The scratch row a token contribution adds into, to be prefetched by
     # the caller; NULL for a single, whose table and state rows are asked
     # for here, into L2.
-    cdef Py_ssize_t r, sb, rb
+    cdef Py_ssize_t r, s, sb, rb
     if not _single(fused, slot):
         return gtok + slot * tb
     r = fused.tok.rows[slot]
+    s = fused.tok.slots[slot] if fused.tok.slots != NULL else r
     sb = fused.tok.d * fused.tok.ssize
     rb = fused.tok.d * fused.tok.tsize
     _prefetch_row(fused.tok.table + r * rb, rb, _TO_L2)
-    if fused.tok.state1 != NULL:
-        _prefetch_row(fused.tok.state1 + r * sb, sb, _TO_L2)
-    if fused.tok.state2 != NULL:
-        _prefetch_row(fused.tok.state2 + r * sb, sb, _TO_L2)
+    if fused.tok.state1 != NULL and s >= 0:
+        _prefetch_row(fused.tok.state1 + s * sb, sb, _TO_L2)
+    if fused.tok.state2 != NULL and s >= 0:
+        _prefetch_row(fused.tok.state2 + s * sb, sb, _TO_L2)
     return NULL
 
 

@@ -701,6 +701,57 @@ def test_state_of_rows_touched_for_the_first_time_costs_their_pages():
     assert got["adam"] < 16 << 20, got
 
 
+COMPACT_STATE_CHILD = """
+import json, os
+import numpy as np
+import cposembed
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+L, d, n, steps = 4_000_000, 16, 256, 40
+rows = np.random.default_rng(1).permutation(L)[: (steps + 1) * n].reshape(steps + 1, n)
+g = np.ones((n, d), np.float32)
+out = {}
+for name, make, fused in [
+    ("adam fused", lambda pe: cposembed.Adam(pe, 1e-3), True),
+    ("adamw step", lambda pe: cposembed.AdamW(pe, 1e-3), False),
+    ("sgd momentum fused", lambda pe: cposembed.SGD(pe, 0.1, momentum=0.9), True),
+]:
+    pe = cposembed.LearnedPositionEmbedding.from_pretrained(np.full((L, d), 0.01, np.float32))
+    opt = make(pe)
+    grown = 0
+    for s in range(steps + 1):
+        if not fused:  # the gradient's pages are the backward's, not the state's
+            pe.zero_grad()
+            pe.backward(g, rows[s])
+        before = resident()
+        if fused:
+            pe.backward(g, rows[s], optimizer=opt)
+        else:
+            opt.step()
+        if s:  # the first step's allocations (scratch) are not the state's
+            grown += resident() - before
+    out[name] = [grown, len(opt.state_dict()["state"]["embeddings"]["rows"])]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+def test_state_of_new_rows_costs_about_its_own_bytes():
+    """Rows stepped for the first time every step, by the fused step (Adam, SGD
+    with momentum) and by step() (AdamW; the gradient's own pages left out):
+    their state lies next to each other (RowSlots), so 40 steps of 256 new
+    rows of a 4,000,000-row table (10,240 rows: 640 KiB per float32 buffer of
+    16 columns) grow the resident memory by a few times that, not by a 4 KiB
+    page per row and buffer (80 MiB for Adam's two moments)."""
+    got = run_json(COMPACT_STATE_CHILD, timeout=300)
+    for name, (grown, n_rows) in got.items():
+        assert n_rows == 41 * 256, (name, n_rows)
+        assert grown < 12 << 20, (name, grown)
+
+
 # ---- RowSlots: where each row's state is -----------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(
