@@ -8,17 +8,21 @@
 # the CPUs. Small work runs on one thread, and no call has more threads than
 # pieces of work. A call on the default threads runs on them or on one,
 # whichever has been faster for its kind and size of late (cpe_choose,
-# cpe_took). The loop is _run_chunks, a prange over the chunks on OpenMP's
-# dynamic schedule; the OS threads it causes are bounded before a region
-# starts (cpe_threads_here), and a forked child of a process with threads
-# runs every call on its caller.
+# cpe_took). The loop is _run_chunks, a prange over one share of chunks per
+# thread; the OS threads it causes are bounded before a region starts
+# (cpe_threads_here), and a forked child of a process with threads runs
+# every call on its caller.
 
 from cython.parallel cimport prange
 from libc.stdlib cimport getenv, strtol
 
-ctypedef void (*cpe_chunk_fn)(void* arg, Py_ssize_t chunk) noexcept nogil
-
 cdef extern from "_threads.h" nogil:
+    ctypedef void (*cpe_chunk_fn)(void* arg, Py_ssize_t chunk) noexcept nogil
+    ctypedef struct cpe_job:
+        pass
+    void cpe_job_init(cpe_job* job, cpe_chunk_fn fn, void* arg, Py_ssize_t n_chunks,
+                      int n_threads)
+    void cpe_job_run(cpe_job* job, int t)
     int cpe_threads_here(int n)
     void cpe_region_ran(int n)
     void cpe_set_locked(int* var, int value)
@@ -38,17 +42,16 @@ cpe_threads_init()
 cdef void _run_chunks(cpe_chunk_fn fn, void* arg, Py_ssize_t n_chunks,
                       int n_threads) noexcept nogil:
     # fn(arg, c) for every c < n_chunks, on n_threads (from cpe_threads_here).
-    # The dynamic schedule hands the next chunk to whichever thread is free,
-    # so a thread its CPU neglects runs fewer; each chunk is one contiguous
-    # run for the prefetchers. What a chunk covers is fixed by the kernel, so
-    # only which thread runs it varies, never a result.
     cdef Py_ssize_t c
+    cdef int t
+    cdef cpe_job job
     if n_threads <= 1 or n_chunks <= 1:
         for c in range(n_chunks):
             fn(arg, c)
         return
-    for c in prange(n_chunks, schedule="dynamic", num_threads=n_threads):
-        fn(arg, c)
+    cpe_job_init(&job, fn, arg, n_chunks, n_threads)
+    for t in prange(n_threads, schedule="static", chunksize=1, num_threads=n_threads):
+        cpe_job_run(&job, t)
     cpe_region_ran(n_threads)
 
 

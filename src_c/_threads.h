@@ -1,6 +1,6 @@
-/* The C half of the thread rules of _parallel.pxi: the bound on the OS
- * threads the package causes, the fork rule and the measured choice
- * between one thread and several. */
+/* The C half of the thread rules of _parallel.pxi: a region's chunks, the
+ * bound on the OS threads the package causes, the fork rule and the
+ * measured choice between one thread and several. */
 #ifndef CPE_THREADS_H
 #define CPE_THREADS_H
 
@@ -19,6 +19,8 @@
 #include <omp.h>
 #endif
 
+typedef void (*cpe_chunk_fn)(void *arg, Py_ssize_t chunk);
+
 /* A monotonic clock in ns, the OpenMP runtime's (a serial build reads only
  * the CPU limit by it, for which whole seconds do). */
 static long long cpe_now_ns(void) {
@@ -27,6 +29,67 @@ static long long cpe_now_ns(void) {
 #else
     return (long long)time(NULL) * 1000000000LL;
 #endif
+}
+
+/* ---- a region's chunks ------------------------------------------------------
+ * One contiguous share of the chunks per thread, [lo, hi) packed as
+ * lo << 32 | hi on a cache line of its own. A thread claims its own share
+ * from the front and, once it is empty, the others' from the back: a thread
+ * its CPU neglects runs fewer chunks. What a chunk covers is fixed by the
+ * kernel, so only which thread runs it varies, never a result. */
+#define CPE_MAX_REGION 256
+
+typedef struct {
+    unsigned long long v;
+    char pad[64 - sizeof(unsigned long long)];
+} cpe_share;
+
+typedef struct {
+    cpe_chunk_fn fn;
+    void *arg;
+    int n_shares;
+    cpe_share share[CPE_MAX_REGION];
+} cpe_job;
+
+static void cpe_job_init(cpe_job *job, cpe_chunk_fn fn, void *arg, Py_ssize_t n_chunks,
+                         int n_threads) {
+    int t;
+    job->fn = fn;
+    job->arg = arg;
+    job->n_shares = n_threads;
+    for (t = 0; t < n_threads; t++)
+        job->share[t].v = (unsigned long long)(n_chunks * t / n_threads) << 32 |
+                          (unsigned long long)(n_chunks * (t + 1) / n_threads);
+}
+
+#if defined(_MSC_VER) && !defined(__clang__)
+#include <intrin.h>
+#define CPE_ADD(p, v) ((unsigned long long)_InterlockedExchangeAdd64((volatile long long *)(p), (long long)(v)))
+#define CPE_LOAD(p) ((unsigned long long)_InterlockedCompareExchange64((volatile long long *)(p), 0, 0))
+#define CPE_SWAP(p, seen, to) ((unsigned long long)_InterlockedCompareExchange64( \
+    (volatile long long *)(p), (long long)(to), (long long)(seen)))
+#else
+#define CPE_ADD(p, v) __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
+#define CPE_LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define CPE_SWAP(p, seen, to) __sync_val_compare_and_swap((p), (seen), (to))
+#endif
+
+/* The next chunk for share t (its front, else another's back); -1: none. */
+static Py_ssize_t cpe_claim(cpe_job *job, int t) {
+    unsigned long long v = CPE_ADD(&job->share[t].v, 1ULL << 32), was;
+    int k;
+    if ((v >> 32) < (v & 0xffffffffULL)) return (Py_ssize_t)(v >> 32);
+    for (k = 1; k < job->n_shares; k++) {
+        cpe_share *s = &job->share[(t + k) % job->n_shares];
+        for (v = CPE_LOAD(&s->v); (v >> 32) < (v & 0xffffffffULL); v = was)
+            if ((was = CPE_SWAP(&s->v, v, v - 1)) == v) return (Py_ssize_t)(v & 0xffffffffULL) - 1;
+    }
+    return -1;
+}
+
+static void cpe_job_run(cpe_job *job, int t) {
+    Py_ssize_t c;
+    while ((c = cpe_claim(job, t)) >= 0) job->fn(job->arg, c);
 }
 
 /* ---- the threads the package causes ------------------------------------------
@@ -38,7 +101,6 @@ static long long cpe_now_ns(void) {
  * (RLIMIT_NPROC), a region that would start threads first starts and ends
  * as many, and starts the pool under the same lock; when the OS refuses,
  * the call runs on the threads it has and no caller asks again. */
-#define CPE_MAX_REGION 256   /* the most threads a region has */
 static void cpe_give_back(void *mine);
 #if CPOSEMBED_OPENMP_ENABLED && defined(_WIN32)
 #if defined(_MSC_VER)

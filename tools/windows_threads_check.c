@@ -2,7 +2,8 @@
  * runtime, outside Python (tools/windows_threads_check.sh builds it with
  * mingw-w64 and runs it under wine): a region runs on several threads, the
  * helper budget is reserved per calling thread and given back when that
- * thread ends. Prints one line per check and exits 1 if one fails. */
+ * thread ends, and the claim runs every chunk exactly once. Prints one line
+ * per check and exits 1 if one fails. */
 #include <stddef.h>
 typedef ptrdiff_t Py_ssize_t;
 #define CPOSEMBED_OPENMP_ENABLED 1
@@ -13,6 +14,35 @@ static int failed = 0;
 static void check(int ok, const char *what) {
     printf("%s: %s\n", ok ? "ok  " : "FAIL", what);
     if (!ok) failed = 1;
+}
+
+/* The claim: each chunk counts its runs; chunk 0's thread is slowed down
+ * so that the others take from its share. */
+#define MAX_CHUNKS 4096
+static volatile long runs[MAX_CHUNKS];
+static volatile long ran_by[MAX_CHUNKS];
+static void count_chunk(void *arg, Py_ssize_t c) {
+    (void)arg;
+    InterlockedIncrement(&runs[c]);
+    ran_by[c] = omp_get_thread_num();
+    if (c == 0) Sleep(20);
+}
+
+static int claim_once(Py_ssize_t n_chunks, int n_threads, int *stolen) {
+    cpe_job job;
+    Py_ssize_t c;
+    int ok = 1;
+    for (c = 0; c < n_chunks; c++) runs[c] = 0;
+    cpe_job_init(&job, count_chunk, NULL, n_chunks, n_threads);
+    #pragma omp parallel num_threads(n_threads)
+    cpe_job_run(&job, omp_get_thread_num());
+    *stolen = 0;
+    for (c = 0; c < n_chunks; c++) {
+        ok &= runs[c] == 1;
+        /* share t holds [n t / T, n (t + 1) / T) */
+        *stolen |= ran_by[c] != ((c + 1) * n_threads - 1) / n_chunks;
+    }
+    return ok;
 }
 
 /* A calling thread of its own: the threads it may have for a region of 4,
@@ -32,7 +62,7 @@ static DWORD WINAPI call_region(void *p) {
 }
 
 int main(void) {
-    int seen = 0;
+    int seen = 0, i, stolen, all = 1, any_stolen = 0;
     long long t0 = cpe_now_ns();
     char line[160];
     caller a = {0, 0, NULL}, b = {0, 0, NULL};
@@ -74,6 +104,13 @@ int main(void) {
     check(b.here == 4 && b.ran == 4 && cpe_reserved == 0, line);
     check(cpe_mine == 0, "the main thread's reservation is its own (thread-local)");
 
+    for (i = 0; i < 200; i++) {
+        Py_ssize_t n = 1 + (i * 37) % MAX_CHUNKS;
+        all &= claim_once(n, 2 + i % 3, &stolen);
+        any_stolen |= stolen;
+    }
+    check(all, "the claim runs every chunk exactly once (200 regions, 2-4 threads)");
+    check(any_stolen, "threads took chunks from a slow thread's share");
     snprintf(line, sizeof(line), "the clock advances (%lld ms in all)",
              (cpe_now_ns() - t0) / 1000000);
     check(cpe_now_ns() > t0, line);
