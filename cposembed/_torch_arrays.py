@@ -191,9 +191,9 @@ class _Held:
 
 
 # The storages handed out (live or free), newest last; live ones beyond
-# _HELD_MAX are forgotten. The lock is only ever tried by the calls (a thread
-# that finds it taken makes new memory); a forked child starts with a new one
-# and nothing held.
+# _HELD_MAX are forgotten. The calls only ever try the lock (a thread that
+# finds it taken makes new memory); _release_held (clear_pool) waits for it. A
+# forked child starts with a new one and nothing held.
 _held: list[_Held] = []
 _HELD_MAX = 2 * _core.KEEP_SLOTS
 _held_lock = threading.Lock()

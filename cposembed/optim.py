@@ -8,11 +8,11 @@ rows it touched since the last ``zero_grad()``, in a fused
 follows PyTorch's update rule for that optimizer; the other rows and their
 state stay as they are (the semantics of ``torch.optim.SparseAdam``).
 
-The state of a table is one array per buffer with the table's shape, as
-PyTorch keeps it, allocated zeroed when the optimizer is made (its pages
-cost memory only where rows got gradient), and the marks of the rows that
-have state (:class:`~cposembed._core.RowMarks`); it lives in
-:mod:`cposembed._optim_state`, with the checks of saved states. The
+The state of a table is one zeroed array per buffer with the table's shape,
+made when the optimizer is, whose rows are given out in the order rows are
+first stepped (:class:`~cposembed._core.RowSlots`), so its memory grows with
+the rows that have state; it lives in :mod:`cposembed._optim_state`, with
+the checks of saved states. The
 optimizer reaches its layer's tables through ``layer.trainable_tables()``.
 The update of a row is one C function (``_core.optimizer_step``) that both
 ``step()`` and the fused backward call, so a step costs its touched rows,

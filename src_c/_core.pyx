@@ -1237,7 +1237,7 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
     token_step / position_step: (table, state1, state2, slots, skip_row), as
     optimizer_step takes them, for the token table (V, d) and the position
     table (L, d), one dtype; no table or state array of one shares memory
-    with the other's. grad_output, token_ids, positions, offset: as
+    with the other's, and each has its own slots. grad_output, token_ids, positions, offset: as
     embed_backward takes them; grad_output apart from both tables and their
     state (the step writes rows while other rows are still being read).
     hyper: as optimizer_step's. Each distinct row of the call is summed into
@@ -1256,6 +1256,7 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
         or not _opt_target(&fs.pos, &h, position_step[0], position_step[1], position_step[2],
                            position_step[3], position_step[4])
         or _table_type(token_step[0]) != _table_type(position_step[0])
+        or (token_step[3] is not None and token_step[3] is position_step[3])
         or fs.tok.d != fs.pos.d
         or not _plain_as(grad_output, _source_type(grad_output))
     ):

@@ -1,12 +1,13 @@
 # The rows a call touches, at a cost that grows with the call, not the table.
 #
 # RowMarks: the rows of a table that a gradient has received since it was
-# last zeroed (or that an optimizer keeps state for): a mask with one flag
-# per table row, for the test "is this row marked", and the list of the
-# marked rows, so that zeroing them, stepping them or listing them costs the
-# marked rows only. The mask is allocated zeroed (calloc: untouched pages
-# of a table of millions of rows cost nothing) and written only at marked
-# rows.
+# last zeroed: a mask with one flag per table row, for the test "is this row
+# marked", and the list of the marked rows, so that zeroing them, stepping
+# them or listing them costs the marked rows only. The mask is allocated
+# zeroed (calloc: untouched pages of a table of millions of rows cost
+# nothing) and written only at marked rows.
+#
+# RowSlots: where an optimizer keeps each row's state (below).
 #
 # _distinct: the distinct rows of a call and, for each of its positions,
 # the slot of its row among them, in O(positions): a hash table for a table
@@ -292,6 +293,8 @@ cdef class RowSlots:
         self.n_rows = n_rows
         self._reserve(0)
         if rows is not None:
+            if np.asarray(rows).dtype.kind not in "iu":
+                raise ValueError(f"rows must be integers; got {np.asarray(rows).dtype}")
             given = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
             if given.size and (given.min() < 0 or given.max() >= n_rows):
                 raise ValueError(f"rows must be in [0, {n_rows})")

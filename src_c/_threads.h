@@ -8,26 +8,29 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #if defined(_WIN32)
 #include <windows.h>
+#else
+#include <time.h>
 #endif
 #if defined(__linux__)
 #include <sched.h>
 #endif
-#if CPOSEMBED_OPENMP_ENABLED
-#include <omp.h>
-#endif
 
 typedef void (*cpe_chunk_fn)(void *arg, Py_ssize_t chunk);
 
-/* A monotonic clock in ns, the OpenMP runtime's (a serial build reads only
- * the CPU limit by it, for which whole seconds do). */
+/* A monotonic clock in ns (LLVM's omp_get_wtime reads the wall clock, which
+ * can step). */
 static long long cpe_now_ns(void) {
-#if CPOSEMBED_OPENMP_ENABLED
-    return (long long)(omp_get_wtime() * 1e9);
+#if defined(_WIN32)
+    LARGE_INTEGER f, c;
+    QueryPerformanceFrequency(&f);
+    QueryPerformanceCounter(&c);
+    return (long long)((double)c.QuadPart * (1e9 / (double)f.QuadPart));
 #else
-    return (long long)time(NULL) * 1000000000LL;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 #endif
 }
 

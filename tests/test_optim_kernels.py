@@ -805,3 +805,34 @@ def test_row_slots_refuse_bad_rows_and_pickle():
         _core.RowSlots(-1)
     with pytest.raises(IndexError):
         s.slot_of(10)
+
+
+SHARED_SLOTS_CHILD = """
+import json
+import numpy as np
+from cposembed import _core
+from cposembed.optim import Adam
+from cposembed import TokenPositionEmbedding
+
+n, d = 100, 4
+m = TokenPositionEmbedding(n, n, d, seed=0)
+adam = Adam(m, 0.1)
+adam._step = 1
+h = adam._kernel_hyper()
+slots = _core.RowSlots(n)
+s = [np.zeros((n, d), np.float32) for _ in range(4)]
+ids = np.arange(10, dtype=np.int64)[None]
+positions = np.arange(50, 60, dtype=np.int64)
+got = _core.fused_embed_step(
+    (m.token_embeddings, s[0], s[1], slots, -1), (m.position_embeddings, s[2], s[3], slots, -1),
+    np.ones((1, 10, d), np.float32), ids, positions, 0, h)
+print(json.dumps({"result": repr(got), "slots": len(slots),
+                  "unchanged": all(not a.any() for a in s)}))
+"""
+
+
+def test_the_fused_step_declines_one_row_slots_for_both_tables():
+    """Each table's state has its own slots: one RowSlots given for both (tables of
+    the same rows) is declined, nothing written (it would get two calls' rows)."""
+    got = run_json(SHARED_SLOTS_CHILD)
+    assert got == {"result": "None", "slots": 0, "unchanged": True}
