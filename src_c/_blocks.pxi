@@ -56,7 +56,7 @@ cdef class _Block:
 
 cdef _Block _new_block(Py_ssize_t nbytes, int kind=CPE_DENSE):
     """A _Block of at least `nbytes` (> 0) bytes of the kind: a dense one kept
-    or fresh, a zeroed one fresh."""
+    or fresh, a zeroed or growing one fresh."""
     cdef _Block b = _Block.__new__(_Block)
     cdef int reused = 0
     with nogil:

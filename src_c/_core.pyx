@@ -1141,21 +1141,21 @@ cdef bint _apart_from_target(cnp.ndarray a, object table, object state1,
         state2 is None or _apart(a, <cnp.ndarray>state2))
 
 
-cdef int64_t* _take_slots(object slots, OptJob* job, size_t* capacity) except? NULL:
-    # Scratch of the slots of job.rows[:job.n] in `slots` (a RowSlots, or
-    # None: NULL), with room for them reserved (MemoryError before anything
-    # changes). _give_slots assigns them.
-    if slots is None or not job.n:
+cdef int64_t* _take_slots(object slots, Py_ssize_t n, size_t* capacity) except? NULL:
+    # Scratch of the slots of n rows in `slots` (a RowSlots, or None: NULL),
+    # with room for them reserved (MemoryError before anything changes).
+    # _give_slots assigns them.
+    if slots is None or not n:
         return NULL
-    (<RowSlots>slots)._reserve(job.n)
-    return <int64_t*>_scratch_or_raise(job.n * sizeof(int64_t), capacity, "the step's slots")
+    (<RowSlots>slots)._reserve(n)
+    return <int64_t*>_scratch_or_raise(n * sizeof(int64_t), capacity, "the step's slots")
 
 
-cdef void _give_slots(object slots, OptJob* job, int64_t* buf) noexcept:
-    # The slots of job.rows[:job.n] into `buf` (from _take_slots), new ones
-    # made for rows without state, and the job pointed at them.
+cdef void _give_slots(object slots, OptJob* job, Py_ssize_t n, int64_t* buf) noexcept:
+    # The slots of job.rows[:n] into `buf` (from _take_slots), new ones made
+    # for rows without state, and the job pointed at them.
     if buf != NULL:
-        job.fresh_from = (<RowSlots>slots)._assign(job.rows, job.n, job.skip_row, buf)
+        job.fresh_from = (<RowSlots>slots)._assign(job.rows, n, job.skip_row, buf)
         job.slots = buf
 
 
@@ -1210,8 +1210,8 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, slots, hyper
     if not nt:
         return None
     cdef size_t capacity = 0
-    cdef int64_t* buf = _take_slots(slots, &job, &capacity)
-    _give_slots(slots, &job, buf)
+    cdef int64_t* buf = _take_slots(slots, job.n, &capacity)
+    _give_slots(slots, &job, job.n, buf)
     cdef PyThreadState* gil
     cdef long long t0 = 0
     cdef bint measured
@@ -1333,7 +1333,7 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
         fs.tok.grad = <const char*>tok.rows
         fs.tok.compact = True
         fs.tok.order = lists
-        fs.tok.n = k  # for the slots; n_multi once they are given
+        fs.tok.n = n_multi
         fs.pos.rows = pos.uniq
         fs.pos.grad = <const char*>pos.rows
         fs.pos.compact = True
@@ -1349,16 +1349,17 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
         if nbytes:
             c.scratch = <int64_t*>_scratch_or_raise(nbytes, &capacity,
                                                     "the backward pass's scratch")
-        # The rows' state slots, last: nothing can fail once they are given.
+        # The state slots of every distinct row (fs.tok.n counts only the
+        # token rows updated after the sums), last: nothing can fail once
+        # they are given.
         try:
-            tok_slots = _take_slots(token_step[3], &fs.tok, &tok_slots_capacity)
-            pos_slots = _take_slots(position_step[3], &fs.pos, &pos_slots_capacity)
+            tok_slots = _take_slots(token_step[3], k, &tok_slots_capacity)
+            pos_slots = _take_slots(position_step[3], pos.k, &pos_slots_capacity)
         except MemoryError:
             _scratch_give(c.scratch, capacity)
             raise
-        _give_slots(token_step[3], &fs.tok, tok_slots)
-        _give_slots(position_step[3], &fs.pos, pos_slots)
-        fs.tok.n = n_multi
+        _give_slots(token_step[3], &fs.tok, k, tok_slots)
+        _give_slots(position_step[3], &fs.pos, pos.k, pos_slots)
         _run_kernel(&c, ktype)
         _scratch_give(c.scratch, capacity)
         return True

@@ -293,8 +293,9 @@ cdef class RowSlots:
         self.n_rows = n_rows
         self._reserve(0)
         if rows is not None:
-            if np.asarray(rows).dtype.kind not in "iu":
-                raise ValueError(f"rows must be integers; got {np.asarray(rows).dtype}")
+            rows = np.asarray(rows)
+            if rows.dtype.kind not in "iu":
+                raise ValueError(f"rows must be integers; got {rows.dtype}")
             given = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
             if given.size and (given.min() < 0 or given.max() >= n_rows):
                 raise ValueError(f"rows must be in [0, {n_rows})")
@@ -311,12 +312,10 @@ cdef class RowSlots:
     cdef int _reserve(self, Py_ssize_t extra) except -1:
         # Room for `extra` more rows (MemoryError before anything changes).
         cdef Py_ssize_t need = self.n + extra, size, s
-        cdef int bits = 4
+        cdef int bits = _hash_bits(need)
         cdef int64_t* index
         cdef int64_t* row_of
         cdef size_t h, mask
-        while (<Py_ssize_t>1 << bits) < 2 * need:
-            bits += 1
         if need > self.capacity:
             size = max(need, 2 * self.capacity, 16)
             row_of = <int64_t*>realloc(self.row_of, size * sizeof(int64_t))

@@ -297,8 +297,8 @@ def _adam_new_rows(f: Fixture, n_rows: int, g: np.ndarray, note: str) -> Group:
     old, pool = order[:n], order[n : n + min(n_rows // 4, 4096 * n)]
     g_all = np.resize(g, (n + pool.size, d))  # g, then g again and again
     pe.backward(g_all, order[: n + pool.size], optimizer=adam)
-    start = np.full(g_all.shape, 0.01, f.dt)
-    first = same(pe.embeddings[order[: n + pool.size]], _adam_first_rule(start, g_all))
+    before = np.full(g_all.shape, 0.01, f.dt)
+    first = same(pe.embeddings[order[: n + pool.size]], _adam_first_rule(before, g_all))
     drawn = [f.rng.choice(pool, n, replace=False) for _ in range(64)]
     fresh = {"next": n + pool.size, "drawn": 0}
 
