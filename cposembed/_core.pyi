@@ -61,7 +61,7 @@ OFFSET_PAST_END: int  # offset + T > n_rows
 
 class TableCall:
     # Base of LearnedPositionEmbedding: pe(positions) is the lookup entry on
-    # self._embeddings, then self._lookup_declined(positions, out) for what
+    # self._embeddings, then self._lookup_normalised(positions, out) for what
     # it refused.
     def __call__(self, positions: Any, *, out: np.ndarray | None = None) -> np.ndarray: ...
 
@@ -139,17 +139,17 @@ class RowSlots:
     def slot_of(self, row: int) -> int: ...  # -1: no state
 
 def distinct_rows(
-    rows: Any,  # plain int64, any shape, in [0, n_rows)
+    rows: Any,  # canonical int64, any shape, in [0, n_rows)
     n_rows: int,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]] | None: ...
 
 # The optimizers' step (cposembed.optim): hyper is a dict of cpe_opt_hyper's fields.
 def optimizer_step(
-    table: Any,  # plain writable (L, d)
-    grad: Any,  # plain, the state's dtype: (len(rows), d) if compact, else (L, d)
-    rows: Any,  # plain int64 (k,), distinct, in [0, L)
+    table: Any,  # canonical writable (L, d)
+    grad: Any,  # canonical, the state's dtype: (len(rows), d) if compact, else (L, d)
+    rows: Any,  # canonical int64 (k,), distinct, in [0, L)
     compact: bool,
-    state1: Any,  # None or plain writable (L, d), the state's dtype
+    state1: Any,  # None or canonical writable (L, d), the state's dtype
     state2: Any,
     slots: RowSlots | None,  # None: row r's state is row r
     hyper: dict[str, Any],
@@ -159,7 +159,7 @@ def optimizer_step(
 def fused_embed_step(
     token_step: tuple[Any, ...],  # (table, state1, state2, slots, skip_row) of the tokens
     position_step: tuple[Any, ...],  # the same for the positions
-    grad_output: Any,  # as embed_backward's, apart from both tables and their state
+    grad_output: Any,  # as embed_backward's, disjoint from both tables and their state
     token_ids: Any,
     positions: Any,
     offset: Any,
@@ -168,12 +168,12 @@ def fused_embed_step(
 ) -> bool | None: ...
 
 # What the entries take as it is (src_c/_contract.pxi).
-def is_plain(
+def is_canonical(
     obj: object,
     dtype: npt.DTypeLike,  # compared by type number; native byte order required
     writable: bool = False,  # bint
 ) -> bool: ...
-def apart(a: object, b: object) -> bool: ...  # exact C-contiguous arrays whose bytes do not meet
+def disjoint(a: object, b: object) -> bool: ...  # exact C-contiguous arrays whose bytes do not meet
 
 # Threads (src_c/_parallel.pxi, src_c/_threads.h).
 def default_threads() -> int: ...

@@ -171,6 +171,6 @@ def call_rows(
     flat = np.ascontiguousarray(np.broadcast_to(pos, lead), dtype=np.int64).reshape(-1)
     found = _core.distinct_rows(flat, n_rows)
     if found is None:  # int64 rows in range: the entry takes them
-        raise RuntimeError("distinct_rows declined its rows")
+        raise RuntimeError("distinct_rows refused its rows")
     rows, slots, _ = found
     return rows, slots.reshape(lead)

@@ -37,7 +37,7 @@ MAX_POSITION_DIMS = _core.MAX_POSITION_DIMS
 
 def _accepted(result: Any) -> Any:
     # Normalised arguments are exactly what the entries take (the layout rule
-    # is the entries' own, _core.is_plain); None here is a bug, not bad input.
+    # is the entries' own, _core.is_canonical); None here is a bug, not bad input.
     if result is None:
         raise RuntimeError("cposembed internal error: a C entry refused checked arguments")
     return result
@@ -174,7 +174,7 @@ def add(tokens: Any, table: Any, positions: Any, *, offset: Any, out: Any, num_t
         # table: NumPy's own promotion decides.
         rows = t[default_rows(off, tok.shape[-2])] if pos is None else t[pos]
         return np.add(tok, rows, out=out)
-    tok_c = v.plain_copy(tok, dtype)
+    tok_c = v.canonical_copy(tok, dtype)
     rows, pos, off = _shallow(tok_c, pos, off, n_rows)
     if out is None:
         return _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape)
@@ -247,12 +247,12 @@ def scatter_add(
     g = v.as_rows(grad_output, d, "grad_output")
     nt = _threads.check_num_threads(num_threads)
     pos, off = row_positions(positions, offset, g.shape[:-1], n_rows, "grad_output")
-    g_c = v.plain_copy(g, grad_output_dtype(g.dtype, native))
+    g_c = v.canonical_copy(g, grad_output_dtype(g.dtype, native))
     if v.overlaps(g_c, grad_table):
         g_c = g_c.copy()
     g_c, pos, off = _shallow(g_c, pos, off, n_rows)
     base = _base(grad_table)
-    work = v.plain_copy(base, native)
+    work = v.canonical_copy(base, native)
     _accepted(_core.scatter_add(work, g_c, pos, off, nt, touched, skip_row))
     if work is not base:
         np.copyto(grad_table, work)
@@ -418,8 +418,8 @@ def embed_backward(
         return
     assert gt is not None and gp is not None
     native = v.native_dtype(gt.dtype)
-    g_c = v.plain_copy(g, grad_output_dtype(g.dtype, native))
-    works = [v.plain_copy(_base(table), native) for table in (gt, gp)]
+    g_c = v.canonical_copy(g, grad_output_dtype(g.dtype, native))
+    works = [v.canonical_copy(_base(table), native) for table in (gt, gp)]
     _accepted(_core.embed_backward(works[0], works[1], g_c, ids, pos, off, nt, *marks))
     for table, work in zip((gt, gp), works):
         if work is not _base(table):

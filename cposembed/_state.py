@@ -93,7 +93,7 @@ def _table(value: Any, what: str) -> np.ndarray:
             f"{what} must be a 2-D {FLOAT_NAMES} array with both sizes >= 1; got {describe(value)}"
         )
     dtype = native_dtype(value.dtype)
-    if _core.is_plain(value, dtype, writable=True):
+    if _core.is_canonical(value, dtype, writable=True):
         return value
     return np.array(value, dtype=dtype, order="C", copy=True, subok=False)
 
@@ -155,7 +155,7 @@ def from_pickle(state: Any, current_version: int) -> State:
         # A gradient in another layout becomes one in the dtype a backward
         # gives (float32 for a float16 or bfloat16 table).
         grad_dtype = work_dtype(table.dtype)
-        if not _core.is_plain(grad, grad_dtype, writable=True):
+        if not _core.is_canonical(grad, grad_dtype, writable=True):
             grad = np.array(grad, dtype=grad_dtype, order="C", copy=True, subok=False)
 
     touched = state.get("touched")

@@ -3,9 +3,7 @@
 The rules themselves (defaults, caps, serial threshold, the CPU limit, the
 measured choice of one thread or several) and the OpenMP loop that runs the
 kernels live in C, in ``src_c/_parallel.pxi`` and ``src_c/_threads.h``, where
-every entry applies them; this module sets what C cannot read on every
-platform (the CPUs this process may run on, again in a forked child) and
-words the errors for what the C side declines.
+every entry applies them; this module words the errors.
 """
 
 from __future__ import annotations
@@ -22,30 +20,10 @@ SERIAL_THRESHOLD: int = _core.SERIAL_THRESHOLD
 _OPENMP = _core.openmp_enabled()
 
 
-def _os_cpu_limit() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 def cpu_limit() -> int:
     """The CPUs this process may run on, as the thread rules read them (on
     Linux its affinity and cgroup quota, read again every 50 ms)."""
     return int(_core.cpu_limit())
-
-
-# The CPUs as Python reads them, at import and in a forked child; on Linux
-# the C side reads them again itself (sched_setaffinity, a new quota).
-_core.set_cpu_limit(_os_cpu_limit())
-
-
-def _after_fork_in_child() -> None:
-    _core.set_cpu_limit(_os_cpu_limit())
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def env_num_threads_error() -> str | None:

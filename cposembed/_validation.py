@@ -233,7 +233,7 @@ def as_table(table: Any, name: str = "table") -> np.ndarray:
         raise TypeError(f"{name} must have dtype {FLOAT_NAMES}; got {arr.dtype}")
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D (max_seq_len, embed_dim); got shape {arr.shape}")
-    return plain_copy(arr, arr.dtype)
+    return canonical_copy(arr, arr.dtype)
 
 
 def as_positions(positions: Any, n_rows: int, what: str = "position") -> np.ndarray | None:
@@ -388,14 +388,14 @@ def broadcast_positions(pos: np.ndarray, lead: tuple[int, ...], what: str) -> np
 
 def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether writing ``a`` could change ``b`` (a cheap, conservative test): not
-    when the entries' own rule (``_core.apart``) says so, else NumPy's bounds."""
-    return not _core.apart(a, b) and bool(np.may_share_memory(a, b))
+    when the entries' own rule (``_core.disjoint``) says so, else NumPy's bounds."""
+    return not _core.disjoint(a, b) and bool(np.may_share_memory(a, b))
 
 
-def plain_copy(arr: Any, dtype: Any) -> np.ndarray:
+def canonical_copy(arr: Any, dtype: Any) -> np.ndarray:
     """``arr`` as the entries take it for ``dtype`` (native): itself if it already is
-    (``_core.is_plain``, the entries' own rule), else a copy: an exact ndarray,
+    (``_core.is_canonical``, the entries' own rule), else a copy: an exact ndarray,
     C-contiguous and aligned (``np.ascontiguousarray`` keeps a misaligned array)."""
-    if _core.is_plain(arr, dtype):
+    if _core.is_canonical(arr, dtype):
         return arr
     return np.require(arr, dtype=dtype, requirements=["C", "A", "E"])

@@ -255,7 +255,7 @@ class LearnedPositionEmbedding(_core.TableCall):
     # -- forward -----------------------------------------------------------
     # pe(positions) is TableCall.__call__ (src_c/_core.pyx): the lookup entry
     # itself, then this for what it refused.
-    def _lookup_declined(self, positions: Any, out: np.ndarray | None) -> np.ndarray:
+    def _lookup_normalised(self, positions: Any, out: np.ndarray | None) -> np.ndarray:
         return _routes.lookup(self._embeddings, positions, out=out, num_threads=None)
 
     def add_to(

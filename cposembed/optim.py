@@ -284,14 +284,14 @@ class Optimizer:
         """Update the table ``name`` on the distinct ``rows`` (but ``skip_row``)
         and their state: ``grad`` in the state's dtype, row ``i`` that of
         ``rows[i]`` if ``compact``, else of the table's shape. False if the
-        entry declined ``grad`` (nothing written), unless ``strict``."""
+        entry refused ``grad`` (nothing written), unless ``strict``."""
         table, state1, state2, slots, skip = self._target_of(name, skip_row)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         done = _core.optimizer_step(
             table, grad, rows, compact, state1, state2, slots, self._kernel_hyper(), skip
         )
         if done is None and strict:  # the optimizer's own arrays: the entry takes them all
-            raise RuntimeError("the optimizer step's kernel declined its arguments")
+            raise RuntimeError("the optimizer step's kernel refused its arguments")
         return done is not None
 
     def _target_of(self, name: str, skip_row: int) -> tuple[Any, ...]:
@@ -337,11 +337,11 @@ class Optimizer:
         self, grad_output: Any, token_ids: Any, positions: Any, offset: Any
     ) -> None:
         """The fused backward of a :class:`TokenPositionEmbedding`: the entry
-        first, as the other operations call theirs; what it declines is
+        first, as the other operations call theirs; what it refuses is
         normalised (or refused with the worded error) and handed to it again."""
         if self._layer_step(grad_output, token_ids, positions, offset):
             return
-        tokens, places = self._tables["token_embeddings"], self._tables["position_embeddings"]
+        tokens, positions_of = self._tables["token_embeddings"], self._tables["position_embeddings"]
         d = tokens.table.shape[1]
         ids = _routes.checked_ids(token_ids, tokens.table.shape[0])
         g = v.as_rows(grad_output, d, "grad_output")
@@ -350,19 +350,19 @@ class Optimizer:
                 f"grad_output must have shape token_ids.shape + (d,) = {ids.shape + (d,)}; "
                 f"got {g.shape}"
             )
-        pos, off = _routes.id_positions(ids, positions, offset, places.table.shape[0])
+        pos, off = _routes.id_positions(ids, positions, offset, positions_of.table.shape[0])
         work = self._states["token_embeddings"].dtype
-        g_c = v.plain_copy(g, _routes.grad_output_dtype(g.dtype, work))
+        g_c = v.canonical_copy(g, _routes.grad_output_dtype(g.dtype, work))
         written = [t.table for t in self._tables.values()]
         written += [b for s in self._states.values() for b in s.buffers.values()]
         if any(v.overlaps(g_c, a) for a in written):
             g_c = g_c.copy()  # the step writes rows while it still reads the gradient
         if not self._layer_step(g_c, ids, pos, off):
-            raise RuntimeError("the fused step's kernel declined its arguments")
+            raise RuntimeError("the fused step's kernel refused its arguments")
 
     def _layer_step(self, grad_output: Any, token_ids: Any, positions: Any, offset: Any) -> bool:
         """The entry of a layer's fused step (one step counted if it ran); False:
-        declined, nothing written, no step counted."""
+        refused, nothing written, no step counted."""
         self._step += 1
         skip = self._tables["token_embeddings"].gradient.skip_row
         done = _core.fused_embed_step(

@@ -272,7 +272,7 @@ cdef void _kernel(const KernelCall* c, const cpe_row_ops* ops) noexcept nogil:
                   c.d * ops.tsize)
 
 
-cdef bint _plain_as(object obj, int typenum) noexcept:
+cdef bint _is_canonical(object obj, int typenum) noexcept:
     """Canonical, as the entries take arrays: an exact ndarray of dtype `typenum`,
     native byte order, C-contiguous, aligned."""
     if not cnp.PyArray_CheckExact(obj):
@@ -288,7 +288,7 @@ cdef bint _plain_as(object obj, int typenum) noexcept:
 
 cdef int _source_type(object arr) noexcept:
     """The dtype of an ndarray whose dtype has kernels, -1 for anything else
-    (a source that may differ from the table's dtype: _plain_as still checks
+    (a source that may differ from the table's dtype: _is_canonical still checks
     it)."""
     if not cnp.PyArray_CheckExact(arr):
         return -1
@@ -302,12 +302,12 @@ cdef int _table_type(object table) noexcept:
         return -1
     cdef cnp.ndarray t = <cnp.ndarray>table
     cdef int typenum = cnp.PyArray_TYPE(t)
-    if cnp.PyArray_NDIM(t) != 2 or not _has_kernels(typenum) or not _plain_as(t, typenum):
+    if cnp.PyArray_NDIM(t) != 2 or not _has_kernels(typenum) or not _is_canonical(t, typenum):
         return -1
     return typenum
 
 
-cdef bint _apart(cnp.ndarray a, cnp.ndarray b) noexcept:
+cdef bint _disjoint(cnp.ndarray a, cnp.ndarray b) noexcept:
     # The byte ranges of two C-contiguous arrays do not meet (an empty array
     # meets nothing, as for np.may_share_memory).
     cdef const char* a0 = cnp.PyArray_BYTES(a)
@@ -319,7 +319,7 @@ cdef bint _apart(cnp.ndarray a, cnp.ndarray b) noexcept:
 cdef bint _writable_out(object out, int typenum, int nd, const cnp.npy_intp* dims,
                         cnp.ndarray table) noexcept:
     """`out` is canonical, writable, of shape dims[:nd], and not overlapping the table."""
-    if not _plain_as(out, typenum):
+    if not _is_canonical(out, typenum):
         return False
     cdef cnp.ndarray o = <cnp.ndarray>out
     cdef int k
@@ -328,7 +328,7 @@ cdef bint _writable_out(object out, int typenum, int nd, const cnp.npy_intp* dim
     for k in range(nd):
         if cnp.PyArray_DIMS(o)[k] != dims[k]:
             return False
-    return _apart(o, table)
+    return _disjoint(o, table)
 
 
 cdef inline cnp.ndarray _output(object out, int typenum, int nd, cnp.npy_intp* dims,
@@ -340,7 +340,7 @@ cdef inline cnp.ndarray _output(object out, int typenum, int nd, cnp.npy_intp* d
     or None); None if `out` is neither or num_threads is refused."""
     if out is not None and not (
             _writable_out(out, typenum, nd, dims, table)
-            and (other is None or _apart(<cnp.ndarray>out, <cnp.ndarray>other))):
+            and (other is None or _disjoint(<cnp.ndarray>out, <cnp.ndarray>other))):
         return None
     result = _new_output(nd, dims, table) if out is None else out
     nt[0] = _threads_for(num_threads, n_rows * d, n_rows)
@@ -573,7 +573,7 @@ cdef class TableCall:
     The call is the lookup entry itself on ``self._embeddings``, with no
     Python frame in between: a tiny call costs about what NumPy's
     ``table[i]`` does. Arguments the entry refuses go to
-    ``self._lookup_declined(positions, out)``, the normalising route of
+    ``self._lookup_normalised(positions, out)``, the normalising route of
     :func:`cposembed.lookup`. (No fields here: the subclass keeps its state
     in ``__slots__``, whose reads Python specialises.)
     """
@@ -601,7 +601,7 @@ Look up position embeddings: ``embeddings[positions]``.
         """
         result = _lookup_entry(self._embeddings, positions, out, None)
         if result is None:
-            result = self._lookup_declined(positions, out)
+            result = self._lookup_normalised(positions, out)
         return result
 
 
@@ -610,7 +610,7 @@ cdef int _rows_type(object table, object rows_array, bint any_dtype=False) noexc
     # of shape (..., d) with that dtype (tokens), or with any dtype that has
     # kernels if any_dtype (a gradient: _source_type); -1 else.
     cdef int typenum = _table_type(table)
-    if typenum < 0 or not _plain_as(
+    if typenum < 0 or not _is_canonical(
             rows_array, _source_type(rows_array) if any_dtype else typenum):
         return -1
     cdef cnp.ndarray a = <cnp.ndarray>rows_array
@@ -754,7 +754,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     cdef int nd = cnp.PyArray_NDIM(g)
     if (
         not cnp.PyArray_ISWRITEABLE(G)
-        or not _apart(g, G)
+        or not _disjoint(g, G)
         or not _marks_ok(touched, L)
         or not -1 <= skip_row < L
         or not <int>PLAN_AUTO <= plan <= <int>PLAN_SORT
@@ -807,17 +807,17 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
     """``table[r] -= lr * grad[r]`` on the rows r that ``touched`` marks
     (every row if None), except skip_row, computed in the gradient's dtype (lr
     rounded once to it) and rounded once to the table's; True, or None if
-    declined.
+    refused.
 
-    table: a plain writable (L, d) table; grad: a plain array of the same
-    shape, apart from it, of the table's dtype, or float32 for a float16 or
+    table: a canonical writable (L, d) table; grad: a canonical array of the same
+    shape, disjoint from it, of the table's dtype, or float32 for a float16 or
     bfloat16 table (the master gradient); touched: None or a RowMarks of L
     rows (the step then costs its marked rows); skip_row: a row in [0, L),
     or -1.
     """
     cdef int typenum = _table_type(table)
     cdef bint half = typenum == NPY_HALF or typenum == _NPY_BFLOAT16
-    if typenum < 0 or not _plain_as(grad, cnp.NPY_FLOAT if half else typenum):
+    if typenum < 0 or not _is_canonical(grad, cnp.NPY_FLOAT if half else typenum):
         return None
     cdef cnp.ndarray t = <cnp.ndarray>table
     cdef cnp.ndarray G = <cnp.ndarray>grad
@@ -827,7 +827,7 @@ def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=N
         or cnp.PyArray_DIMS(G)[0] != L
         or cnp.PyArray_DIMS(G)[1] != d
         or not cnp.PyArray_ISWRITEABLE(t)
-        or not _apart(t, G)
+        or not _disjoint(t, G)
         or not _marks_ok(touched, L)
         or not -1 <= skip_row < L
     ):
@@ -956,7 +956,7 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
     gets no gradient (padding_idx, zeroed after the sum), or -1.
     """
     cdef int typenum = _pair_type(grad_token_table, grad_position_table)
-    if typenum < 0 or not _plain_as(grad_output, _source_type(grad_output)):
+    if typenum < 0 or not _is_canonical(grad_output, _source_type(grad_output)):
         return None
     cdef cnp.ndarray gt = <cnp.ndarray>grad_token_table
     cdef cnp.ndarray gp = <cnp.ndarray>grad_position_table
@@ -967,9 +967,9 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
     if (
         not cnp.PyArray_ISWRITEABLE(gt)
         or not cnp.PyArray_ISWRITEABLE(gp)
-        or not _apart(gt, gp)
-        or not _apart(g, gt)
-        or not _apart(g, gp)
+        or not _disjoint(gt, gp)
+        or not _disjoint(g, gt)
+        or not _disjoint(g, gp)
         or not _marks_ok(token_touched, V)
         or not _marks_ok(position_touched, L)
         or (token_touched is not None and token_touched is position_touched)
@@ -1036,12 +1036,12 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
 
 
 def distinct_rows(rows, Py_ssize_t n_rows):
-    """``(uniq, slots, first)`` of a plain int64 array of rows in [0,
+    """``(uniq, slots, first)`` of a canonical int64 array of rows in [0,
     n_rows): the distinct rows in order of first appearance, shaped as
     `rows` the index of each entry's row in `uniq` (``uniq[slots] ==
     rows``), and the flat index where each of `uniq` first appears, in time
-    proportional to the rows, not the table (_distinct); None if declined."""
-    if not _plain_as(rows, cnp.NPY_INT64) or n_rows < 0:
+    proportional to the rows, not the table (_distinct); None if refused."""
+    if not _is_canonical(rows, cnp.NPY_INT64) or n_rows < 0:
         return None
     cdef cnp.ndarray r = <cnp.ndarray>rows
     cdef Py_ssize_t m = cnp.PyArray_SIZE(r), j, k
@@ -1065,11 +1065,11 @@ def distinct_rows(rows, Py_ssize_t n_rows):
 
 cdef bint _state_ok(object buf, int typenum, Py_ssize_t L, Py_ssize_t d,
                     cnp.ndarray table) noexcept:
-    # None, or a plain writable (L, d) array of dtype typenum apart from the
+    # None, or a canonical writable (L, d) array of dtype typenum disjoint from the
     # table.
     if buf is None:
         return True
-    if not _plain_as(buf, typenum):
+    if not _is_canonical(buf, typenum):
         return False
     cdef cnp.ndarray b = <cnp.ndarray>buf
     return (
@@ -1077,7 +1077,7 @@ cdef bint _state_ok(object buf, int typenum, Py_ssize_t L, Py_ssize_t d,
         and cnp.PyArray_NDIM(b) == 2
         and cnp.PyArray_DIMS(b)[0] == L
         and cnp.PyArray_DIMS(b)[1] == d
-        and _apart(b, table)
+        and _disjoint(b, table)
     )
 
 
@@ -1097,11 +1097,11 @@ cdef bint _read_hyper(object hyper, cpe_opt_hyper* h) noexcept:
 cdef bint _opt_target(OptJob* job, const cpe_opt_hyper* h, object table, object state1,
                       object state2, object slots, Py_ssize_t skip_row) noexcept:
     # Fills the table and state of `job` (zeroed first) for a step with
-    # hyper-parameters h: table a plain writable (L, d) table; state1,
-    # state2 None or plain writable (L, d) arrays of the state's dtype (the
-    # table's for float64, else float32), apart from the table and each
+    # hyper-parameters h: table a canonical writable (L, d) table; state1,
+    # state2 None or canonical writable (L, d) arrays of the state's dtype (the
+    # table's for float64, else float32), disjoint from the table and each
     # other, as the kind of step needs them; slots None or a RowSlots of L
-    # rows; skip_row in [-1, L). False: declined.
+    # rows; skip_row in [-1, L). False: refused.
     memset(job, 0, sizeof(OptJob))
     cdef int typenum = _table_type(table)
     if typenum < 0:
@@ -1114,7 +1114,7 @@ cdef bint _opt_target(OptJob* job, const cpe_opt_hyper* h, object table, object 
         or not _state_ok(state1, ktype, L, d, t)
         or not _state_ok(state2, ktype, L, d, t)
         or (state1 is not None and state2 is not None
-            and not _apart(<cnp.ndarray>state1, <cnp.ndarray>state2))
+            and not _disjoint(<cnp.ndarray>state1, <cnp.ndarray>state2))
         or not (slots is None or (type(slots) is RowSlots and (<RowSlots>slots).n_rows == L))
         or not -1 <= skip_row < L
         or (h.kind == CPE_OPT_ADAM and (state1 is None or state2 is None))
@@ -1133,12 +1133,12 @@ cdef bint _opt_target(OptJob* job, const cpe_opt_hyper* h, object table, object 
     return True
 
 
-cdef bint _apart_from_target(cnp.ndarray a, object table, object state1,
-                             object state2) noexcept:
+cdef bint _disjoint_from_target(cnp.ndarray a, object table, object state1,
+                                object state2) noexcept:
     # `a` shares no memory with a step's table and state arrays.
-    return _apart(a, <cnp.ndarray>table) and (
-        state1 is None or _apart(a, <cnp.ndarray>state1)) and (
-        state2 is None or _apart(a, <cnp.ndarray>state2))
+    return _disjoint(a, <cnp.ndarray>table) and (
+        state1 is None or _disjoint(a, <cnp.ndarray>state1)) and (
+        state2 is None or _disjoint(a, <cnp.ndarray>state2))
 
 
 cdef int64_t* _take_slots(object slots, Py_ssize_t n, size_t* capacity) except? NULL:
@@ -1162,14 +1162,14 @@ cdef void _give_slots(object slots, OptJob* job, Py_ssize_t n, int64_t* buf) noe
 def optimizer_step(table, grad, rows, bint compact, state1, state2, slots, hyper,
                    Py_ssize_t skip_row, num_threads=None):
     """One optimizer step on the distinct table rows `rows` but skip_row
-    (cpe_opt_T of _rows.h.tp); True, or None if declined.
+    (cpe_opt_T of _rows.h.tp); True, or None if refused.
 
-    table: a plain writable (L, d) table. The state's dtype K is float64
-    for a float64 table, else float32. grad: a plain K array of d columns,
-    apart from the table: row i is the gradient of rows[i] if compact, else
-    grad is (L, d) and row r is row r's. rows: a plain 1-D int64 array of
+    table: a canonical writable (L, d) table. The state's dtype K is float64
+    for a float64 table, else float32. grad: a canonical K array of d columns,
+    disjoint from the table: row i is the gradient of rows[i] if compact, else
+    grad is (L, d) and row r is row r's. rows: a canonical 1-D int64 array of
     distinct rows in [0, L) (repeated rows would race). state1, state2: None
-    or plain writable (L, d) K arrays, apart from the table and grad (SGD's
+    or canonical writable (L, d) K arrays, disjoint from the table and grad (SGD's
     momentum buffer; Adam's two moments). slots: None (row r's state is
     row r) or a RowSlots of L rows: row r's state is row slots.slot_of(r);
     a row without a slot gets the next one and is fresh (SGD's momentum
@@ -1184,8 +1184,8 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, slots, hyper
                                                      skip_row):
         return None
     cdef Py_ssize_t L = cnp.PyArray_DIMS(<cnp.ndarray>table)[0], n, i
-    if not _plain_as(grad, cnp.NPY_DOUBLE if job.ssize == 8 else cnp.NPY_FLOAT) or (
-            not _plain_as(rows, cnp.NPY_INT64)):
+    if not _is_canonical(grad, cnp.NPY_DOUBLE if job.ssize == 8 else cnp.NPY_FLOAT) or (
+            not _is_canonical(rows, cnp.NPY_INT64)):
         return None
     cdef cnp.ndarray G = <cnp.ndarray>grad
     cdef cnp.ndarray R = <cnp.ndarray>rows
@@ -1195,7 +1195,7 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, slots, hyper
         or cnp.PyArray_NDIM(G) != 2
         or cnp.PyArray_DIMS(G)[1] != job.d
         or cnp.PyArray_DIMS(G)[0] != (n if compact else L)
-        or not _apart_from_target(G, table, state1, state2)
+        or not _disjoint_from_target(G, table, state1, state2)
     ):
         return None
     cdef const int64_t* rp = <const int64_t*>cnp.PyArray_DATA(R)
@@ -1232,13 +1232,13 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, slots, hyper
 def fused_embed_step(token_step, position_step, grad_output, token_ids, positions, offset,
                      hyper, num_threads=None):
     """The layer's backward and an optimizer step on the rows it touches, in
-    one pass (FusedStep): no gradient table; True, or None if declined.
+    one pass (FusedStep): no gradient table; True, or None if refused.
 
     token_step / position_step: (table, state1, state2, slots, skip_row), as
     optimizer_step takes them, for the token table (V, d) and the position
     table (L, d), one dtype; no table or state array of one shares memory
     with the other's, and each has its own slots. grad_output, token_ids, positions, offset: as
-    embed_backward takes them; grad_output apart from both tables and their
+    embed_backward takes them; grad_output disjoint from both tables and their
     state (the step writes rows while other rows are still being read).
     hyper: as optimizer_step's. Each distinct row of the call is summed into
     a scratch row of the state's dtype by the thread that owns it, in input
@@ -1258,18 +1258,18 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
         or _table_type(token_step[0]) != _table_type(position_step[0])
         or (token_step[3] is not None and token_step[3] is position_step[3])
         or fs.tok.d != fs.pos.d
-        or not _plain_as(grad_output, _source_type(grad_output))
+        or not _is_canonical(grad_output, _source_type(grad_output))
     ):
         return None
     cdef cnp.ndarray g = <cnp.ndarray>grad_output
     cdef int i_arr
     for i_arr in (0, 1, 2):
-        if token_step[i_arr] is not None and not _apart_from_target(
+        if token_step[i_arr] is not None and not _disjoint_from_target(
                 <cnp.ndarray>token_step[i_arr], position_step[0], position_step[1],
                 position_step[2]):
             return None
-    if not _apart_from_target(g, token_step[0], token_step[1], token_step[2]) or (
-            not _apart_from_target(g, position_step[0], position_step[1], position_step[2])):
+    if not _disjoint_from_target(g, token_step[0], token_step[1], token_step[2]) or (
+            not _disjoint_from_target(g, position_step[0], position_step[1], position_step[2])):
         return None
     cdef Py_ssize_t V = cnp.PyArray_DIMS(<cnp.ndarray>token_step[0])[0]
     cdef Py_ssize_t L = cnp.PyArray_DIMS(<cnp.ndarray>position_step[0])[0]

@@ -33,7 +33,7 @@ from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport abort, calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
-from _openmp cimport CPOSEMBED_OPENMP_ENABLED, omp_get_max_threads
+from _openmp cimport CPOSEMBED_OPENMP_ENABLED, omp_get_max_threads, omp_get_num_procs
 
 
 cdef extern from "_stream.h" nogil:

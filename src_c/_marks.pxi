@@ -243,11 +243,11 @@ cdef class RowMarks:
     def zero_rows(self, grad):
         """``grad[rows] = 0`` for the marked rows, then :meth:`clear`: at the
         cost of the marked rows (a whole ``fill`` when most are marked).
-        grad: a plain writable (n_rows, d) array of a dtype with kernels."""
+        grad: a canonical writable (n_rows, d) array of a dtype with kernels."""
         if _table_type(grad) < 0 or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>grad) or (
                 cnp.PyArray_DIMS(<cnp.ndarray>grad)[0] != self.n_rows):
             raise ValueError(
-                f"grad must be a plain writable ({self.n_rows}, d) float array; "
+                f"grad must be a canonical writable ({self.n_rows}, d) float array; "
                 f"got {type(grad).__name__}"
             )
         cdef char* base = cnp.PyArray_BYTES(<cnp.ndarray>grad)

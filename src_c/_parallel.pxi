@@ -1,17 +1,9 @@
-# How many threads a call runs on, and how it runs on them: every rule in
-# one place (the C half is _threads.h).
-#
+# How many threads a call runs on, and the loop that runs it (_run_chunks, a
+# prange over one share of chunks per thread); the C half is _threads.h.
 # The default, as scikit-learn's _openmp_effective_n_threads: set_num_threads(n),
-# else CPOSEMBED_NUM_THREADS, else omp_get_max_threads() (OMP_NUM_THREADS,
-# threadpoolctl), capped by the CPUs this process may run on (read again when
-# they change). An explicit num_threads= wins, capped at _OVERSUBSCRIBE times
-# the CPUs. Small work runs on one thread, and no call has more threads than
-# pieces of work. A call on the default threads runs on them or on one,
-# whichever has been faster for its kind and size of late (cpe_choose,
-# cpe_took). The loop is _run_chunks, a prange over one share of chunks per
-# thread; the OS threads it causes are bounded before a region starts
-# (cpe_threads_here), and a forked child of a process with threads runs
-# every call on its caller.
+# else CPOSEMBED_NUM_THREADS, else omp_get_max_threads(), capped by the CPUs
+# this process may run on. An explicit num_threads= is capped at
+# _OVERSUBSCRIBE times the CPUs.
 
 from cython.parallel cimport prange
 from libc.stdlib cimport getenv, strtol
@@ -91,19 +83,20 @@ cdef int _env_threads() noexcept nogil:
     return -1 if end[0] != 0 or n < 1 else <int>min(n, 1 << 30)
 
 
-cdef void _set_cpus(int n) noexcept nogil:
+cdef void _read_cpus() noexcept nogil:
+    # The CPUs this process may use (Linux: affinity and cgroup quota; else
+    # the OpenMP runtime's count), read again at most every 50 ms.
     global _cpus, _cpus_read_at
-    _cpus = max(1, n)
+    cdef int n
+    if cpe_now_ns() - _cpus_read_at < 50000000:
+        return
+    n = cpe_cpus_now()
+    _cpus = max(1, n if n >= 1 else omp_get_num_procs())
     _cpus_read_at = cpe_now_ns()
     cpe_set_locked(&cpe_room_max, max(0, _OVERSUBSCRIBE * _cpus - 1))
 
 
-cdef void _read_cpus() noexcept nogil:
-    # The CPU limit again where the OS tells it (Linux), at most every 50 ms.
-    cdef int n
-    if cpe_now_ns() - _cpus_read_at >= 50000000:
-        n = cpe_cpus_now()
-        _set_cpus(n if n >= 1 else _cpus)
+_read_cpus()
 
 
 cdef int _default_threads() noexcept nogil:
@@ -173,12 +166,12 @@ def default_threads():
 
 
 def env_threads():
-    """CPOSEMBED_NUM_THREADS as the default reads it (0: unset, -1: invalid)."""
+    # CPOSEMBED_NUM_THREADS as the default reads it (0: unset, -1: invalid).
     return _env_threads()
 
 
 def team(num_threads, Py_ssize_t work, Py_ssize_t chunks):
-    """Threads such a call runs on; 0 if num_threads is invalid."""
+    # Threads such a call runs on; 0 if num_threads is invalid.
     return _threads_for(num_threads, work, chunks)
 
 
@@ -188,10 +181,6 @@ def user_threads(n=None):
     if n is not None:
         _user_threads = n
     return _user_threads
-
-
-def set_cpu_limit(int n):
-    _set_cpus(n)
 
 
 def cpu_limit():

@@ -36,9 +36,8 @@ static long long cpe_now_ns(void) {
 
 /* ---- a region's chunks ------------------------------------------------------
  * One contiguous share of the chunks per thread, [lo, hi) packed as
- * lo << 32 | hi on a cache line of its own. A thread claims its own share
- * from the front and, once it is empty, the others' from the back: a thread
- * its CPU neglects runs fewer chunks. What a chunk covers is fixed by the
+ * lo << 32 | hi on a cache line of its own. A thread takes its own share from
+ * the front, then the others' from the back. A chunk's work is fixed by the
  * kernel, so only which thread runs it varies, never a result. */
 #define CPE_MAX_REGION 256
 
@@ -96,14 +95,11 @@ static void cpe_job_run(cpe_job *job, int t) {
 }
 
 /* ---- the threads the package causes ------------------------------------------
- * The OpenMP runtime keeps a pool of helpers per calling thread (libgomp
- * exits the process when it cannot start one). Each calling thread reserves
- * its helpers from one budget (cpe_room_max) before its first region that
- * needs them and gives them back when it ends; a caller that finds the
- * budget spent runs alone. Where the OS limits this user's threads
- * (RLIMIT_NPROC), a region that would start threads first starts and ends
- * as many, and starts the pool under the same lock; when the OS refuses,
- * the call runs on the threads it has and no caller asks again. */
+ * The OpenMP runtime keeps a pool of helpers per calling thread, and libgomp
+ * exits the process when it cannot start one. A calling thread reserves its
+ * helpers from one budget (cpe_room_max) and gives them back when it ends.
+ * Under RLIMIT_NPROC, a region that would start threads first starts and ends
+ * as many; if the OS refuses, no caller asks for more. */
 static void cpe_give_back(void *mine);
 #if CPOSEMBED_OPENMP_ENABLED && defined(_WIN32)
 #if defined(_MSC_VER)
@@ -291,12 +287,10 @@ static void cpe_region_ran(int n) {
 }
 
 /* ---- fork ---------------------------------------------------------------------
- * A forked child has only the thread that forked, and a libgomp region with
- * more than one thread waits forever for its parent's pool. So a child whose
- * parent had other threads when it forked (any may have been a pool's) runs
- * every call on its caller, and so do its children; a child of a process
- * with one thread keeps its threads. Where threads cannot be counted, a
- * child of a process that ran a region runs on one thread. */
+ * A libgomp region with more than one thread in a forked child waits forever
+ * for the parent's pool. A child whose parent had other threads (or, where
+ * threads cannot be counted, ran a region) runs every call on its caller, and
+ * so do its children. */
 static int cpe_fork_threads = -1;
 #if CPOSEMBED_OPENMP_ENABLED && !defined(_WIN32)
 static void cpe_fork_prepare(void) {
@@ -319,15 +313,11 @@ static void cpe_threads_init(void) { cpe_key_init(); }
 #endif
 
 /* ---- one thread or several: measured -------------------------------------------
- * Each kind of call and size (a site: the kernel, and the work's power of
- * two) keeps its recent times per element on its planned threads and on
- * one thread. It runs on the count that has been faster, and now and then
- * on the other, to learn when that changes: every `every` calls, set so
- * that such calls cost about CPE_PROBE_COST of the time (cpe_interval).
- * Several threads lose to one only when the CPUs are taken
- * (another busy process); other thread pools in this process that sit
- * idle, spinning or asleep, do not make that happen, and so do not send
- * calls to one thread. Called with the GIL held. */
+ * Each site (a kernel, and the work's power of two) keeps its recent times per
+ * element on its planned threads and on one thread, runs on the faster count,
+ * and tries the other every `every` calls (cpe_interval). Several threads lose
+ * to one only when the CPUs are taken; idle or spinning pools of other
+ * libraries do not do that. Called with the GIL held. */
 #define CPE_KINDS 8
 #define CPE_SIZES 48
 #define CPE_RING 4
@@ -340,7 +330,7 @@ typedef struct {
     int since, every;           /* calls since the last on the other count; the interval */
     int count[2], next[2];      /* [0]: one thread, [1]: n threads */
     double rate[2][CPE_RING];   /* ns per element, the latest CPE_RING calls */
-    double latest[2];
+    double latest;              /* the latest rate on one thread */
 } cpe_site;
 
 static cpe_site cpe_sites[CPE_KINDS][CPE_SIZES];
@@ -381,12 +371,10 @@ static int cpe_choose(int kind, Py_ssize_t work, int n) {
     return s->alone ? 1 : n;
 }
 
-/* The calls between tries of the other count, so that the tries cost about
- * CPE_PROBE_COST of the time: 4 to 32 on several threads; on one, 4 to
- * 8, or to as many as run in CPE_ALONE_SPAN_NS (at most 1024) when the calls are short
- * (several are back within 8 calls, or that span, once the CPUs are free;
- * a try on several threads while the CPUs are taken can cost a scheduler
- * wait, many times a short call). */
+/* The calls between tries of the other count, so that tries cost about
+ * CPE_PROBE_COST of the time: 4 to 32 on several threads; on one, 4 to 8, or
+ * to as many as run in CPE_ALONE_SPAN_NS (at most 1024) for short calls, where
+ * a try while the CPUs are taken can cost a scheduler wait. */
 #define CPE_ALONE_SPAN_NS 5e7
 static void cpe_interval(cpe_site *s, double other, double own, Py_ssize_t work) {
     double calls = own > 0 ? (other / own - 1.0) / CPE_PROBE_COST : 4;
@@ -410,18 +398,18 @@ static void cpe_took(int kind, Py_ssize_t work, int threads, long long ns) {
     s->rate[k][s->next[k]] = r;
     s->next[k] = (s->next[k] + 1) % CPE_RING;
     if (s->count[k] < CPE_RING) s->count[k]++;
-    s->latest[k] = r;
+    if (!k) s->latest = r;
     if (k == s->alone) s->since = 0;  /* it ran on the other count */
     if (!s->alone) {
         /* Several threads, one now and then: one wins if its latest call
          * beat the recent calls on several by the margin. */
         double multi = cpe_median(s, 1);
-        if (s->count[0] && s->count[1] && s->latest[0] < CPE_MARGIN * multi) {
+        if (s->count[0] && s->count[1] && s->latest < CPE_MARGIN * multi) {
             s->alone = 1;
             s->since = 0;
-            cpe_interval(s, multi, s->latest[0], work);
+            cpe_interval(s, multi, s->latest, work);
         } else if (!k && s->count[1]) {
-            cpe_interval(s, s->latest[0], multi, work);
+            cpe_interval(s, r, multi, work);
         }
     } else if (k) {
         /* One thread, several now and then: several win back as soon as

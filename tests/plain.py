@@ -62,7 +62,7 @@ def _plain_table(t):
     return _plain(t) and t.ndim == 2 and t.dtype in FLOATS
 
 
-def _apart(a, b):
+def _disjoint(a, b):
     return not np.may_share_memory(a, b)
 
 

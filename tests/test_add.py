@@ -26,10 +26,10 @@ from plain import (
     PLAIN_THREADS,
     THREADS,
     Snapshot,
-    _apart,
     _array_form,
     _declined,
     _default_rows,
+    _disjoint,
     _entry_case,
     _expected_team,
     _explicit_rows,
@@ -165,14 +165,14 @@ def test_add_entry_accepts_exactly_the_plain_case(data):
         and _threads_ok(num_threads)
         and (
             out is None
-            or (in_place and tok.flags.writeable and _apart(tok, table))
+            or (in_place and tok.flags.writeable and _disjoint(tok, table))
             or (
                 not in_place
                 and _plain(out, table.dtype)
                 and out.flags.writeable
                 and out.shape == tok.shape
-                and _apart(out, table)
-                and _apart(out, tok)
+                and _disjoint(out, table)
+                and _disjoint(out, tok)
             )
         )
     )

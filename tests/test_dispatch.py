@@ -21,9 +21,9 @@ from plain import (
     FLOATS,
     INT_DTYPES,
     Snapshot,
-    _apart,
     _array_form,
     _declined,
+    _disjoint,
     _plain,
     _rng,
     _same_bits,
@@ -94,17 +94,19 @@ def test_entries_take_only_plain_tables(table):
     ],
 )
 def test_contract_checkers_agree_with_the_oracle(dtype, kind):
-    # _core.is_plain / _core.apart are what the Python layer asks; plain.py's
-    # own _plain / _apart stay the independent statement of the rule.
+    # _core.is_canonical / _core.disjoint are what the Python layer asks; plain.py's
+    # own _plain / _disjoint stay the independent statement of the rule.
     a = _array_form(np.arange(24, dtype=dtype).reshape(4, 6), kind)
     writable = isinstance(a, np.ndarray) and a.flags.writeable
-    assert _core.is_plain(a, dtype) == _plain(a, dtype)
-    assert _core.is_plain(a, dtype, writable=True) == (_plain(a, dtype) and writable)
+    assert _core.is_canonical(a, dtype) == _plain(a, dtype)
+    assert _core.is_canonical(a, dtype, writable=True) == (_plain(a, dtype) and writable)
     flat = np.zeros(10, dtype)
     for x, y in [(flat[:5], flat[5:]), (flat[:6], flat[5:]), (flat[:0], flat), (flat, flat)]:
-        assert _core.apart(x, y) == _apart(x, y)
+        assert _core.disjoint(x, y) == _disjoint(x, y)
     # Not C-contiguous, or not an exact ndarray: "may meet".
-    assert not _core.apart(flat[::2], flat[1::2]) and not _core.apart(flat.view(_Sub), flat[:0])
+    assert not _core.disjoint(flat[::2], flat[1::2]) and not _core.disjoint(
+        flat.view(_Sub), flat[:0]
+    )
 
 
 def test_entries_at_the_table_edge_sizes():

@@ -71,7 +71,7 @@ def test_sgd_entry_accepts_exactly_the_plain_case(data):
         and table.flags.writeable
         and cases._plain(grad, table.dtype)
         and grad.shape == table.shape
-        and cases._apart(grad, table)
+        and cases._disjoint(grad, table)
         and (touched is None or (isinstance(touched, _core.RowMarks) and touched.n_rows == L))
         and -1 <= skip_row < L
         and cases._threads_ok(num_threads)

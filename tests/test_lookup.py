@@ -24,8 +24,8 @@ from plain import (
     PLAIN_THREADS,
     THREADS,
     Snapshot,
-    _apart,
     _declined,
+    _disjoint,
     _entry_case,
     _expected_team,
     _fresh,
@@ -129,7 +129,7 @@ def test_lookup_entry_accepts_exactly_the_plain_case(data):
                 _plain(out, table.dtype)
                 and out.flags.writeable
                 and out.shape == rows.shape + (d,)
-                and _apart(out, table)
+                and _disjoint(out, table)
             )
         )
     )

@@ -86,7 +86,7 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
         and cases._plain(g, grad.dtype)
         and g.ndim >= 1
         and g.shape[-1] == d
-        and cases._apart(g, grad)
+        and cases._disjoint(g, grad)
         and (touched is None or (isinstance(touched, _core.RowMarks) and touched.n_rows == L))
         and -1 <= skip_row < L
         and 0 <= plan <= 3
