@@ -1,8 +1,5 @@
-"""Tensors and NumPy arrays for the PyTorch operators: the same memory seen both
-ways, the checks of tensor arguments, and the memory of gradients and outputs
-(torch's own, kept and handed out again once torch has freed it: docs/torch.md,
-"Gradient memory").
-"""
+"""Tensors as NumPy arrays, the checks of tensor arguments, and the memory of
+gradients and outputs (docs/torch.md, "Gradient memory")."""
 
 from __future__ import annotations
 
@@ -63,13 +60,6 @@ def as_array(t: torch.Tensor) -> np.ndarray:
     return a.view(_core.bfloat16()) if t.dtype == torch.bfloat16 else a
 
 
-def as_tensor(a: np.ndarray) -> torch.Tensor:
-    """The array's memory as a tensor (no copy); ``ml_dtypes.bfloat16`` as torch.bfloat16."""
-    if a.dtype.kind == "V" and a.dtype == _core.bfloat16():
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
 def skip_row(padding_idx: int | None, n_rows: int) -> int:
     """The row that gets no gradient, in ``[0, n_rows)``, or -1 for none."""
     if padding_idx is None:
@@ -123,12 +113,6 @@ def checked_ids(t: torch.Tensor | None, n_rows: int) -> np.ndarray | None:
     return a
 
 
-def check_rows(t: torch.Tensor, d: int, name: str) -> None:
-    check_dtype(t.dtype, name)
-    if t.dim() == 0 or t.shape[-1] != d:
-        raise ValueError(f"{name} must have shape (..., {d}); got {tuple(t.shape)}")
-
-
 def check_dtype(dtype: torch.dtype, name: str = "gradient") -> None:
     if dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name} must have dtype {DTYPE_NAMES}; got {dtype}")
@@ -157,11 +141,6 @@ class _Held:
         s = self.tensor.untyped_storage()
         assert _USE_COUNT is not None
         return _USE_COUNT(s._cdata), sys.getrefcount(s)
-
-    def unchanged(self) -> bool:
-        """Still the memory handed out (a user may have resized it)."""
-        s = self.tensor.untyped_storage()
-        return s.data_ptr() == self.ptr and s.nbytes() == self.nbytes
 
 
 # The storages handed out (live or free), newest last, at most _HELD_MAX. The
@@ -217,7 +196,8 @@ def _reusable(nbytes: int, zeroed: bool, room: int) -> _Held | None:
     for h in list(_held):
         if h.references() != _FREE:
             continue
-        if not h.unchanged():
+        if h.tensor.data_ptr() != h.ptr or h.tensor.untyped_storage().nbytes() != h.nbytes:
+            # a user resized it
             _held.remove(h)
         elif found is None and h.nbytes == nbytes and h.zeroed == zeroed:
             found = h

@@ -1,8 +1,6 @@
-"""cposembed's kernels as PyTorch operators: their definitions, CPU kernels, fake
-kernels (meta tensors, ``torch.compile``) and vmap rules; their autograd is in
-:mod:`cposembed._torch_ops`. Each operator's schema stands above its kernel;
-``table_grad`` is the dense gradient of a looked-up table (``np.add.at``, as
-``nn.Embedding``'s CPU backward), ``embed_backward`` both of ``embed``'s.
+"""cposembed's kernels as PyTorch operators: definitions, CPU and fake kernels, vmap
+rules (autograd: :mod:`cposembed._torch_ops`). ``table_grad`` is the dense gradient
+of a looked-up table, as ``nn.Embedding``'s; ``embed_backward`` both of ``embed``'s.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from cposembed._torch_arrays import (
     as_array,
     check_dtype,
     check_index,
-    check_rows,
     check_same_width,
     check_table,
     checked_ids,
@@ -54,10 +51,9 @@ def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
     )
     got = "a dual tensor" if dual else "a call inside torch.func.jvp, jacfwd or a dual level"
     raise RuntimeError(
-        f"torch.ops.cposembed.{name} has no forward-mode AD: it got {got}, and its "
-        "output would have no tangent. Call cposembed.torch.embedding or the "
-        "cposembed.torch modules instead: they carry forward-mode AD, with the "
-        "tangent F.embedding gives"
+        f"torch.ops.cposembed.{name} has no forward-mode AD: it got {got}, and its output "
+        "would have no tangent. Call cposembed.torch.embedding or the cposembed.torch "
+        "modules instead: they carry forward-mode AD, with the tangent F.embedding gives"
     )
 
 
@@ -131,7 +127,9 @@ def _add_positions(
     fake: bool = False,
 ) -> torch.Tensor:
     check_table(table, "table")
-    check_rows(tok, table.shape[1], "tok")
+    check_dtype(tok.dtype, "tok")
+    if tok.dim() == 0 or tok.shape[-1] != table.shape[1]:
+        raise ValueError(f"tok must have shape (..., {table.shape[1]}); got {tuple(tok.shape)}")
     check_index(positions, "positions")
     dtype = torch.promote_types(tok.dtype, table.dtype)
     if fake:

@@ -1,7 +1,5 @@
-"""The autograd of cposembed's PyTorch operators (:mod:`cposembed._torch_kernels`)
-and the differentiable calls :mod:`cposembed.torch` makes: the formulas are
-registered on the operators (what ``torch.compile`` traces) and make the
-:class:`torch.autograd.Function` classes of eager mode, which add forward-mode AD.
+"""The autograd of cposembed's PyTorch operators, registered on them (what
+``torch.compile`` traces), and the differentiable calls :mod:`cposembed.torch` makes.
 """
 
 from __future__ import annotations
@@ -214,7 +212,6 @@ def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
 
 
 def _differentiable(
-    name: str,
     op: str,
     setup: Callable[..., None],
     backward: Callable[..., Any],
@@ -223,10 +220,11 @@ def _differentiable(
     forward: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """Registers ``setup`` and ``backward`` as the operator ``op``'s autograd, and
-    gives its differentiable call (of ``forward``, by default the operator): an
-    autograd function ``name`` in eager mode, whose ``jvp`` gets ``for_jvp(inputs)``
-    saved; the operator itself when Dynamo is tracing."""
+    gives its differentiable call (of ``forward``, by default the operator): in
+    eager mode an autograd function (``lookup``: ``LookupFn``) whose ``jvp`` gets
+    ``for_jvp(inputs)`` saved; the operator itself when Dynamo is tracing."""
     torch.library.register_autograd(f"cposembed::{op}", backward, setup_context=setup, lib=LIB)
+    name = "".join(word.title() for word in op.split("_")) + "Fn"
     if forward is None:
         # A function: Function.apply binds the arguments to forward's signature,
         # which inspect finds slowly for an operator.
@@ -292,7 +290,6 @@ def _embed_backward_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
 
 # Each with its operator's arguments; lookup's sparse: a sparse gradient (eager only).
 lookup = _differentiable(
-    "LookupFn",
     "lookup",
     _lookup_setup,
     _lookup_backward,
@@ -303,7 +300,6 @@ lookup = _differentiable(
     ),
 )
 add_positions = _differentiable(
-    "AddPositionsFn",
     "add_positions",
     _add_setup,
     _add_backward,
@@ -311,7 +307,6 @@ add_positions = _differentiable(
     _add_jvp,
 )
 embed = _differentiable(
-    "EmbedFn",
     "embed",
     _embed_setup,
     _embed_backward_formula,
@@ -319,15 +314,9 @@ embed = _differentiable(
     _embed_jvp,
 )
 table_grad = _differentiable(
-    "TableGradFn",
-    "table_grad",
-    _table_grad_setup,
-    _table_grad_backward,
-    lambda i: (i[1],),
-    _table_grad_jvp,
+    "table_grad", _table_grad_setup, _table_grad_backward, lambda i: (i[1],), _table_grad_jvp
 )
 embed_backward = _differentiable(
-    "EmbedBackwardFn",
     "embed_backward",
     _embed_backward_setup,
     _embed_backward_backward,

@@ -1,11 +1,6 @@
-"""PyTorch bridge: ``torch.nn.Embedding`` on cposembed's kernels.
+"""PyTorch bridge: ``torch.nn.Embedding`` on cposembed's kernels (docs/torch.md).
 
-``import cposembed.torch as ct`` gives the modules :class:`Embedding`,
-:class:`LearnedPositionEmbedding` and :class:`TokenPositionEmbedding`,
-:func:`convert_embeddings` and :func:`embedding`, and registers the operators
-``torch.ops.cposembed.*`` (:mod:`cposembed._torch_kernels`).
-
-What the kernels do not take goes to torch's own ``F.embedding``, with the same
+Importing it registers the operators ``torch.ops.cposembed.*``. What the kernels do not take goes to torch's own ``F.embedding``, with the same
 results: tensors on other devices or of other dtypes than float16, bfloat16,
 float32 and float64, ``scale_grad_by_freq=True``, ``sparse=True`` under
 ``torch.compile``, and calls traced by ``torch.export`` or ``torch.jit.trace``
@@ -98,8 +93,8 @@ def _values(x: Any) -> torch.Tensor:
     if isinstance(x, np.ndarray):
         if not x.dtype.isnative:
             x = x.astype(x.dtype.newbyteorder("="))
-        if _validation.is_bfloat16(x.dtype):
-            return _arrays.as_tensor(np.ascontiguousarray(x))
+        if _validation.is_bfloat16(x.dtype):  # through its int16 bits
+            return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
     return torch.as_tensor(x)
 
 
@@ -122,6 +117,7 @@ def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_t
         torch.embedding_renorm_(weight.detach(), indices.contiguous(), max_norm, norm_type)
 
 
+@torch.jit.unused
 def embedding(
     input: Any,
     weight: torch.Tensor,
@@ -232,10 +228,6 @@ class Embedding(nn.Embedding):
                 self.scale_grad_by_freq,
                 self.sparse,
             )
-        return self._eager(input)
-
-    @torch.jit.unused
-    def _eager(self, input: Any) -> torch.Tensor:
         return embedding(
             input,
             self.weight,
@@ -284,8 +276,7 @@ def convert_embeddings(module: nn.Module) -> nn.Module:
 
 
 def _shape(rows: Any, rows_name: str, embed_dim: Any, dtype: torch.dtype | None) -> tuple[int, int]:
-    """A new table's shape, each a positive int, once its dtype (floating
-    point, or None for torch's default) is checked."""
+    """A new table's shape, each a positive int, once its dtype is checked."""
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype; got {dtype}")
     check = _validation.check_int
@@ -402,8 +393,7 @@ class LearnedPositionEmbedding(Embedding):
         Parameters
         ----------
         tok : Tensor or array_like of shape (..., T, embed_dim)
-            Token embeddings (a NumPy array in native byte order is used
-            without a copy).
+            Token embeddings (a native NumPy array is used without a copy).
         positions : Tensor, array_like of int, optional
             Must broadcast to ``tok.shape[:-1]``; ``None`` means
             ``offset + arange(T)``.
@@ -503,8 +493,8 @@ class TokenPositionEmbedding(nn.Module):
 
         Parameters
         ----------
-        token_table : Tensor of shape (vocab_size, embed_dim)
-        position_table : Tensor of shape (max_seq_len, embed_dim)
+        token_table, position_table : Tensor
+            Of shapes ``(vocab_size, embed_dim)`` and ``(max_seq_len, embed_dim)``.
         freeze : bool, default True
             Tables without ``requires_grad``.
         padding_idx : int, optional
@@ -554,11 +544,8 @@ class TokenPositionEmbedding(nn.Module):
         ----------
         token_ids : Tensor, array_like of int
             Shape ``(..., T)``. NumPy arrays and lists are copied.
-        positions : Tensor, array_like of int, optional
-            Must broadcast to ``token_ids.shape``; ``None`` means
-            ``offset + arange(T)``.
-        offset : int, default 0
-            Tokens already seen (incremental decoding); only with ``positions=None``.
+        positions, offset : optional
+            As in :meth:`LearnedPositionEmbedding.add_to`, for ``token_ids.shape``.
 
         Returns
         -------
