@@ -37,24 +37,14 @@ def _lookup_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _sparse_table_grad(
     grad: torch.Tensor, positions: torch.Tensor, num_rows: int, dtype: torch.dtype, pad: Any
 ) -> torch.Tensor:
-    """``nn.Embedding``'s sparse COO gradient, entry for entry: one per looked-up
-    index but the padding row's, uncoalesced, its values a copy laid out as
-    ``nn.Embedding``'s (torch's sparse addition takes another route otherwise)."""
-    d = grad.shape[-1]
-    rows = positions.expand(grad.shape[:-1]).reshape(-1).to(torch.int64)
-    rows = torch.where(rows < 0, rows + num_rows, rows)
-    skip = skip_row(pad, num_rows)
-    if skip >= 0:
-        keep = rows != skip
-        rows, values = rows[keep], grad.reshape(rows.shape[0], d)[keep]  # copies
-    else:
-        # a view where it can be, as nn.Embedding's, then copied
-        values = _copy_keeping_strides(grad.reshape(rows.shape[0], d))
-    if values.numel() == 0:  # no values at all (as nn.Embedding tests it)
-        rows, values = rows[:0], values.new_empty((0, d))
-    return torch.sparse_coo_tensor(
-        rows.unsqueeze(0), values.to(dtype), (num_rows, d), check_invariants=False
+    """``nn.Embedding``'s sparse COO gradient (torch's own), its values copied with
+    their layout (torch's sparse addition takes another route for other layouts)."""
+    ids = positions.to(torch.int64)
+    g = torch.ops.aten.embedding_sparse_backward(
+        grad, ids, num_rows, skip_row(pad, num_rows), False
     )
+    values = _copy_keeping_strides(g._values()).to(dtype)
+    return torch.sparse_coo_tensor(g._indices(), values, g.shape, check_invariants=False)
 
 
 def _copy_keeping_strides(t: torch.Tensor) -> torch.Tensor:
@@ -200,17 +190,6 @@ def _tangent_sum(parts: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> 
     return sum(terms[1:], terms[0])
 
 
-def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)``, telling the operators that ``fn`` carries their tangents."""
-    if fwAD._current_level < 0:
-        return fn.apply(*args)
-    token = carries_tangents.set(True)
-    try:
-        return fn.apply(*args)
-    finally:
-        carries_tangents.reset(token)
-
-
 def _differentiable(
     op: str,
     setup: Callable[..., None],
@@ -237,7 +216,7 @@ def _differentiable(
         setup(ctx, inputs, output)
         ctx.save_for_forward(*for_jvp(inputs))
 
-    fn = type(
+    fn: Any = type(
         name,
         (torch.autograd.Function,),
         {
@@ -252,7 +231,13 @@ def _differentiable(
     def call(*args: Any) -> Any:
         if torch.compiler.is_compiling():
             return forward(*args)
-        return _apply(fn, *args)
+        if fwAD._current_level < 0:
+            return fn.apply(*args)
+        token = carries_tangents.set(True)  # fn carries the operators' tangents
+        try:
+            return fn.apply(*args)
+        finally:
+            carries_tangents.reset(token)
 
     call.__name__ = call.__qualname__ = name
     return call

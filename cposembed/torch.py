@@ -1,11 +1,12 @@
 """PyTorch bridge: ``torch.nn.Embedding`` on cposembed's kernels (docs/torch.md).
 
-Importing it registers the operators ``torch.ops.cposembed.*``. What the kernels do not take goes to torch's own ``F.embedding``, with the same
-results: tensors on other devices or of other dtypes than float16, bfloat16,
-float32 and float64, ``scale_grad_by_freq=True``, ``sparse=True`` under
-``torch.compile``, and calls traced by ``torch.export`` or ``torch.jit.trace``
-(their graphs hold torch's own operators, for ONNX and runtimes without Python).
-``torch.jit.script`` compiles each module's ``torch.jit.is_scripting()`` branch.
+Importing it registers the operators ``torch.ops.cposembed.*``. What the kernels
+do not take goes to torch's own ``F.embedding``, with the same results: tensors on
+other devices or of other dtypes than float16, bfloat16, float32 and float64,
+``scale_grad_by_freq=True``, ``sparse=True`` under ``torch.compile``, and calls
+traced by ``torch.export`` or ``torch.jit.trace`` (their graphs hold torch's own
+operators, for ONNX and runtimes without Python). ``torch.jit.script`` compiles
+each module's ``torch.jit.is_scripting()`` branch.
 """
 
 from __future__ import annotations
@@ -77,13 +78,11 @@ def _is_dtensor(t: torch.Tensor | None) -> bool:
 def _sharded_lookup(weight: torch.Tensor, idx: torch.Tensor) -> bool:
     """Whether a lookup of a DTensor weight runs on the kernels, on each rank's
     shard: not for a weight split along its rows, which ``F.embedding`` takes."""
-    if not _is_dtensor(weight):
-        return False
     w: Any = weight
-    if any(p.is_shard(0) for p in w.placements):
+    if not _is_dtensor(w) or any(p.is_shard(0) for p in w.placements):
         return False
     i: Any = idx
-    return _on_kernels(w.to_local(), i.to_local() if _is_dtensor(i) else i) and w.dim() == 2
+    return _on_kernels(w.to_local(), i.to_local() if _is_dtensor(i) else i)
 
 
 def _values(x: Any) -> torch.Tensor:
