@@ -1,13 +1,5 @@
-"""Tensors and NumPy arrays for the PyTorch operators (:mod:`cposembed._torch_kernels`):
-the same memory seen both ways, the checks of tensor arguments, and the memory
-of gradients and outputs.
-
-**Gradient and output memory.** Every table gradient and output is torch's
-own memory (resizable, as ``nn.Embedding``'s), that nothing else holds, and
-nothing here touches it after it is returned. Gradients of 2 MiB or more and
-outputs of 4 MiB or more are storages kept here and handed out again once torch
-has freed them (:func:`_storage`, under the allocator's keeping policy).
-"""
+"""Tensors as NumPy arrays, the checks of tensor arguments, and the memory of
+gradients and outputs (docs/torch.md, "Gradient memory")."""
 
 from __future__ import annotations
 
@@ -16,7 +8,7 @@ import math
 import os
 import sys
 import threading
-from typing import Any
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -33,17 +25,6 @@ HALF_PAIR = frozenset((torch.float16, torch.bfloat16))
 # ---- tensors <-> arrays ----------------------------------------------------------
 
 
-class _Memory:
-    """A tensor's memory as NumPy's array interface describes it, and the tensor
-    (a reference keeps it alive, and its storage resizable)."""
-
-    __slots__ = ("__array_interface__", "tensor")
-
-    def __init__(self, tensor: torch.Tensor, interface: dict[str, Any]) -> None:
-        self.tensor = tensor
-        self.__array_interface__ = interface
-
-
 @functools.cache
 def _typestr(dtype: torch.dtype) -> str:
     """NumPy's type string for a torch dtype (bfloat16: its int16 bits)."""
@@ -53,47 +34,30 @@ def _typestr(dtype: torch.dtype) -> str:
 
 
 def as_array(t: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as an ndarray (no copy, any strides; a bfloat16
-    tensor as an ``ml_dtypes.bfloat16`` array, through its int16 bits) that,
-    unlike ``Tensor.numpy()``, leaves the storage resizable (``numpy()`` marks
-    it fixed for good: FSDP2 frees an unsharded parameter with
-    ``storage.resize_(0)``). The array holds the tensor it reads (``t`` or its
-    resolved copy), so its memory lives as long as the array."""
+    """The tensor's memory as an ndarray (no copy; bfloat16 as ``ml_dtypes.bfloat16``)
+    holding the tensor, which, unlike ``Tensor.numpy()``, leaves the storage
+    resizable (FSDP2 frees an unsharded parameter with ``resize_(0)``)."""
     t = t.detach().resolve_neg().resolve_conj()
     item = t.element_size()
+    end = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
     if t.numel() == 0:  # its data pointer may be null
         a = np.empty(tuple(t.shape), np.dtype(_typestr(t.dtype)))
-        return a.view(_core.bfloat16()) if t.dtype == torch.bfloat16 else a
-    # A storage resized under the tensor (FSDP2 frees one with resize_(0)):
-    # torch's own error, never a read past its end.
-    end = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    if end * item > t.untyped_storage().nbytes():
+    elif end * item > t.untyped_storage().nbytes():
         raise RuntimeError(
             f"a tensor of shape {tuple(t.shape)} is out of bounds of its storage of "
             f"{t.untyped_storage().nbytes()} bytes (resized, or freed as FSDP2 frees "
             "an unsharded parameter)"
         )
-    a = np.asarray(
-        _Memory(
-            t,
-            {
-                "data": (t.data_ptr(), False),
-                "shape": tuple(t.shape),
-                "strides": tuple(s * item for s in t.stride()),
-                "typestr": _typestr(t.dtype),
-                "version": 3,
-            },
-        )
-    )
+    else:
+        interface = {
+            "data": (t.data_ptr(), False),
+            "shape": tuple(t.shape),
+            "strides": tuple(s * item for s in t.stride()),
+            "typestr": _typestr(t.dtype),
+            "version": 3,
+        }
+        a = np.asarray(SimpleNamespace(__array_interface__=interface, tensor=t))
     return a.view(_core.bfloat16()) if t.dtype == torch.bfloat16 else a
-
-
-def as_tensor(a: np.ndarray) -> torch.Tensor:
-    """The array's memory as a tensor (no copy); ``ml_dtypes.bfloat16`` as
-    torch.bfloat16, through its int16 view."""
-    if a.dtype.kind == "V" and a.dtype == _core.bfloat16():
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 def skip_row(padding_idx: int | None, n_rows: int) -> int:
@@ -122,9 +86,13 @@ def check_same_width(token_table: torch.Tensor, position_table: torch.Tensor) ->
         )
 
 
+def is_integer(dtype: torch.dtype) -> bool:
+    """An index dtype (not bool: masks would give shapes fake kernels cannot know)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def check_index(t: torch.Tensor | None, name: str) -> None:
-    # Boolean masks would give data-dependent shapes, which fake kernels cannot.
-    if t is not None and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
+    if t is not None and not is_integer(t.dtype):
         raise IndexError(f"{name} must be an integer tensor; got dtype {t.dtype}")
 
 
@@ -145,12 +113,6 @@ def checked_ids(t: torch.Tensor | None, n_rows: int) -> np.ndarray | None:
     return a
 
 
-def check_rows(t: torch.Tensor, d: int, name: str) -> None:
-    check_dtype(t.dtype, name)
-    if t.dim() == 0 or t.shape[-1] != d:
-        raise ValueError(f"{name} must have shape (..., {d}); got {tuple(t.shape)}")
-
-
 def check_dtype(dtype: torch.dtype, name: str = "gradient") -> None:
     if dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name} must have dtype {DTYPE_NAMES}; got {dtype}")
@@ -158,15 +120,13 @@ def check_dtype(dtype: torch.dtype, name: str = "gradient") -> None:
 
 # ---- gradient and output memory ---------------------------------------------------
 
-# Below this many bytes a gradient is torch's own memory (torch.empty), zeroed
-# on the calling thread: torch.zeros fills on PyTorch's OpenMP threads, which on
-# a busy machine wait for cores a memset of this size does not need.
+# Below this many bytes a gradient is torch.empty zeroed on the calling thread
+# (torch.zeros fills on PyTorch's threads, which wait for cores on a busy machine).
 FRESH_MIN_BYTES = 1 << 21
 
 
 class _Held:
-    """A storage this module made and handed out, held through a tensor of its
-    own (never handed out); handed out again only when nothing else holds it."""
+    """A storage handed out, held through a tensor of its own (never handed out)."""
 
     __slots__ = ("tensor", "ptr", "nbytes", "zeroed")
 
@@ -177,40 +137,29 @@ class _Held:
         self.zeroed = zeroed
 
     def references(self) -> tuple[int, int]:
-        """The storage's use count (every tensor and C++ holder, and its Python
-        storage object, which torch keeps once made) and that object's Python
-        reference count (a user holding it)."""
+        """The storage's use count and its Python storage object's reference count."""
         s = self.tensor.untyped_storage()
         assert _USE_COUNT is not None
         return _USE_COUNT(s._cdata), sys.getrefcount(s)
 
-    def unchanged(self) -> bool:
-        """Still the memory handed out (a user may have resized it)."""
-        s = self.tensor.untyped_storage()
-        return s.data_ptr() == self.ptr and s.nbytes() == self.nbytes
 
-
-# The storages handed out (live or free), newest last; live ones beyond
-# _HELD_MAX are forgotten. The calls only ever try the lock (a thread that
-# finds it taken makes new memory); _release_held (clear_pool) waits for it. A
-# forked child starts with a new one and nothing held.
+# The storages handed out (live or free), newest last, at most _HELD_MAX. The
+# calls only try the lock (a thread that finds it taken makes new memory).
 _held: list[_Held] = []
 _HELD_MAX = 2 * _core.KEEP_SLOTS
 _held_lock = threading.Lock()
-# The one private torch function the bridge uses: how many references a
-# storage has (c10's use count). Without it nothing is handed out again.
+# The one private torch function the bridge uses; without it nothing is reused.
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _free_references() -> tuple[int, int] | None:
-    """:meth:`_Held.references` of a storage nothing else holds, as this torch
-    and Python count them; None (nothing is handed out again) if a tensor or
-    a storage object held elsewhere would not change them."""
+    """:meth:`_Held.references` of a storage nothing else holds, or None if a
+    tensor or a storage object held elsewhere would not change them."""
     if _USE_COUNT is None:
         return None
     h = _Held(torch.UntypedStorage(64), False)
     free = h.references()
-    t = _on(h.tensor.untyped_storage(), (16,), torch.float32)
+    t = torch.empty(0, dtype=torch.uint8).set_(h.tensor.untyped_storage())
     with_tensor = h.references()
     del t
     s = h.tensor.untyped_storage()
@@ -228,8 +177,7 @@ def _forget_after_fork() -> None:
 
 
 def _release_held() -> None:
-    """Forget every storage handed out, so torch frees the free ones now
-    (``_core.clear_pool`` and ``set_pool(False)`` call this)."""
+    """Forget every storage handed out (``_core.clear_pool`` and ``set_pool(False)``)."""
     with _held_lock:
         _held.clear()
 
@@ -240,16 +188,16 @@ _core.on_clear_pool(_release_held)
 
 
 def _reusable(nbytes: int, zeroed: bool, room: int) -> _Held | None:
-    """The allocator's keeping policy (docs/architecture.md, "Memory") applied
-    to the free storages: one of ``nbytes`` for the same use is taken; of the
-    others, at most ``_core.KEEP_SLOTS``, the largest, within ``room`` bytes,
-    are kept, and the rest (and any a user resized) forgotten."""
+    """A free storage of ``nbytes`` for the same use, if any; of the other free
+    ones, the allocator's keeping policy (docs/architecture.md, "Memory") keeps at
+    most ``_core.KEEP_SLOTS``, the largest, within ``room`` bytes."""
     found = None
     free = []
     for h in list(_held):
         if h.references() != _FREE:
             continue
-        if not h.unchanged():
+        if h.tensor.data_ptr() != h.ptr or h.tensor.untyped_storage().nbytes() != h.nbytes:
+            # a user resized it
             _held.remove(h)
         elif found is None and h.nbytes == nbytes and h.zeroed == zeroed:
             found = h
@@ -265,11 +213,8 @@ def _reusable(nbytes: int, zeroed: bool, room: int) -> _Held | None:
 
 
 def _storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
-    """A storage of ``nbytes`` of torch's memory that nothing else refers to,
-    zero if ``zeroed``: a free one handed out before for the same size and use
-    (resident: zeroed whole with memset), else a new one (zeroed lazily: its
-    pages read as zero and fault in only where written; not zeroed: advised
-    for huge pages), kept while keeping is on."""
+    """A storage of ``nbytes`` that nothing else refers to, zero if ``zeroed``:
+    a free one handed out before (zeroed whole), else a new one."""
     _, kept_bytes, limit, enabled = _core.pool_info()
     if not enabled or _FREE is None or not _held_lock.acquire(blocking=False):
         return _new_storage(nbytes, zeroed)
@@ -291,51 +236,24 @@ def _storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
 
 def _new_storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
     s = torch.UntypedStorage(nbytes)
-    if zeroed:
+    if zeroed:  # whole pages read as zero, and fault in only where written
         _core.zero_memory(s.data_ptr(), nbytes, True)
     else:  # an output, written whole: huge pages, as the allocator's dense blocks
         _core.advise_huge(s.data_ptr(), nbytes)
     return s
 
 
-def _on(storage: torch.UntypedStorage, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A C-order tensor of ``shape`` on ``storage``."""
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 1, 0, -1):
-        strides[i - 1] = strides[i] * shape[i]
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
-
-
-def fresh_zeros(n_rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
-    """A new zeroed ``(n_rows, d)`` tensor that nothing else refers to, and
-    the same memory as an ndarray (for the kernel to write; drop it after).
-
-    Torch's own memory, resizable as ``nn.Embedding``'s gradients are. Small
-    ones are ``torch.empty``, zeroed here, on the calling thread. Large ones
-    (:data:`FRESH_MIN_BYTES` or more) are storages this module keeps
-    (:func:`_storage`): one torch has freed, zeroed whole, or new memory whose
-    pages read as zero and fault in only where the backward writes rows.
-    """
-    check_dtype(dtype)
-    nbytes = n_rows * d * dtype.itemsize
-    if nbytes < FRESH_MIN_BYTES:
-        t = torch.empty((n_rows, d), dtype=dtype)
-        array = as_array(t)
-        array.reshape(-1).view(np.uint8).fill(0)
-        return t, array
-    t = _on(_storage(nbytes, True), (n_rows, d), dtype)
-    return t, as_array(t)
-
-
-def output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor for the kernel to write whole: torch's memory (resizable, as
-    ``nn.Embedding``'s outputs are); from :data:`_core.POOL_MIN_BYTES` up, a
-    storage this module keeps (:func:`_storage`), resident when reused."""
-    check_dtype(dtype)
+def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, zeroed: bool) -> torch.Tensor:
+    """A C-order tensor of torch's memory (resizable, as ``nn.Embedding``'s) that
+    nothing else refers to, zero if ``zeroed``; gradients of :data:`FRESH_MIN_BYTES`
+    and outputs of ``_core.POOL_MIN_BYTES`` or more are storages kept here."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < _core.POOL_MIN_BYTES:
-        return torch.empty(shape, dtype=dtype)
-    return _on(_storage(nbytes, False), shape, dtype)
+    if nbytes >= (FRESH_MIN_BYTES if zeroed else _core.POOL_MIN_BYTES):
+        return torch.empty(0, dtype=dtype).set_(_storage(nbytes, zeroed), 0, shape, ())
+    t = torch.empty(shape, dtype=dtype)
+    if zeroed and nbytes:
+        _core.zero_memory(t.data_ptr(), nbytes, False)
+    return t
 
 
 _FREE = _free_references()

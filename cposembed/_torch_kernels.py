@@ -1,17 +1,6 @@
-"""cposembed's kernels as PyTorch operators: their definitions, CPU kernels, fake
-kernels (meta tensors, ``torch.compile``) and vmap rules. Their autograd and the
-differentiable calls are in :mod:`cposembed._torch_ops`.
-
-Five operators in the ``cposembed`` namespace (each schema stands above its
-kernel): ``lookup`` (``table[positions]``), ``add_positions`` (``tok +
-table[positions]``; ``positions=None``: ``offset + arange(T)``), ``embed``
-(``token_table[token_ids] + position_table[positions]``), ``table_grad`` (the
-dense gradient of a looked-up table: ``np.add.at``, what ``nn.Embedding``'s CPU
-backward computes; itself differentiable) and ``embed_backward`` (both table
-gradients of ``embed`` from one read of the output gradient).
-
-Tensors become arrays, and gradients get their memory, in
-:mod:`cposembed._torch_arrays`.
+"""cposembed's kernels as PyTorch operators: definitions, CPU and fake kernels, vmap
+rules (autograd: :mod:`cposembed._torch_ops`). ``table_grad`` is the dense gradient
+of a looked-up table, as ``nn.Embedding``'s; ``embed_backward`` both of ``embed``'s.
 """
 
 from __future__ import annotations
@@ -32,12 +21,10 @@ from cposembed._torch_arrays import (
     as_array,
     check_dtype,
     check_index,
-    check_rows,
     check_same_width,
     check_table,
     checked_ids,
-    fresh_zeros,
-    output,
+    new_tensor,
     skip_row,
 )
 
@@ -48,19 +35,15 @@ ops = torch.ops.cposembed
 
 
 # Set while this thread is inside the autograd functions of ``_torch_ops``,
-# which carry forward-mode AD (their ``jvp``) around the operators.
+# which carry forward-mode AD around the operators.
 carries_tangents: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "cposembed_carries_tangents", default=False
 )
 
 
 def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
-    """An operator called directly while forward-mode AD is on: a clear error,
-    not an output without a tangent. The operators' autograd registrations
-    are reverse-mode only. A dual tensor of ``torch.autograd.forward_ad``
-    shows here, but ``torch.func.jvp`` and ``jacfwd`` unwrap their tensors
-    before a kernel sees them, so any call inside an open dual level that
-    does not come through the functions of ``cposembed.torch`` is refused."""
+    """An operator called directly while forward-mode AD is on (``torch.func.jvp``
+    unwraps its tensors, so any such call): an error, not an output without a tangent."""
     if fwAD._current_level < 0 or carries_tangents.get():
         return
     dual = any(
@@ -68,16 +51,14 @@ def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
     )
     got = "a dual tensor" if dual else "a call inside torch.func.jvp, jacfwd or a dual level"
     raise RuntimeError(
-        f"torch.ops.cposembed.{name} has no forward-mode AD: it got {got}, and its "
-        "output would have no tangent. Call cposembed.torch.embedding or the "
-        "cposembed.torch modules instead: they carry forward-mode AD, with the "
-        "tangent F.embedding gives"
+        f"torch.ops.cposembed.{name} has no forward-mode AD: it got {got}, and its output "
+        "would have no tangent. Call cposembed.torch.embedding or the cposembed.torch "
+        "modules instead: they carry forward-mode AD, with the tangent F.embedding gives"
     )
 
 
 def _vmap_by_loop(op: Any) -> Callable[..., Any]:
-    """A vmap rule that calls ``op`` once per batch entry and stacks the results
-    (batch dimension first), for ``torch.func.vmap``, ``jacrev`` and ``jacfwd``."""
+    """A vmap rule that calls ``op`` once per batch entry and stacks the results."""
 
     def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
         results = []
@@ -93,10 +74,8 @@ def _vmap_by_loop(op: Any) -> Callable[..., Any]:
 
 
 def _operator(schema: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Defines the operator of ``schema`` and registers the decorated function
-    as its CPU kernel and, called with ``fake=True`` (its checks and empty
-    outputs of the right shapes), as its fake kernel; its vmap rule calls the
-    operator once per batch entry."""
+    """Defines the operator of ``schema`` with the decorated function as its CPU
+    kernel and, called with ``fake=True`` (checks and empty outputs), its fake kernel."""
     name = schema.split("(", 1)[0]
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,7 +109,7 @@ def _lookup(
     if fake:
         return table.new_empty(shape)
     skip_row(padding_idx, table.shape[0])
-    y = output(shape, table.dtype)
+    y = new_tensor(shape, table.dtype, False)
     _f.lookup(as_array(table), checked_ids(positions, table.shape[0]), out=as_array(y))
     return y
 
@@ -148,7 +127,9 @@ def _add_positions(
     fake: bool = False,
 ) -> torch.Tensor:
     check_table(table, "table")
-    check_rows(tok, table.shape[1], "tok")
+    check_dtype(tok.dtype, "tok")
+    if tok.dim() == 0 or tok.shape[-1] != table.shape[1]:
+        raise ValueError(f"tok must have shape (..., {table.shape[1]}); got {tuple(tok.shape)}")
     check_index(positions, "positions")
     dtype = torch.promote_types(tok.dtype, table.dtype)
     if fake:
@@ -157,7 +138,7 @@ def _add_positions(
     tok_a = as_array(tok)
     if {tok.dtype, table.dtype} == HALF_PAIR:
         tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
-    y = output(tuple(tok.shape), dtype)
+    y = new_tensor(tuple(tok.shape), dtype, False)
     pos = checked_ids(positions, table.shape[0])
     _f.add_positions(tok_a, as_array(table), pos, offset=offset, out=as_array(y))
     return y
@@ -188,10 +169,9 @@ def _embed(
     skip_row(padding_idx, token_table.shape[0])
     ids = checked_ids(token_ids, token_table.shape[0])
     pos = checked_ids(positions, position_table.shape[0])
-    y = output(shape, dtype)
+    y = new_tensor(shape, dtype, False)
     if {token_table.dtype, position_table.dtype} == HALF_PAIR:
-        # torch adds the pair in float32: the token rows converted (exactly), then
-        # added; ids and positions checked as embed checks them.
+        # torch adds the pair in float32: the token rows converted (exactly), then added.
         ids = _routes.checked_ids(ids, token_table.shape[0])
         pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
         rows = _f.lookup(as_array(token_table), ids).astype(np.float32)
@@ -219,9 +199,9 @@ def _table_grad(
     check_dtype(dtype)
     if fake:
         return grad_output.new_empty((num_rows, grad_output.shape[-1]), dtype=dtype)
-    grad, array = fresh_zeros(num_rows, grad_output.shape[-1], dtype)
+    grad = new_tensor((num_rows, grad_output.shape[-1]), dtype, True)
     _routes.scatter_add(
-        array,
+        as_array(grad),
         as_array(grad_output),
         checked_ids(positions, num_rows),
         offset=offset,
@@ -261,11 +241,11 @@ def _embed_backward(
         )
     skip = skip_row(padding_idx, vocab_size)
     ids, pos = checked_ids(token_ids, vocab_size), checked_ids(positions, max_seq_len)
-    g_tok, a_tok = fresh_zeros(vocab_size, d, token_dtype)
-    g_pos, a_pos = fresh_zeros(max_seq_len, d, position_dtype)
+    g_tok = new_tensor((vocab_size, d), token_dtype, True)
+    g_pos = new_tensor((max_seq_len, d), position_dtype, True)
     _routes.embed_backward(
-        a_tok,
-        a_pos,
+        as_array(g_tok),
+        as_array(g_pos),
         as_array(grad_output),
         ids,
         pos,

@@ -1,11 +1,5 @@
-"""The autograd of cposembed's PyTorch operators (:mod:`cposembed._torch_kernels`)
-and the differentiable calls :mod:`cposembed.torch` makes.
-
-The autograd formulas are functions shared by the operators'
-registrations (what ``torch.compile`` traces) and by the
-:class:`torch.autograd.Function` classes below, which add forward-mode AD
-(``jvp``: Dynamo does not trace a custom ``jvp``, so the modules use these
-classes only in eager mode).
+"""The autograd of cposembed's PyTorch operators, registered on them (what
+``torch.compile`` traces), and the differentiable calls :mod:`cposembed.torch` makes.
 """
 
 from __future__ import annotations
@@ -25,8 +19,7 @@ __all__ = ["add_positions", "embed", "full_positions", "lookup"]
 
 
 def full_positions(positions: Any, offset: int, token_shape: Any) -> torch.Tensor:
-    """``positions``; for ``None``, ``offset + arange(T)`` broadcast to
-    ``token_shape`` ``(..., T)``."""
+    """``positions``; for ``None``, ``offset + arange(T)`` broadcast to ``token_shape``."""
     if positions is not None:
         return positions
     T = token_shape[-1] if len(token_shape) else 1
@@ -44,35 +37,18 @@ def _lookup_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _sparse_table_grad(
     grad: torch.Tensor, positions: torch.Tensor, num_rows: int, dtype: torch.dtype, pad: Any
 ) -> torch.Tensor:
-    """The gradient as the sparse COO tensor ``nn.Embedding``'s sparse backward
-    gives: one entry per looked-up index, in the order of ``positions``
-    (negative ones counted from the end), each that token's row of ``grad``,
-    the padding row's entries left out, uncoalesced, its values laid out as
-    ``nn.Embedding``'s (torch's sparse addition takes another route for
-    non-contiguous values). So accumulating it (several backward calls, a
-    table looked up twice) and what optimizers do with it are
-    ``nn.Embedding``'s bit for bit. The values are a copy: they share no
-    memory with ``grad``."""
-    d = grad.shape[-1]
-    rows = positions.expand(grad.shape[:-1]).reshape(-1).to(torch.int64)
-    rows = torch.where(rows < 0, rows + num_rows, rows)
-    skip = skip_row(pad, num_rows)
-    if skip >= 0:
-        keep = rows != skip
-        rows, values = rows[keep], grad.reshape(rows.shape[0], d)[keep]  # copies
-    else:
-        # a view where it can be, as nn.Embedding's, then copied
-        values = _copy_keeping_strides(grad.reshape(rows.shape[0], d))
-    if values.numel() == 0:  # no values at all (as nn.Embedding tests it)
-        rows, values = rows[:0], values.new_empty((0, d))
-    return torch.sparse_coo_tensor(
-        rows.unsqueeze(0), values.to(dtype), (num_rows, d), check_invariants=False
+    """``nn.Embedding``'s sparse COO gradient (torch's own), its values copied with
+    their layout (torch's sparse addition takes another route for other layouts)."""
+    ids = positions.to(torch.int64)
+    g = torch.ops.aten.embedding_sparse_backward(
+        grad, ids, num_rows, skip_row(pad, num_rows), False
     )
+    values = _copy_keeping_strides(g._values()).to(dtype)
+    return torch.sparse_coo_tensor(g._indices(), values, g.shape, check_invariants=False)
 
 
 def _copy_keeping_strides(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in memory of its own, with ``t``'s sizes and strides
-    (an expanded tensor stays expanded): the span of memory it covers, copied."""
+    """A copy of ``t`` with its sizes and strides (an expanded tensor stays expanded)."""
     if t.is_contiguous() or t.numel() == 0:
         return t.clone(memory_format=torch.contiguous_format)
     span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
@@ -129,8 +105,7 @@ def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
             grad.to(ctx.token_dtype), token_ids, positions, ctx.offset, *tables, ctx.padding_idx
         )
         return None, g_tok, g_pos, None, None, None
-    # One table, or tables of two dtypes: each gets the gradient in its own
-    # dtype, as autograd hands it to each of two nn.Embedding outputs.
+    # Each table gets the gradient in its own dtype, as two nn.Embedding outputs do.
     if need_tok:
         g_tok = table_grad(
             grad.to(ctx.token_dtype), token_ids, 0, ctx.vocab_size, ctx.token_dtype, ctx.padding_idx
@@ -152,8 +127,7 @@ def _table_grad_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 
 def _table_grad_backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:
-    """The gradient of ``table_grad`` with respect to ``grad_output`` (as
-    ``nn.Embedding``'s double backward)."""
+    """The gradient of ``table_grad`` with respect to ``grad_output``."""
     (positions,) = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None, None
@@ -171,8 +145,7 @@ def _embed_backward_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Non
 
 
 def _embed_backward_backward(ctx: Any, gg_tok: Any, gg_pos: Any) -> tuple[Any, ...]:
-    """The gradient of ``embed_backward`` with respect to ``grad_output``: the
-    sum of each table's term."""
+    """The gradient of ``embed_backward`` with respect to ``grad_output``."""
     token_ids, positions = ctx.saved_tensors
     none = (None,) * 8
     if not ctx.needs_input_grad[0]:
@@ -193,9 +166,8 @@ def _looked_up_grad(
     shape: tuple[int, ...],
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``gg`` looked up at ``positions`` (broadcast to ``shape[:-1]``), zero where
-    the position is the padding row: the derivative of a table gradient with
-    respect to the output gradient it was summed from."""
+    """``gg`` looked up at ``positions``, zero at the padding row: the derivative of
+    a table gradient with respect to the output gradient it was summed from."""
     positions = positions.expand(shape[:-1])
     g = lookup(gg, positions, None, False).to(dtype)
     skip = skip_row(padding_idx, gg.shape[0])
@@ -206,8 +178,6 @@ def _looked_up_grad(
 
 
 # ---- the calls: autograd functions in eager mode, the operators when compiling ----
-# (The autograd functions also work under torch.func: setup_context, and vmap
-# through the operators' vmap rules.)
 
 
 def _lookup_tangent(table_t: torch.Tensor | None, positions: torch.Tensor) -> Any:
@@ -217,26 +187,10 @@ def _lookup_tangent(table_t: torch.Tensor | None, positions: torch.Tensor) -> An
 def _tangent_sum(parts: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> torch.Tensor:
     """The output's tangent: the inputs' tangent terms in the output dtype, added."""
     terms = [p.to(dtype) for p in parts if p is not None]
-    total = terms[0]
-    for t in terms[1:]:
-        total = total + t
-    return total
-
-
-def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)``, telling the operators, while forward-mode AD is on,
-    that ``fn`` carries their tangents."""
-    if fwAD._current_level < 0:
-        return fn.apply(*args)
-    token = carries_tangents.set(True)
-    try:
-        return fn.apply(*args)
-    finally:
-        carries_tangents.reset(token)
+    return sum(terms[1:], terms[0])
 
 
 def _differentiable(
-    name: str,
     op: str,
     setup: Callable[..., None],
     backward: Callable[..., Any],
@@ -244,17 +198,15 @@ def _differentiable(
     jvp: Callable[..., Any],
     forward: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """Registers the formulas ``setup`` and ``backward`` as the operator
-    ``op``'s autograd, and gives its differentiable call, of ``forward`` (by
-    default the operator): in eager mode through an autograd function named
-    ``name`` with those formulas and a ``jvp`` that finds the tensors
-    ``for_jvp(inputs)`` in ``ctx.saved_tensors``; through the operator itself
-    (its registered autograd) when Dynamo is tracing."""
+    """Registers ``setup`` and ``backward`` as the operator ``op``'s autograd, and
+    gives its differentiable call (of ``forward``, by default the operator): in
+    eager mode an autograd function (``lookup``: ``LookupFn``) whose ``jvp`` gets
+    ``for_jvp(inputs)`` saved; the operator itself when Dynamo is tracing."""
     torch.library.register_autograd(f"cposembed::{op}", backward, setup_context=setup, lib=LIB)
+    name = "".join(word.title() for word in op.split("_")) + "Fn"
     if forward is None:
-        # A function, not the operator: Function.apply binds its arguments to
-        # forward's signature on every call, which inspect finds slowly for an
-        # operator.
+        # A function: Function.apply binds the arguments to forward's signature,
+        # which inspect finds slowly for an operator.
         overload = getattr(ops, op).default
 
         def forward(*args: Any) -> Any:
@@ -264,7 +216,7 @@ def _differentiable(
         setup(ctx, inputs, output)
         ctx.save_for_forward(*for_jvp(inputs))
 
-    fn = type(
+    fn: Any = type(
         name,
         (torch.autograd.Function,),
         {
@@ -279,7 +231,13 @@ def _differentiable(
     def call(*args: Any) -> Any:
         if torch.compiler.is_compiling():
             return forward(*args)
-        return _apply(fn, *args)
+        if fwAD._current_level < 0:
+            return fn.apply(*args)
+        token = carries_tangents.set(True)  # fn carries the operators' tangents
+        try:
+            return fn.apply(*args)
+        finally:
+            carries_tangents.reset(token)
 
     call.__name__ = call.__qualname__ = name
     return call
@@ -315,11 +273,8 @@ def _embed_backward_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
     )
 
 
-# table[positions] (sparse: a sparse gradient, eager only);
-# tok + table[positions]; token_table[token_ids] + position_table[positions];
-# and the two backward operators: each with its operator's arguments.
+# Each with its operator's arguments; lookup's sparse: a sparse gradient (eager only).
 lookup = _differentiable(
-    "LookupFn",
     "lookup",
     _lookup_setup,
     _lookup_backward,
@@ -330,7 +285,6 @@ lookup = _differentiable(
     ),
 )
 add_positions = _differentiable(
-    "AddPositionsFn",
     "add_positions",
     _add_setup,
     _add_backward,
@@ -338,7 +292,6 @@ add_positions = _differentiable(
     _add_jvp,
 )
 embed = _differentiable(
-    "EmbedFn",
     "embed",
     _embed_setup,
     _embed_backward_formula,
@@ -346,15 +299,9 @@ embed = _differentiable(
     _embed_jvp,
 )
 table_grad = _differentiable(
-    "TableGradFn",
-    "table_grad",
-    _table_grad_setup,
-    _table_grad_backward,
-    lambda i: (i[1],),
-    _table_grad_jvp,
+    "table_grad", _table_grad_setup, _table_grad_backward, lambda i: (i[1],), _table_grad_jvp
 )
 embed_backward = _differentiable(
-    "EmbedBackwardFn",
     "embed_backward",
     _embed_backward_setup,
     _embed_backward_backward,

@@ -1,31 +1,12 @@
-"""PyTorch bridge: ``torch.nn.Embedding`` on cposembed's kernels.
+"""PyTorch bridge: ``torch.nn.Embedding`` on cposembed's kernels (docs/torch.md).
 
-``import cposembed.torch as ct`` gives
-
-- :class:`Embedding`: a subclass of ``torch.nn.Embedding`` with its exact
-  constructor, ``from_pretrained``, attributes and state dict, whose values
-  and gradients are bitwise ``nn.Embedding``'s;
-- :class:`LearnedPositionEmbedding`: an :class:`Embedding` with the
-  handbook's names and a fused :meth:`~LearnedPositionEmbedding.add_to`;
-- :class:`TokenPositionEmbedding`: GPT-2's input layer ``wte[ids] + wpe[positions]``
-  in one pass forward and one read of the gradient backward;
-- :func:`convert_embeddings`: every ``nn.Embedding`` of a model becomes an
-  :class:`Embedding` in place, its weight ``Parameter`` kept, so tied weights
-  stay tied;
-
-and registers the operators ``torch.ops.cposembed.lookup``, ``add_positions``,
-``embed``, ``table_grad`` and ``embed_backward`` (see
-:mod:`cposembed._torch_kernels`).
-
-The kernels take float16, bfloat16, float32 and float64 weights. What they
-do not cover goes to torch's own ``F.embedding``, with the same results:
-tensors on other devices (CUDA, MPS, meta), ``scale_grad_by_freq=True``,
-``sparse=True`` under ``torch.compile``, and calls traced by ``torch.export``
-(``torch.compiler.is_exporting()``: the exported program, and the ONNX model
-``torch.onnx.export`` makes from it, hold torch's own operators) or by
-``torch.jit.trace``. ``torch.jit.script`` compiles each module's
-``torch.jit.is_scripting()`` branch, the same ``F.embedding`` and add, and
-leaves the eager modules as they were.
+Importing it registers the operators ``torch.ops.cposembed.*``. What the kernels
+do not take goes to torch's own ``F.embedding``, with the same results: tensors on
+other devices or of other dtypes than float16, bfloat16, float32 and float64,
+``scale_grad_by_freq=True``, ``sparse=True`` under ``torch.compile``, and calls
+traced by ``torch.export`` or ``torch.jit.trace`` (their graphs hold torch's own
+operators, for ONNX and runtimes without Python). ``torch.jit.script`` compiles
+each module's ``torch.jit.is_scripting()`` branch.
 """
 
 from __future__ import annotations
@@ -62,8 +43,7 @@ __all__ = [
 
 
 def _index(x: Any) -> torch.Tensor:
-    """An index tensor: tensors as they are; NumPy arrays, lists and scalars copied
-    (a later change to them never reaches the backward)."""
+    """An index tensor: tensors as they are, anything else copied (for the backward)."""
     if isinstance(x, torch.Tensor):
         return x
     a = np.array(x)  # a copy
@@ -73,26 +53,20 @@ def _index(x: Any) -> torch.Tensor:
 
 
 def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
-    """Whether the kernels take this call (CPU, a float dtype, strided, 2-D, not
-    being traced by ``torch.export`` or ``torch.jit.trace``, whose graphs hold
-    torch's own operators for runtimes without Python: ONNX, ExecuTorch; not
-    a DTensor, which only ``lookup`` takes: see ``_sharded_lookup``)."""
-    if _is_dtensor(table) or table.device.type != "cpu" or table.dtype not in _arrays.KERNEL_DTYPES:
-        return False
-    if table.layout != torch.strided or table.dim() != 2:
-        return False
-    if torch.jit.is_tracing() or torch.compiler.is_exporting():
-        return False
-    return all(
-        i is None or (i.device.type == "cpu" and i.layout == torch.strided and _is_integer(i.dtype))
-        for i in indices
+    """Whether the kernels take this call (see the module docstring; DTensors:
+    ``_sharded_lookup``)."""
+    tensors = (table, *(i for i in indices if i is not None))
+    return (
+        table.dtype in _arrays.KERNEL_DTYPES
+        and table.dim() == 2
+        and all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors)
+        and all(_arrays.is_integer(i.dtype) for i in tensors[1:])
+        and not (_is_dtensor(table) or torch.jit.is_tracing() or torch.compiler.is_exporting())
     )
 
 
 def _is_dtensor(t: torch.Tensor | None) -> bool:
-    """A DTensor (tensor parallelism), whose module a program that made one
-    has imported; the first one seen registers the operators' sharding rules
-    (``_torch_sharding``, which imports torch.distributed.tensor: 0.4 s)."""
+    """A DTensor; the first one seen registers the operators' sharding rules."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is None or not isinstance(t, dtensor.DTensor):
         return False
@@ -102,37 +76,29 @@ def _is_dtensor(t: torch.Tensor | None) -> bool:
 
 
 def _sharded_lookup(weight: torch.Tensor, idx: torch.Tensor) -> bool:
-    """Whether a lookup of a DTensor weight runs on the kernels: on each rank's
-    local shard, by the operators' sharding rules (``_torch_sharding``), unless
-    the weight is split along its rows (``RowwiseParallel``), which
-    ``F.embedding``'s own rule takes (it masks the ids other ranks hold)."""
-    if not _is_dtensor(weight):
-        return False
+    """Whether a lookup of a DTensor weight runs on the kernels, on each rank's
+    shard: not for a weight split along its rows, which ``F.embedding`` takes."""
     w: Any = weight
-    if any(p.is_shard(0) for p in w.placements):
+    if not _is_dtensor(w) or any(p.is_shard(0) for p in w.placements):
         return False
     i: Any = idx
-    return _on_kernels(w.to_local(), i.to_local() if _is_dtensor(i) else i) and w.dim() == 2
+    return _on_kernels(w.to_local(), i.to_local() if _is_dtensor(i) else i)
 
 
 def _values(x: Any) -> torch.Tensor:
-    """Token embeddings as a tensor: tensors as they are; NumPy arrays (their memory,
-    in native byte order; ml_dtypes' bfloat16 as torch.bfloat16) and lists as
-    ``torch.as_tensor`` takes them."""
+    """Token embeddings as a tensor (a native NumPy array's memory, ml_dtypes' bfloat16 too)."""
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
         if not x.dtype.isnative:
             x = x.astype(x.dtype.newbyteorder("="))
-        if _validation.is_bfloat16(x.dtype):
-            return _arrays.as_tensor(np.ascontiguousarray(x))
+        if _validation.is_bfloat16(x.dtype):  # through its int16 bits
+            return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
     return torch.as_tensor(x)
 
 
 def _check_offset(positions: torch.Tensor | None, offset: int) -> None:
-    """The fused kernels' rule, for every path (the unfused ones under
-    torch.export, and what torch.jit.script compiles): an offset only with
-    positions=None."""
+    """An offset only with positions=None, on every path."""
     if positions is not None and offset != 0:
         raise ValueError(
             f"offset={offset} only applies with positions=None; "
@@ -140,17 +106,9 @@ def _check_offset(positions: torch.Tensor | None, offset: int) -> None:
         )
 
 
-def _is_integer(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-
-
 def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_type: float) -> None:
-    """``max_norm``: the looked-up rows rescaled in place, as ``F.embedding`` does.
-
-    torch's renorm takes int32 and int64 indices only: other integer dtypes
-    are checked as the kernels check ids (out of range: ``IndexError`` before
-    any row is touched; torch has no comparisons of uint64), then converted
-    to int64."""
+    """``max_norm``: the looked-up rows rescaled in place, as ``F.embedding`` does
+    (torch's renorm takes int32 and int64 only: other ids are checked, then converted)."""
     if indices.dtype not in (torch.int32, torch.int64):
         _arrays.checked_ids(indices, weight.shape[0])
         indices = indices.to(torch.int64)
@@ -158,6 +116,7 @@ def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_t
         torch.embedding_renorm_(weight.detach(), indices.contiguous(), max_norm, norm_type)
 
 
+@torch.jit.unused
 def embedding(
     input: Any,
     weight: torch.Tensor,
@@ -169,8 +128,8 @@ def embedding(
 ) -> torch.Tensor:
     """``torch.nn.functional.embedding`` on cposembed's kernels: ``weight[input]``.
 
-    Same arguments, values and gradients as ``F.embedding``; what the kernels
-    do not take (see the module docstring) is passed to it.
+    Same arguments, values and gradients as ``F.embedding``, which takes
+    what the kernels do not (see the module docstring).
     """
     idx = _index(input)
     on_kernels = _on_kernels(weight, idx) or (
@@ -197,13 +156,8 @@ class Embedding(nn.Embedding):
     """``torch.nn.Embedding`` on cposembed's kernels.
 
     A subclass of ``torch.nn.Embedding`` with the same constructor,
-    :meth:`from_pretrained`, attributes (``num_embeddings``, ``embedding_dim``,
-    ``padding_idx``, ``max_norm``, ``norm_type``, ``scale_grad_by_freq``,
-    ``sparse``), ``weight`` parameter and state dict. Its forward values and
-    its gradients are bitwise ``nn.Embedding``'s: on CPU the gradient of a
-    weight is ``np.add.at`` in the weight's dtype (float16 and bfloat16: each
-    add in float32, rounded to the weight's dtype), which is what cposembed's
-    scatter-add computes, in parallel and deterministically.
+    :meth:`from_pretrained`, attributes, ``weight`` parameter and state dict,
+    whose values and gradients are bitwise ``nn.Embedding``'s.
 
     Parameters
     ----------
@@ -216,20 +170,15 @@ class Embedding(nn.Embedding):
         place to that norm.
     norm_type : float, default 2.0
     scale_grad_by_freq : bool, default False
-        Each row's gradient divided by the row's count in the batch (computed
-        by torch's own kernel).
+        Each row's gradient divided by the row's count in the batch.
     sparse : bool, default False
-        A sparse COO gradient, ``nn.Embedding``'s entry for entry (one row
-        per looked-up index, uncoalesced), whose dense form is the dense
-        gradient, bitwise.
+        A sparse COO gradient, ``nn.Embedding``'s entry for entry.
     _weight : Tensor, optional
         Used as ``weight`` (no copy).
     _freeze : bool, default False
         ``weight`` without ``requires_grad``.
     device, dtype : optional
-        Of ``weight``. The kernels take float16, bfloat16, float32 and
-        float64 on CPU; other devices are computed by
-        ``torch.nn.functional.embedding``.
+        Of ``weight``.
 
     See Also
     --------
@@ -253,8 +202,7 @@ class Embedding(nn.Embedding):
     """
 
     def _get_name(self) -> str:
-        # The name print(model) shows (as torch's quantized modules name
-        # theirs): a converted model says which of its modules are cposembed's.
+        # The name print(model) shows, as torch's quantized modules name theirs.
         return f"cposembed.{type(self).__name__}"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -279,10 +227,6 @@ class Embedding(nn.Embedding):
                 self.scale_grad_by_freq,
                 self.sparse,
             )
-        return self._eager(input)
-
-    @torch.jit.unused
-    def _eager(self, input: Any) -> torch.Tensor:
         return embedding(
             input,
             self.weight,
@@ -298,11 +242,9 @@ def convert_embeddings(module: nn.Module) -> nn.Module:
     """Put every ``torch.nn.Embedding`` of ``module`` on cposembed's kernels, in place.
 
     Each module whose type is exactly ``nn.Embedding`` (``module`` itself
-    included) becomes an :class:`Embedding`: the same object, with the same
-    ``weight`` ``Parameter``, hooks and settings, so weights tied to it
-    (GPT-2's ``lm_head``) stay tied, optimizers holding its parameters keep
-    working and state dicts keep their keys. Subclasses of ``nn.Embedding``
-    are left as they are (their ``forward`` may do more).
+    included) becomes an :class:`Embedding`: the same object with the same
+    ``weight`` ``Parameter``, so tied weights, optimizers and state dicts
+    keep working. Subclasses of ``nn.Embedding`` are left as they are.
 
     Parameters
     ----------
@@ -333,8 +275,7 @@ def convert_embeddings(module: nn.Module) -> nn.Module:
 
 
 def _shape(rows: Any, rows_name: str, embed_dim: Any, dtype: torch.dtype | None) -> tuple[int, int]:
-    """A new table's shape, each a positive int, once its dtype (floating
-    point, or None for torch's default) is checked."""
+    """A new table's shape, each a positive int, once its dtype is checked."""
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype; got {dtype}")
     check = _validation.check_int
@@ -344,10 +285,9 @@ def _shape(rows: Any, rows_name: str, embed_dim: Any, dtype: torch.dtype | None)
 class LearnedPositionEmbedding(Embedding):
     """A learned position table: an :class:`Embedding` with the handbook's names.
 
-    A drop-in for ``nn.Embedding(max_seq_len, embed_dim)`` used as a position
-    table (GPT-2's ``wpe``): same ``weight`` parameter and state dict key,
-    same values and gradients, on cposembed's kernels, plus
-    :meth:`add_to`, which adds the rows to token embeddings in one pass.
+    A drop-in for ``nn.Embedding(max_seq_len, embed_dim)`` as a position table
+    (GPT-2's ``wpe``), plus :meth:`add_to`, which adds the rows to token
+    embeddings in one pass.
 
     Parameters
     ----------
@@ -414,15 +354,7 @@ class LearnedPositionEmbedding(Embedding):
             Used as ``weight`` (not copied).
         freeze : bool, default True
             ``weight`` without ``requires_grad``.
-        padding_idx : int, optional
-            As in :class:`Embedding`.
-        max_norm : float, optional
-            As in :class:`Embedding`.
-        norm_type : float, default 2.0
-            As in :class:`Embedding`.
-        scale_grad_by_freq : bool, default False
-            As in :class:`Embedding`.
-        sparse : bool, default False
+        padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse : optional
             As in :class:`Embedding`.
 
         Returns
@@ -433,10 +365,8 @@ class LearnedPositionEmbedding(Embedding):
             raise ValueError(
                 f"embeddings must be 2-D (max_seq_len, embed_dim); got {tuple(embeddings.shape)}"
             )
-        rows, cols = embeddings.shape
         return cls(
-            rows,
-            cols,
+            *embeddings.shape,
             padding_idx=padding_idx,
             max_norm=max_norm,
             norm_type=norm_type,
@@ -462,8 +392,7 @@ class LearnedPositionEmbedding(Embedding):
         Parameters
         ----------
         tok : Tensor or array_like of shape (..., T, embed_dim)
-            Token embeddings (a NumPy array in native byte order is used
-            without a copy; bfloat16 arrays of ml_dtypes too).
+            Token embeddings (a native NumPy array is used without a copy).
         positions : Tensor, array_like of int, optional
             Must broadcast to ``tok.shape[:-1]``; ``None`` means
             ``offset + arange(T)``.
@@ -473,9 +402,7 @@ class LearnedPositionEmbedding(Embedding):
         Returns
         -------
         Tensor
-            Of dtype ``torch.promote_types(tok.dtype, weight.dtype)``. The
-            table's gradient sums over every token (what ``nn.Embedding``
-            gives for positions of ``tok.shape[:-1]``).
+            Of dtype ``torch.promote_types(tok.dtype, weight.dtype)``.
         """
         tok = _values(tok)
         pos = None if positions is None else _index(positions)
@@ -499,9 +426,8 @@ class TokenPositionEmbedding(nn.Module):
     """GPT-2's input layer ``wte[token_ids] + wpe[positions]`` as one torch module.
 
     Values and gradients equal two ``nn.Embedding`` modules added (the
-    position gradient sums over every token, as ``nn.Embedding`` does for
-    positions of ``token_ids.shape``), computed in one pass forward and one
-    read of the gradient backward.
+    position gradient sums over every token), computed in one pass forward
+    and one read of the gradient backward.
 
     Parameters
     ----------
@@ -509,8 +435,7 @@ class TokenPositionEmbedding(nn.Module):
         Shapes of ``tokens.weight`` ``(vocab_size, embed_dim)`` and
         ``positions.weight`` ``(max_seq_len, embed_dim)``.
     padding_idx : int, optional
-        A token id, as in ``nn.Embedding``: its row starts at zero and gets no
-        gradient.
+        A token id whose row starts at zero and gets no gradient.
     device, dtype : optional
         Of both tables; default ``torch.get_default_dtype()``.
 
@@ -567,19 +492,17 @@ class TokenPositionEmbedding(nn.Module):
 
         Parameters
         ----------
-        token_table : Tensor of shape (vocab_size, embed_dim)
-        position_table : Tensor of shape (max_seq_len, embed_dim)
+        token_table, position_table : Tensor
+            Of shapes ``(vocab_size, embed_dim)`` and ``(max_seq_len, embed_dim)``.
         freeze : bool, default True
-            Tables without ``requires_grad`` (as ``nn.Embedding.from_pretrained``).
+            Tables without ``requires_grad``.
         padding_idx : int, optional
             A token id whose row gets no gradient.
 
         Notes
         -----
-        Each table becomes a new ``Parameter`` (sharing the tensor's memory), as
-        ``nn.Embedding.from_pretrained`` makes one. A weight tied to the
-        original parameter (GPT-2's ``lm_head``) is not tied to the new one:
-        to keep ties, use :func:`convert_embeddings` on the model instead.
+        Each table becomes a new ``Parameter``: a weight tied to the original one
+        (GPT-2's ``lm_head``) is not tied to it. :func:`convert_embeddings` keeps ties.
         """
         for name, t in (("token_table", token_table), ("position_table", position_table)):
             if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -611,17 +534,6 @@ class TokenPositionEmbedding(nn.Module):
         """The token id whose row gets no gradient, or ``None``."""
         return self.tokens.padding_idx
 
-    def _fused(self, ids: torch.Tensor, pos: torch.Tensor | None) -> bool:
-        defaults = all(
-            t.max_norm is None and not t.scale_grad_by_freq and not t.sparse
-            for t in (self.tokens, self.positions)
-        )
-        return (
-            defaults
-            and _on_kernels(self.tokens.weight, ids, pos)
-            and _on_kernels(self.positions.weight)
-        )
-
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor | None = None, offset: int = 0
     ) -> torch.Tensor:
@@ -631,34 +543,37 @@ class TokenPositionEmbedding(nn.Module):
         ----------
         token_ids : Tensor, array_like of int
             Shape ``(..., T)``. NumPy arrays and lists are copied.
-        positions : Tensor, array_like of int, optional
-            Must broadcast to ``token_ids.shape``; ``None`` means
-            ``offset + arange(T)``.
-        offset : int, default 0
-            Tokens already seen (incremental decoding); only with ``positions=None``.
+        positions, offset : optional
+            As in :meth:`LearnedPositionEmbedding.add_to`, for ``token_ids.shape``.
 
         Returns
         -------
         Tensor
             Shape ``token_ids.shape + (embed_dim,)``.
         """
+        _check_offset(positions, offset)
         if torch.jit.is_scripting():  # what torch.jit.script compiles
-            _check_offset(positions, offset)
-            if positions is None:
-                T = token_ids.shape[-1] if token_ids.dim() > 0 else 1
-                positions = torch.arange(offset, offset + T, device=token_ids.device)
-            return self.tokens(token_ids) + self.positions(positions.expand(token_ids.shape))
+            return self._unfused(token_ids, positions, offset)
         return self._eager(token_ids, positions, offset)
+
+    def _unfused(
+        self, token_ids: torch.Tensor, positions: torch.Tensor | None, offset: int
+    ) -> torch.Tensor:
+        if positions is None:
+            T = token_ids.shape[-1] if token_ids.dim() > 0 else 1
+            positions = torch.arange(offset, offset + T, device=token_ids.device)
+        return self.tokens(token_ids) + self.positions(positions.expand(token_ids.shape))
 
     @torch.jit.unused
     def _eager(self, token_ids: Any, positions: Any, offset: int) -> torch.Tensor:
         ids = _index(token_ids)
         pos = None if positions is None else _index(positions)
-        _check_offset(pos, offset)
-        if not self._fused(ids, pos):
-            if pos is None:
-                pos = _ops.full_positions(None, offset, ids.shape).to(ids.device)
-            return self.tokens(ids) + self.positions(pos.expand(ids.shape))
+        fused = _on_kernels(self.tokens.weight, ids, pos) and _on_kernels(self.positions.weight)
+        if not fused or any(
+            t.max_norm is not None or t.scale_grad_by_freq or t.sparse
+            for t in (self.tokens, self.positions)
+        ):
+            return self._unfused(ids, pos, offset)
         return _ops.embed(
             ids, self.tokens.weight, self.positions.weight, pos, offset, self.padding_idx
         )
