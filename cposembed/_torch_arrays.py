@@ -243,7 +243,7 @@ def _new_storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
     return s
 
 
-def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, zeroed: bool) -> torch.Tensor:
+def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, zeroed: bool) -> torch.Tensor:
     """A C-order tensor of torch's memory (resizable, as ``nn.Embedding``'s) that
     nothing else refers to, zero if ``zeroed``; gradients of :data:`FRESH_MIN_BYTES`
     and outputs of ``_core.POOL_MIN_BYTES`` or more are storages kept here."""

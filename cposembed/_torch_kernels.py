@@ -109,7 +109,7 @@ def _lookup(
     if fake:
         return table.new_empty(shape)
     skip_row(padding_idx, table.shape[0])
-    y = new_tensor(shape, table.dtype, False)
+    y = new_tensor(shape, table.dtype, zeroed=False)
     _f.lookup(as_array(table), checked_ids(positions, table.shape[0]), out=as_array(y))
     return y
 
@@ -138,7 +138,7 @@ def _add_positions(
     tok_a = as_array(tok)
     if {tok.dtype, table.dtype} == HALF_PAIR:
         tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
-    y = new_tensor(tuple(tok.shape), dtype, False)
+    y = new_tensor(tuple(tok.shape), dtype, zeroed=False)
     pos = checked_ids(positions, table.shape[0])
     _f.add_positions(tok_a, as_array(table), pos, offset=offset, out=as_array(y))
     return y
@@ -169,7 +169,7 @@ def _embed(
     skip_row(padding_idx, token_table.shape[0])
     ids = checked_ids(token_ids, token_table.shape[0])
     pos = checked_ids(positions, position_table.shape[0])
-    y = new_tensor(shape, dtype, False)
+    y = new_tensor(shape, dtype, zeroed=False)
     if {token_table.dtype, position_table.dtype} == HALF_PAIR:
         # torch adds the pair in float32: the token rows converted (exactly), then added.
         ids = _routes.checked_ids(ids, token_table.shape[0])
@@ -199,7 +199,7 @@ def _table_grad(
     check_dtype(dtype)
     if fake:
         return grad_output.new_empty((num_rows, grad_output.shape[-1]), dtype=dtype)
-    grad = new_tensor((num_rows, grad_output.shape[-1]), dtype, True)
+    grad = new_tensor((num_rows, grad_output.shape[-1]), dtype, zeroed=True)
     _routes.scatter_add(
         as_array(grad),
         as_array(grad_output),
@@ -241,8 +241,8 @@ def _embed_backward(
         )
     skip = skip_row(padding_idx, vocab_size)
     ids, pos = checked_ids(token_ids, vocab_size), checked_ids(positions, max_seq_len)
-    g_tok = new_tensor((vocab_size, d), token_dtype, True)
-    g_pos = new_tensor((max_seq_len, d), position_dtype, True)
+    g_tok = new_tensor((vocab_size, d), token_dtype, zeroed=True)
+    g_pos = new_tensor((max_seq_len, d), position_dtype, zeroed=True)
     _routes.embed_backward(
         as_array(g_tok),
         as_array(g_pos),
