@@ -74,28 +74,19 @@ cdef extern from "_rows.h" nogil:
                                 Py_ssize_t)
     cpe_opt_fn cpe_opt_for(int t)
     void cpe_set_bf16_from_f64_direct(int direct)
-    enum:
-        CPE_ISA_SSE2
-        CPE_ISA_F16C
-        CPE_ISA_AVX2
     void cpe_init_isa()
     int cpe_set_isa(int isa)
     int cpe_best_isa()
 
 
-# How the scatter-add assigns contributions to threads. Each table row is
-# summed by one thread in input order, so every plan gives np.add.at's bits.
+# How the scatter-add assigns contributions to threads (each table row is
+# summed by one thread in input order, as np.add.at sums it): chosen per call
+# (_choose_plan), or distinct rows (_sum_distinct), the scan (_scan_rows) or
+# the sort (_sum_rows).
 cpdef enum ScatterPlan:
-    # Chosen per call (_choose_plan).
     PLAN_AUTO = 0
-    # Rows distinct within the period: blocks of table rows take the whole
-    # batch, reading the gradient in long contiguous runs.
     PLAN_DISTINCT = 1
-    # Each thread owns the table rows holding about 1/n of the contributions
-    # and reads only their gradient rows, front to back, its rows in cache.
     PLAN_SCAN = 2
-    # A counting sort by row, then each row sums all its contributions at
-    # once, read at random: for owned rows too large to stay in cache.
     PLAN_SORT = 3
 
 
@@ -109,17 +100,15 @@ cdef enum:
     _AHEAD = 4
     # How many rows ahead rows read out of order are asked for into L2.
     _GATHER_AHEAD = 8
-    # A row kernel's chunk, in elements of output; the scatter-adds' (distinct
-    # plan), in elements of the gradient. docs/performance.md has the
-    # measurements behind both.
+    # A row kernel's chunk, in elements of output; the distinct plan's, in
+    # elements of the gradient (docs/performance.md).
     _CHUNK_ELEMS = 65536
     _SCATTER_CHUNK_ELEMS = 524288
     # A table row's cost to the thread that sums it: one per contribution,
     # plus this for fetching the row from memory.
     _ROW_COST = 3
 
-# The scan plan's share of the table per thread, in bytes (most of a shared
-# L3); larger shares take the sort.
+# The scan plan's largest share of the table per thread, in bytes.
 cdef Py_ssize_t _scan_block_bytes = 8388608
 cdef Py_ssize_t _chunk_elems = _CHUNK_ELEMS
 
@@ -201,8 +190,7 @@ cdef inline void _prefetch_row(const char* src, Py_ssize_t nbytes, int where) no
 cdef enum:
     _LOOKUP = 0
     _ADD = 1
-    _EMBED = 2
-    _SGD = 3
+    _SGD = 2
 
 
 cdef struct RowJob:
@@ -210,12 +198,12 @@ cdef struct RowJob:
     int kind
     const char* src      # lookup: the table; add: tokens; embed: token table; SGD: grad
     const char* table    # add, embed: the position table
-    const int64_t* ids   # lookup, SGD: rows of src; embed: token ids
+    const int64_t* ids   # lookup, SGD: rows of src; embed: token ids; add: NULL
     const int64_t* rows  # add, embed: position rows, period m
     char* out            # SGD: the table
     Py_ssize_t n, m, d, per
     int stream
-    int flag             # lookup, embed: prefetch; add: in place
+    int flag             # prefetch (add: in place)
     double step          # SGD: the learning rate
     const cpe_row_ops* ops
 
@@ -233,37 +221,29 @@ cdef void _lookup_block(const char* table, const int64_t* rows, char* out,
         cpe_sfence()
 
 
-cdef void _add_block(const char* tokens, const char* table, const int64_t* rows,
-                     char* out, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t m,
-                     Py_ssize_t d, const cpe_row_ops* ops, int stream,
-                     int in_place) noexcept nogil:
-    # `out` may be `tokens`. In place the lines are read anyway, so ordinary
-    # stores cost nothing extra; there the token rows get the once hint.
+cdef void _add_block(const char* tokens, const int64_t* ids, const char* table,
+                     const int64_t* rows, char* out, Py_ssize_t lo, Py_ssize_t hi,
+                     Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops, int stream,
+                     int prefetch) noexcept nogil:
+    # out[i] = tokens[ids[i]] (tokens[i] if ids is NULL) + table[rows[i % m]];
+    # `out` may be `tokens`. prefetch: without ids (in place, where ordinary
+    # stores cost nothing extra), the token row _AHEAD on, with the once hint;
+    # with ids (rows at random from a large table), the next one into L1 and
+    # the one _AHEAD on into L2.
     cdef Py_ssize_t i, j = lo % m, rb = d * ops.tsize
+    cdef const char* src
     for i in range(lo, hi):
-        if in_place and i + _AHEAD < hi:
-            _prefetch_row(tokens + (i + _AHEAD) * rb, rb, _ONCE)
-        ops.add(out + i * rb, tokens + i * rb, table + rows[j] * rb, d, stream)
-        j += 1
-        if j == m:
-            j = 0
-    if stream:
-        cpe_sfence()
-
-
-cdef void _embed_block(const char* tokens, const int64_t* ids, const char* table,
-                       const int64_t* rows, char* out, Py_ssize_t lo, Py_ssize_t hi,
-                       Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops, int stream,
-                       int prefetch) noexcept nogil:
-    # The token rows come at random from a table beyond the caches: the next
-    # one is prefetched into L1, the one _AHEAD rows on into L2.
-    cdef Py_ssize_t i, j = lo % m, rb = d * ops.tsize
-    for i in range(lo, hi):
-        if prefetch and i + 1 < hi:
-            _prefetch_row(tokens + ids[i + 1] * rb, rb, _TO_L1)
-            if i + _AHEAD < hi:
-                _prefetch_row(tokens + ids[i + _AHEAD] * rb, rb, _TO_L2)
-        ops.add(out + i * rb, tokens + ids[i] * rb, table + rows[j] * rb, d, stream)
+        if ids == NULL:
+            if prefetch and i + _AHEAD < hi:
+                _prefetch_row(tokens + (i + _AHEAD) * rb, rb, _ONCE)
+            src = tokens + i * rb
+        else:
+            if prefetch and i + 1 < hi:
+                _prefetch_row(tokens + ids[i + 1] * rb, rb, _TO_L1)
+                if i + _AHEAD < hi:
+                    _prefetch_row(tokens + ids[i + _AHEAD] * rb, rb, _TO_L2)
+            src = tokens + ids[i] * rb
+        ops.add(out + i * rb, src, table + rows[j] * rb, d, stream)
         j += 1
         if j == m:
             j = 0
@@ -295,49 +275,49 @@ cdef void _row_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     if j.kind == _LOOKUP:
         _lookup_block(j.src, j.ids, j.out, lo, hi, tb, j.stream, j.flag)
     elif j.kind == _ADD:
-        _add_block(j.src, j.table, j.rows, j.out, lo, hi, j.m, j.d, j.ops, j.stream, j.flag)
-    elif j.kind == _EMBED:
-        _embed_block(j.src, j.ids, j.table, j.rows, j.out, lo, hi, j.m, j.d, j.ops, j.stream,
-                     j.flag)
+        _add_block(j.src, j.ids, j.table, j.rows, j.out, lo, hi, j.m, j.d, j.ops, j.stream,
+                   j.flag)
     else:
         for i in range(lo, hi):
             j.ops.sgd(j.out + j.ids[i] * tb, j.src + j.ids[i] * gb, j.d, j.step)
+
+
+cdef void _row_kernel(int kind, const char* src, const char* table, const int64_t* ids,
+                      const int64_t* rows, char* out, Py_ssize_t n, Py_ssize_t m, Py_ssize_t d,
+                      const cpe_row_ops* ops, int n_threads, int stream, int flag,
+                      double step) noexcept nogil:
+    # Runs the RowJob of these fields.
+    cdef RowJob job
+    job.kind = kind
+    job.src = src
+    job.table = table
+    job.ids = ids
+    job.rows = rows
+    job.out = out
+    job.n = n
+    job.m = m
+    job.d = d
+    job.stream = stream
+    job.flag = flag
+    job.step = step
+    job.ops = ops
+    _run_split(_row_chunk, &job, &job.per, n, d, n_threads)
 
 
 cdef void _lookup(const char* table, const int64_t* rows, char* out, Py_ssize_t n,
                   Py_ssize_t L, Py_ssize_t d, const cpe_row_ops* ops, int n_threads,
                   int stream) noexcept nogil:
     # out[i, :] = table[rows[i], :] for i < n.
-    cdef RowJob job
-    job.kind = _LOOKUP
-    job.src = table
-    job.ids = rows
-    job.out = out
-    job.n = n
-    job.d = d
-    job.stream = stream
-    job.flag = L * d * ops.tsize > _PREFETCH_TABLE_BYTES
-    job.ops = ops
-    _run_split(_row_chunk, &job, &job.per, job.n, d, n_threads)
+    _row_kernel(_LOOKUP, table, NULL, rows, NULL, out, n, 1, d, ops, n_threads, stream,
+                L * d * ops.tsize > _PREFETCH_TABLE_BYTES, 0)
 
 
 cdef void _add(const char* tokens, const char* table, const int64_t* rows, char* out,
                Py_ssize_t N, Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops,
                int n_threads, int stream, int in_place) noexcept nogil:
     # out[i, :] = tokens[i, :] + table[rows[i % m], :] for i < N.
-    cdef RowJob job
-    job.kind = _ADD
-    job.src = tokens
-    job.table = table
-    job.rows = rows
-    job.out = out
-    job.n = N
-    job.m = m
-    job.d = d
-    job.stream = stream
-    job.flag = in_place
-    job.ops = ops
-    _run_split(_row_chunk, &job, &job.per, job.n, d, n_threads)
+    _row_kernel(_ADD, tokens, table, NULL, rows, out, N, m, d, ops, n_threads, stream,
+                in_place, 0)
 
 
 cdef void _embed(const char* tokens, const int64_t* ids, Py_ssize_t V,
@@ -345,20 +325,8 @@ cdef void _embed(const char* tokens, const int64_t* ids, Py_ssize_t V,
                  Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops, int n_threads,
                  int stream) noexcept nogil:
     # out[i, :] = tokens[ids[i], :] + table[rows[i % m], :] for i < N.
-    cdef RowJob job
-    job.kind = _EMBED
-    job.src = tokens
-    job.ids = ids
-    job.table = table
-    job.rows = rows
-    job.out = out
-    job.n = N
-    job.m = m
-    job.d = d
-    job.stream = stream
-    job.flag = V * d * ops.tsize > _PREFETCH_TABLE_BYTES
-    job.ops = ops
-    _run_split(_row_chunk, &job, &job.per, job.n, d, n_threads)
+    _row_kernel(_ADD, tokens, table, ids, rows, out, N, m, d, ops, n_threads, stream,
+                V * d * ops.tsize > _PREFETCH_TABLE_BYTES, 0)
 
 
 cdef void _sgd_rows(char* table, const char* grad, const int64_t* rows, Py_ssize_t n,
@@ -366,16 +334,7 @@ cdef void _sgd_rows(char* table, const char* grad, const int64_t* rows, Py_ssize
                     int n_threads) noexcept nogil:
     # table[r] -= step * grad[r] for the n distinct rows r in `rows` (ops.sgd:
     # NumPy's `table -= lr * grad`).
-    cdef RowJob job
-    job.kind = _SGD
-    job.src = grad
-    job.ids = rows
-    job.out = table
-    job.n = n
-    job.d = d
-    job.step = step
-    job.ops = ops
-    _run_split(_row_chunk, &job, &job.per, job.n, d, n_threads)
+    _row_kernel(_SGD, grad, NULL, rows, NULL, table, n, 1, d, ops, n_threads, 0, 0, step)
 
 
 # ---- scatter-add -------------------------------------------------------------
@@ -889,10 +848,11 @@ cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* r
                     const int64_t* work, Py_ssize_t n, Py_ssize_t m,
                     Py_ssize_t d, const cpe_row_ops* ops,
                     const FusedStep* fused) noexcept nogil:
-    # For each listed contribution i, ascending: gtok[ids[i]] += g[i] if
-    # thread t owns the token row, gpos[rows[i % m]] += g[i] if it owns the
-    # position row. Prefetched: the next listed gradient row (L1), the one
-    # _GATHER_AHEAD on (L2), and the owned token row _AHEAD on (L2).
+    # For each listed contribution i (work[q] >> 1), ascending: gtok[ids[i]]
+    # += g[i] if thread t owns the token row (work[q] & 1), gpos[rows[i % m]]
+    # += g[i] if it owns the position row; work NULL: every i < n, both rows.
+    # Prefetched: the next gradient row (L1), the listed one _GATHER_AHEAD on
+    # (L2), and the owned token row _AHEAD on (L2).
     cdef Py_ssize_t q, i, w
     cdef int64_t p
     cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
@@ -901,19 +861,22 @@ cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* r
     cdef const char* far
     cdef const char* far_acc
     for q in range(n):
-        i = work[q] >> 1
+        i = work[q] >> 1 if work != NULL else q
         src = g + i * gb
-        nxt = g + (work[q + 1] >> 1) * gb if q + 1 < n else NULL
-        far = g + (work[q + _GATHER_AHEAD] >> 1) * gb if q + _GATHER_AHEAD < n else NULL
+        nxt = g + (work[q + 1] >> 1 if work != NULL else q + 1) * gb if q + 1 < n else NULL
+        far = NULL
+        if work != NULL and q + _GATHER_AHEAD < n:
+            far = g + (work[q + _GATHER_AHEAD] >> 1) * gb
         far_acc = NULL
         if q + _AHEAD < n:
-            w = work[q + _AHEAD]
+            w = work[q + _AHEAD] if work != NULL else 2 * (q + _AHEAD) + 1
             if w & 1:
                 far_acc = _token_dest(fused, gtok, ids[w >> 1], tb)
+        w = work[q] if work != NULL else 2 * q + 1
         p = rows[i % m]
-        if fused != NULL and (not work[q] & 1 or pos_owner[p] == t):
+        if fused != NULL and (not w & 1 or work == NULL or pos_owner[p] == t):
             _first_zero(gpos, p, fused.pos_first, i, tb)
-        if not work[q] & 1:
+        if not w & 1:
             ops.acc(gpos + p * tb, src, nxt, far, NULL, NULL, d)
             continue
         if _single(fused, ids[i]):
@@ -923,7 +886,7 @@ cdef void _sum_pair(char* gtok, const int64_t* ids, char* gpos, const int64_t* r
             continue
         if fused != NULL:
             _first_zero(gtok, ids[i], fused.tok_first, i, tb)
-        if pos_owner[p] == t:
+        if work == NULL or pos_owner[p] == t:
             ops.acc2(gtok + ids[i] * tb, gpos + p * tb, src, nxt, far, far_acc, d)
         else:
             ops.acc(gtok + ids[i] * tb, src, nxt, far, NULL, far_acc, d)
@@ -1009,25 +972,10 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     cdef Py_ssize_t i
     cdef PairJob job
     cdef int64_t* bounds
-    cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
-    cdef const char* nxt
-    cdef const char* far_acc
     if n_threads > 1:
         n_threads = cpe_threads_here(n_threads)
     if n_threads <= 1:
-        for i in range(N):
-            nxt = g + (i + 1) * gb if i + 1 < N else NULL
-            far_acc = _token_dest(fused, gtok, ids[i + _AHEAD], tb) if i + _AHEAD < N else NULL
-            if fused != NULL:
-                _first_zero(gpos, rows[i % m], fused.pos_first, i, tb)
-            if _single(fused, ids[i]):
-                ops.acc(gpos + rows[i % m] * tb, g + i * gb, nxt, NULL, NULL, far_acc, d)
-                _opt_row(&fused.tok, ids[i], g + i * gb, CPE_OPT_ADD_ZERO)
-                continue
-            if fused != NULL:
-                _first_zero(gtok, ids[i], fused.tok_first, i, tb)
-            ops.acc2(gtok + ids[i] * tb, gpos + rows[i % m] * tb, g + i * gb, nxt, NULL,
-                     far_acc, d)
+        _sum_pair(gtok, ids, gpos, rows, NULL, 0, g, NULL, N, m, d, ops, fused)
         if fused != NULL:
             _opt_block(&fused.tok, 0, fused.tok.n)
             _opt_block(&fused.pos, 0, fused.pos.n)

@@ -1,17 +1,11 @@
-/* Memory primitives: non-temporal (streaming) stores, prefetches, a row copy.
+/* Memory primitives: non-temporal (streaming) stores, prefetches, a row
+ * copy, and the benchmark's probes.
  *
- * Streaming stores write whole cache lines straight to memory without first
- * reading them (no read-for-ownership), which cuts the memory traffic of an
- * output far larger than the cache from 2x to 1x its size. They are only a
- * win for such outputs: for a small output the lines would have stayed in
- * cache for the caller. The entries decide per call (STREAM_THRESHOLD_BYTES in
- * src_c/_parallel.pxi). SSE2 is part of x86-64, so this stays portable;
- * other architectures get plain stores. Each thread that streamed must call
- * cpe_sfence() before its work counts as done.
- *
- * The typed row operations (add, accumulate, the SGD update) are generated
- * for every element type from src_c/_rows.h.tp; this file holds what is
- * the same for all of them.
+ * Streaming stores write whole cache lines to memory without reading them
+ * first, halving the traffic of an output far larger than the cache (the
+ * entries decide per call: STREAM_THRESHOLD_BYTES, _kernels.pxi). They need
+ * SSE2 (part of x86-64); elsewhere stores are ordinary. A thread that
+ * streamed calls cpe_sfence() before its work counts as done.
  */
 #ifndef CPOSEMBED_STREAM_H
 #define CPOSEMBED_STREAM_H
@@ -35,33 +29,24 @@ static inline void cpe_sfence(void) {
 #endif
 }
 
-static inline void cpe_prefetch(const void *p) {
+/* Prefetches: into L1, into L1 for writing, into L2 (rows a few ahead), and
+ * non-temporal (data read once, which should not evict the rows reused). */
 #if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 3);
+static inline void cpe_prefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
+static inline void cpe_prefetch_w(const void *p) { __builtin_prefetch(p, 1, 3); }
+static inline void cpe_prefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
+static inline void cpe_prefetch_nta(const void *p) { __builtin_prefetch(p, 0, 0); }
 #else
-    (void)p;
-#endif
-}
-
-static inline void cpe_prefetch_w(const void *p) {
-#if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 1, 3);
-#else
-    (void)p;
-#endif
-}
-
-/* For data read once (token rows, the gradient): fetch it without letting
- * it push the reused rows (the table, the gradient table) out of the caches. */
-static inline void cpe_prefetch_nta(const void *p) {
+static inline void cpe_prefetch(const void *p) { (void)p; }
+static inline void cpe_prefetch_w(const void *p) { (void)p; }
 #if CPE_HAVE_STREAM
-    _mm_prefetch((const char *)p, _MM_HINT_NTA);
-#elif defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 0);
+static inline void cpe_prefetch_l2(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
+static inline void cpe_prefetch_nta(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_NTA); }
 #else
-    (void)p;
+static inline void cpe_prefetch_l2(const void *p) { (void)p; }
+static inline void cpe_prefetch_nta(const void *p) { (void)p; }
 #endif
-}
+#endif
 
 /* Elements before the first 16-byte-aligned one (all of them if `p` is not
  * even aligned to its element size, e.g. a view at an odd byte offset). */
@@ -102,17 +87,6 @@ static inline void cpe_copy_bytes(void *dst, const void *src, size_t n, int stre
     memcpy(dst, src, n);
 }
 
-/* L2 prefetch, for rows a few ahead (see _rows.h.tp's accumulators). */
-static inline void cpe_prefetch_l2(const void *p) {
-#if CPE_HAVE_STREAM
-    _mm_prefetch((const char *)p, _MM_HINT_T1);
-#elif defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 2);
-#else
-    (void)p;
-#endif
-}
-
 /* ---- machine-limit probes (cposembed._membench) ----------------------- */
 static inline void cpe_fill_f32(float *dst, ptrdiff_t n, float value, int stream) {
     ptrdiff_t k = 0;
@@ -132,10 +106,8 @@ static inline void cpe_fill_f32(float *dst, ptrdiff_t n, float value, int stream
     for (; k < n; k++) dst[k] = value;
 }
 
-/* Sum of n floats with independent accumulators (4 SSE vectors of 4 lanes,
- * 16 floats a step; 8 scalars without SSE2): bound by memory, not by the
- * latency of one chain of adds. Order differs from NumPy's sum; this is a
- * bandwidth probe, not a numerical routine. */
+/* Sum of n floats with independent accumulators, so that memory bounds it,
+ * not one chain of adds (a bandwidth probe: not NumPy's order). */
 static inline double cpe_read_sum_f32(const float *src, ptrdiff_t n) {
     ptrdiff_t k = 0;
     double total = 0.0;
