@@ -125,9 +125,8 @@ static inline uint16_t cpe_f64_to_bf16(double x) {
 /* ---- SSE2: eight values at a time --------------------------------------- */
 #if CPE_HAVE_STREAM
 
-/* Four float16 (zero-extended into 32-bit lanes): their sign moved to
- * float32's place, and their bits without it as a normal float32 (the
- * exponent rebiased, the significand shifted into place). */
+/* Four float16 (zero-extended into 32-bit lanes): their sign in float32's
+ * place, and their other bits as a normal float32 (exponent rebiased). */
 static inline __m128i cpe_f16x4_sign(__m128i h) {
     return _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
 }

@@ -1,16 +1,10 @@
-# Kernels: gather rows, add rows, scatter-add rows, the SGD and optimizer row
-# updates. They trust their inputs: the entries in _core.pyx have checked
-# them and hand over row numbers already wrapped into [0, L) (_index.pxi).
-#
-# Period: in _add, _scatter_add, _embed and _scatter_pair, `rows` has m
-# entries and the row arrays N = nb * m rows; row i uses rows[i % m], so that
-# `positions=None` and positions repeated along leading axes need no N indices.
-#
-# A kernel runs on one thread, or splits its work into chunks that
-# _run_chunks (_parallel.pxi) runs on OpenMP threads: blocks of output rows,
-# or, in the scatter-adds, ranges of table rows that one chunk owns. Rows are
-# moved as bytes; the arithmetic is the row primitives' of _rows.h (`ops`,
-# for the table's type and the source's: cpe_row_ops_for).
+# Kernels: gather, add and scatter-add rows, the SGD and optimizer row
+# updates, on inputs the entries in _core.pyx have checked (row numbers in
+# [0, L)). In _add, _scatter_add, _embed and _scatter_pair, `rows` has m
+# entries for N = nb * m rows: row i uses rows[i % m]. Work for several
+# threads is cut into chunks (_run_chunks, _parallel.pxi): blocks of output
+# rows, or ranges of table rows that one chunk owns. Rows move as bytes; the
+# arithmetic is the row primitives' of _rows.h (`ops`: cpe_row_ops_for).
 
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport abort, calloc, free, malloc, realloc
@@ -91,8 +85,7 @@ cpdef enum ScatterPlan:
 
 
 cdef enum:
-    # The distinct-rows plan's block of table rows, in bytes: well inside L2
-    # next to the gradient streaming by.
+    # The distinct plan's block of table rows, in bytes: well inside L2.
     _BLOCK_BYTES = 262144
     # Lookups prefetch the next row from tables larger than this (beyond L2).
     _PREFETCH_TABLE_BYTES = 524288
@@ -100,12 +93,11 @@ cdef enum:
     _AHEAD = 4
     # How many rows ahead rows read out of order are asked for into L2.
     _GATHER_AHEAD = 8
-    # A row kernel's chunk, in elements of output; the distinct plan's, in
-    # elements of the gradient (docs/performance.md).
+    # A row kernel's chunk, in elements of output (a few microseconds: a slow
+    # thread holds the others up by little); the distinct plan's, of gradient.
     _CHUNK_ELEMS = 65536
     _SCATTER_CHUNK_ELEMS = 524288
-    # A table row's cost to the thread that sums it: one per contribution,
-    # plus this for fetching the row from memory.
+    # A table row's cost (_owner_bounds) besides one per contribution.
     _ROW_COST = 3
 
 # The scan plan's largest share of the table per thread, in bytes.
@@ -162,9 +154,8 @@ cdef bint _repeats(const int64_t* p, Py_ssize_t n, Py_ssize_t period) noexcept n
     return True
 
 
-# Where _prefetch_row asks a row's lines to go: L1 (the next row of a random
-# gather), L2 (a row a few ahead), or with the non-temporal hint (a row read
-# once, that should not evict the rows that are reused).
+# Where _prefetch_row asks a row's lines to go: L1 (the next row), L2 (a row a
+# few ahead), or non-temporal (a row read once: it should not evict others).
 cdef enum:
     _TO_L1 = 0
     _TO_L2 = 1
@@ -208,28 +199,13 @@ cdef struct RowJob:
     const cpe_row_ops* ops
 
 
-cdef void _lookup_block(const char* table, const int64_t* rows, char* out,
-                        Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t rb, int stream,
-                        int prefetch) noexcept nogil:
-    # Rows of rb bytes.
-    cdef Py_ssize_t i
-    for i in range(lo, hi):
-        if prefetch and i + 1 < hi:
-            _prefetch_row(table + rows[i + 1] * rb, rb, _TO_L1)
-        cpe_copy_bytes(out + i * rb, table + rows[i] * rb, rb, stream)
-    if stream:
-        cpe_sfence()
-
-
 cdef void _add_block(const char* tokens, const int64_t* ids, const char* table,
                      const int64_t* rows, char* out, Py_ssize_t lo, Py_ssize_t hi,
                      Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops, int stream,
                      int prefetch) noexcept nogil:
     # out[i] = tokens[ids[i]] (tokens[i] if ids is NULL) + table[rows[i % m]];
-    # `out` may be `tokens`. prefetch: without ids (in place, where ordinary
-    # stores cost nothing extra), the token row _AHEAD on, with the once hint;
-    # with ids (rows at random from a large table), the next one into L1 and
-    # the one _AHEAD on into L2.
+    # `out` may be `tokens`. prefetch: without ids (in place), the token row
+    # _AHEAD on, once; with ids, the next one into L1, the one _AHEAD on, L2.
     cdef Py_ssize_t i, j = lo % m, rb = d * ops.tsize
     cdef const char* src
     for i in range(lo, hi):
@@ -247,15 +223,12 @@ cdef void _add_block(const char* tokens, const int64_t* ids, const char* table,
         j += 1
         if j == m:
             j = 0
-    if stream:
-        cpe_sfence()
 
 
 cdef void _run_split(void (*chunk)(void*, Py_ssize_t) noexcept nogil, void* job,
                      Py_ssize_t* per, Py_ssize_t n, Py_ssize_t d, int n_threads) noexcept nogil:
-    # chunk(job, c) for the chunks of *per rows of d elements (about
-    # _chunk_elems) that n rows make, on up to n_threads (cpe_threads_here
-    # decides); on one thread, one chunk of all n rows.
+    # chunk(job, c) for chunks of *per rows of d elements (about _chunk_elems)
+    # on up to n_threads (cpe_threads_here); on one thread, one chunk of n.
     cdef Py_ssize_t n_chunks
     per[0] = _per_chunk(d, _chunk_elems)
     n_chunks = _chunks_of(n, per[0])
@@ -273,13 +246,18 @@ cdef void _row_chunk(void* arg, Py_ssize_t c) noexcept nogil:
     cdef Py_ssize_t i, lo = c * j.per, hi = min(j.n, lo + j.per)
     cdef Py_ssize_t tb = j.d * j.ops.tsize, gb = j.d * j.ops.gsize
     if j.kind == _LOOKUP:
-        _lookup_block(j.src, j.ids, j.out, lo, hi, tb, j.stream, j.flag)
+        for i in range(lo, hi):
+            if j.flag and i + 1 < hi:
+                _prefetch_row(j.src + j.ids[i + 1] * tb, tb, _TO_L1)
+            cpe_copy_bytes(j.out + i * tb, j.src + j.ids[i] * tb, tb, j.stream)
     elif j.kind == _ADD:
         _add_block(j.src, j.ids, j.table, j.rows, j.out, lo, hi, j.m, j.d, j.ops, j.stream,
                    j.flag)
     else:
         for i in range(lo, hi):
             j.ops.sgd(j.out + j.ids[i] * tb, j.src + j.ids[i] * gb, j.d, j.step)
+    if j.stream:
+        cpe_sfence()
 
 
 cdef void _row_kernel(int kind, const char* src, const char* table, const int64_t* ids,
@@ -420,10 +398,9 @@ cdef inline void _cursor_next(RowCursor* c, const int64_t* row_start, Py_ssize_t
 cdef void _sum_rows(char* grad, const char* g, const int64_t* row_start,
                     const int64_t* order, Py_ssize_t r_lo, Py_ssize_t r_hi, Py_ssize_t nb,
                     Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops) noexcept nogil:
-    # Rows r_lo..r_hi-1 of grad, one at a time (it stays in L1), each summing
-    # its contributions in input order (i = k*m + j ascending, np.add.at's).
-    # The next source row is prefetched into L1, the one _GATHER_AHEAD on
-    # into L2.
+    # Rows r_lo..r_hi-1 of grad, one at a time, each summing its contributions
+    # in input order (i = k*m + j ascending). Prefetched: the next source row
+    # (L1), the one _GATHER_AHEAD on (L2).
     cdef RowCursor cur, nxt, far
     cdef int k
     cdef const char* pn
@@ -450,43 +427,13 @@ cdef void _sum_rows(char* grad, const char* g, const int64_t* row_start,
         _cursor_next(&far, row_start, r_hi, nb)
 
 
-cdef void _sum_distinct(char* grad, const char* g, const int64_t* rows,
-                        Py_ssize_t j_lo, Py_ssize_t j_hi, Py_ssize_t nb,
-                        Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops) noexcept nogil:
-    # Positions j_lo..j_hi-1 hit distinct rows: row rows[j] receives
-    # g[k*m + j] for k = 0..nb-1, in that order. A block of table rows that
-    # stays in cache takes the whole batch, reading each block of g once.
-    cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
-    cdef Py_ssize_t rows_per_block = _BLOCK_BYTES // tb
-    cdef Py_ssize_t b0, b1, j, k
-    cdef const char* nxt
-    if rows_per_block < 1:
-        rows_per_block = 1
-    b0 = j_lo
-    while b0 < j_hi:
-        b1 = b0 + rows_per_block
-        if b1 > j_hi:
-            b1 = j_hi
-        for k in range(nb):
-            for j in range(b0, b1):
-                if j + 1 < b1:
-                    nxt = g + (k * m + j + 1) * gb
-                elif k + 1 < nb:
-                    nxt = g + ((k + 1) * m + b0) * gb
-                else:
-                    nxt = NULL
-                ops.acc(grad + rows[j] * tb, g + (k * m + j) * gb, nxt, NULL, NULL, NULL, d)
-        b0 = b1
-
-
 cdef void _scan_rows(char* grad, const char* g, const int64_t* rows,
                      const int64_t* order, Py_ssize_t q_lo, Py_ssize_t q_hi,
                      Py_ssize_t nb, Py_ssize_t m, Py_ssize_t d,
                      const cpe_row_ops* ops) noexcept nogil:
     # The contributions j = order[q] (q if order is NULL), q_lo <= q < q_hi,
-    # for every batch k: input order, reading g front to back. Prefetched:
-    # the next source row into L1, the one _AHEAD on into L2, the next row
-    # added into.
+    # for every batch k, in input order. Prefetched: the next source row (L1),
+    # the one _AHEAD on (L2), the next row added into.
     cdef Py_ssize_t k, q, j, j1
     cdef Py_ssize_t tb = d * ops.tsize, gb = d * ops.gsize
     cdef const char* nxt
@@ -508,13 +455,23 @@ cdef void _scan_rows(char* grad, const char* g, const int64_t* rows,
             ops.acc(grad + rows[j] * tb, g + (k * m + j) * gb, nxt, far, nacc, NULL, d)
 
 
+cdef void _sum_distinct(char* grad, const char* g, const int64_t* rows,
+                        Py_ssize_t j_lo, Py_ssize_t j_hi, Py_ssize_t nb,
+                        Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops) noexcept nogil:
+    # Positions j_lo..j_hi-1 hit distinct rows: a block of table rows that
+    # stays in cache takes the whole batch, reading each block of g once.
+    cdef Py_ssize_t b0 = j_lo, per_block = max(1, _BLOCK_BYTES // (d * ops.tsize))
+    while b0 < j_hi:
+        _scan_rows(grad, g, rows, NULL, b0, min(j_hi, b0 + per_block), nb, m, d, ops)
+        b0 += per_block
+
+
 cdef void _owner_bounds(const int64_t* row_start, Py_ssize_t L, int n_threads,
                         int64_t* bounds, int64_t single_cost=0) noexcept nogil:
     # Thread t owns rows bounds[t]..bounds[t+1]-1 (row_start: prefixed
-    # counts): ranges of about 1/n of the cost each, a row costing its
-    # contributions plus _ROW_COST if it has any, plus single_cost if it has
-    # one. Ranges, not rows dealt out, so that no two threads write one
-    # cache line.
+    # counts), about 1/n of the cost each: a row costs its contributions,
+    # plus _ROW_COST if any, plus single_cost if one. Ranges, so that no two
+    # threads write one cache line.
     cdef Py_ssize_t r
     cdef int64_t c, total = row_start[L], acc = 0
     cdef int t = 1
@@ -547,8 +504,7 @@ cdef void _group_by_owner(const int64_t* rows, Py_ssize_t m, int64_t* row_start,
                           int n_chunks, const int64_t* bounds, int64_t* q_start,
                           int64_t* q_fill, int64_t* order) noexcept nogil:
     # order[q_start[c]:q_start[c + 1]] = the j (ascending) whose row chunk c
-    # owns (row_start: prefixed counts, overwritten with each row's owner).
-    # Branch-free: a branch on the owner is a coin flip for random positions.
+    # owns (row_start: prefixed counts, overwritten with owners). Branch-free.
     cdef int c
     cdef Py_ssize_t j
     cdef int64_t o
@@ -593,11 +549,9 @@ cdef int64_t _rereads(const int64_t* row_start, Py_ssize_t L,
 cdef ScatterPlan _choose_plan(ScatterPlan plan, const int64_t* row_start, Py_ssize_t L,
                               Py_ssize_t m, const int64_t* bounds, Py_ssize_t d,
                               Py_ssize_t esz, int n_threads) noexcept nogil:
-    # The plan for rows that are not distinct (a forced distinct plan falls
-    # back to this choice): the scan, reading the gradient in order, while
-    # the rows each thread hits stay in cache, or while those that would not
-    # take few contributions more than once (a Zipf-like batch); else the
-    # sort, which takes each row from memory once.
+    # The plan for rows that are not distinct: the scan while the rows each
+    # thread hits stay in cache, or while those that would not take few
+    # contributions more than once; else the sort.
     cdef Py_ssize_t r, hit, owned = 0
     cdef int64_t extra
     cdef int t
@@ -621,9 +575,8 @@ cdef size_t _scatter_scratch_bytes(Py_ssize_t L, Py_ssize_t m, int n_threads) no
 
 
 cdef struct ScatterJob:
-    # A scatter-add's chunks. Chunk c sums, by plan: PLAN_DISTINCT, the
-    # positions j in c * per .. (c + 1) * per - 1; PLAN_SCAN, the positions
-    # order[q_start[c]:q_start[c + 1]]; PLAN_SORT, table rows
+    # Chunk c sums, by plan: the positions j in [c * per, (c + 1) * per),
+    # the positions order[q_start[c]:q_start[c + 1]], or the table rows
     # bounds[c]..bounds[c + 1] - 1.
     char* grad
     const char* g
@@ -656,11 +609,9 @@ cdef void _scatter_add(char* grad, const char* g, const int64_t* rows,
                        const cpe_row_ops* ops, int n_threads, ScatterPlan plan,
                        int64_t* scratch) noexcept nogil:
     # grad[rows[i % m], :] += g[i, :] for i < nb * m, each row summed in
-    # input order by one chunk. `scratch` (_scatter_scratch_bytes) holds, in
-    # turn: row_start (L + 1: counts, then first slot per row, then owners),
-    # order (m: contributions grouped by row or by owner), and bounds, q_start
-    # and q_fill (n_threads + 1 each: per chunk, its first table row, its
-    # first slot in order, its next free slot).
+    # input order by one chunk. `scratch` (_scatter_scratch_bytes): row_start
+    # (L + 1), order (m), then per chunk its first table row, its first slot
+    # in order and its next free slot (n_threads + 1 each).
     cdef ScatterJob job
     cdef int64_t* row_start = scratch
     cdef int64_t* order = row_start + (L + 1)
@@ -735,11 +686,10 @@ cdef void _put_rows(char* table, const char* compact, const int64_t* rows, Py_ss
 
 
 cdef struct OptJob:
-    # An optimizer's step: chunk c updates the distinct table rows rows[i]
-    # for i = order[q] (q if order is NULL), c * per <= q < min(n, (c + 1) *
-    # per), but skip_row. Row i's gradient is grad row i (compact) or
-    # rows[i]; its state is row slots[i] (rows[i] if slots is NULL) of
-    # state1 / state2 (NULL: none), fresh (SGD's momentum starts at it) if
+    # An optimizer's step: chunk c updates the distinct rows rows[i] (but
+    # skip_row), i = order[q] (q if order is NULL), c * per <= q < n. Row i's
+    # gradient is grad row i (compact) or rows[i]; its state is row slots[i]
+    # (rows[i] if slots is NULL) of state1 / state2 (NULL: none), new if
     # slots[i] >= fresh_from.
     char* table
     const char* grad
@@ -901,13 +851,11 @@ cdef size_t _pair_scratch_bytes(Py_ssize_t V, Py_ssize_t L, Py_ssize_t N,
 
 
 cdef struct FusedStep:
-    # An optimizer's step fused into the layer's backward (_scatter_pair).
-    # tok, pos: the steps of both tables; scratch row i (one per distinct row
-    # of the call) is that of tok.rows[i] and pos.rows[i]. A token row with
-    # one contribution (tok_single[slot]) is updated from its gradient row
-    # when its owner reads it; the other rows are summed into their scratch
-    # rows (zeroed at their first contribution, tok_first and pos_first) and
-    # updated once all chunks are done.
+    # An optimizer's step fused into the layer's backward (_scatter_pair):
+    # tok, pos, the steps of both tables, scratch row i that of rows[i]. A
+    # token row with one contribution (tok_single[slot]) is updated from it
+    # when read; the others are summed into their scratch rows (zeroed at
+    # their first contribution) and updated once all chunks are done.
     const int64_t* tok_first
     const int64_t* pos_first
     const uint8_t* tok_single
@@ -965,9 +913,8 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
                         Py_ssize_t N, Py_ssize_t d, const cpe_row_ops* ops, int n_threads,
                         int64_t* scratch, FusedStep* fused) noexcept nogil:
     # gtok[ids[i]] += g[i] and gpos[rows[i % m]] += g[i] for i < N, each
-    # table row summed in input order by one chunk. Chunk c owns a range of
-    # token rows and one of position rows (_owner_bounds) and reads, in
-    # order, every g[i] either needs. `scratch`: _pair_scratch_bytes of it.
+    # table row summed in input order by one chunk, which owns a range of
+    # each table (_owner_bounds). `scratch`: _pair_scratch_bytes of it.
     # fused: NULL, or an optimizer step on the rows summed (FusedStep).
     cdef Py_ssize_t i
     cdef PairJob job
@@ -1006,6 +953,5 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     job.ops = ops
     _run_chunks(_pair_chunk, &job, n_threads, n_threads)
     if fused != NULL:
-        # The summed rows, once every chunk is done with them.
         _opt_rows(&fused.tok, n_threads)
         _opt_rows(&fused.pos, n_threads)

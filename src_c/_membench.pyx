@@ -5,12 +5,9 @@
 
 from cython.parallel cimport prange
 
-from _openmp cimport omp_get_max_threads
-
 from cposembed._core import team
 
 cdef extern from "_stream.h" nogil:
-    int cpe_have_stream()
     void cpe_sfence()
     void cpe_copy_bytes(void* dst, const void* src, size_t n, int stream)
     void cpe_fill_f32(float* dst, Py_ssize_t n, float value, int stream)
@@ -31,11 +28,6 @@ cdef int _threads(object n_threads, Py_ssize_t n) except 0:
     if nt < 1:
         raise ValueError(f"n_threads must be a positive integer; got {n_threads!r}")
     return nt
-
-
-def streaming_available():
-    """True if the probes use non-temporal stores (x86-64 SSE2)."""
-    return bool(cpe_have_stream())
 
 
 def fill(float[::1] out, n_threads, bint stream=True):  # OUT
@@ -80,7 +72,3 @@ def read_sum(const float[::1] src, n_threads):  # IN
     for t in prange(nt, schedule="static", num_threads=nt, nogil=True):
         total += cpe_read_sum_f32(p + _lo(n, t, nt), _lo(n, t + 1, nt) - _lo(n, t, nt))
     return total
-
-
-def max_threads():
-    return omp_get_max_threads()

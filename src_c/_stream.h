@@ -1,12 +1,9 @@
-/* Memory primitives: non-temporal (streaming) stores, prefetches, a row
- * copy, and the benchmark's probes.
- *
- * Streaming stores write whole cache lines to memory without reading them
- * first, halving the traffic of an output far larger than the cache (the
- * entries decide per call: STREAM_THRESHOLD_BYTES, _kernels.pxi). They need
- * SSE2 (part of x86-64); elsewhere stores are ordinary. A thread that
- * streamed calls cpe_sfence() before its work counts as done.
- */
+/* Memory primitives: streaming (non-temporal) stores, prefetches, a row copy
+ * and the benchmark's probes. Streaming stores write whole cache lines without
+ * reading them first, halving the traffic of an output far larger than the
+ * cache (STREAM_THRESHOLD_BYTES, _kernels.pxi). They need SSE2 (x86-64);
+ * elsewhere stores are ordinary. A thread that streamed calls cpe_sfence()
+ * before its work counts as done. */
 #ifndef CPOSEMBED_STREAM_H
 #define CPOSEMBED_STREAM_H
 
@@ -47,6 +44,16 @@ static inline void cpe_prefetch_l2(const void *p) { (void)p; }
 static inline void cpe_prefetch_nta(const void *p) { (void)p; }
 #endif
 #endif
+
+/* The row primitives' prefetches at byte offsets gk of source rows and tk of
+ * rows added into: nxt into L1, far and far_acc into L2, nacc for writing. */
+static inline void cpe_prefetch_acc(const void *nxt, const void *far, const void *nacc,
+                                    const void *far_acc, ptrdiff_t gk, ptrdiff_t tk) {
+    if (nxt) cpe_prefetch((const char *)nxt + gk);
+    if (far) cpe_prefetch_l2((const char *)far + gk);
+    if (nacc) cpe_prefetch_w((const char *)nacc + tk);
+    if (far_acc) cpe_prefetch_l2((const char *)far_acc + tk);
+}
 
 /* Elements before the first 16-byte-aligned one (all of them if `p` is not
  * even aligned to its element size, e.g. a view at an odd byte offset). */
@@ -95,10 +102,6 @@ static inline void cpe_fill_f32(float *dst, ptrdiff_t n, float value, int stream
         __m128 v = _mm_set1_ps(value);
         ptrdiff_t peel = cpe_peel(dst, n, sizeof(float));
         for (; k < peel; k++) dst[k] = value;
-        for (; k + 16 <= n; k += 16) {
-            _mm_stream_ps(dst + k, v); _mm_stream_ps(dst + k + 4, v);
-            _mm_stream_ps(dst + k + 8, v); _mm_stream_ps(dst + k + 12, v);
-        }
         for (; k + 4 <= n; k += 4) _mm_stream_ps(dst + k, v);
     }
 #endif
