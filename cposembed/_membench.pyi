@@ -7,7 +7,6 @@
 import numpy as np
 import numpy.typing as npt
 
-def streaming_available() -> bool: ...
 def fill(
     out: npt.NDArray[np.float32],  # float[::1], written with 1.0
     n_threads: int,  # object: an integer >= 1
@@ -23,4 +22,3 @@ def read_sum(
     src: npt.NDArray[np.float32],  # const float[::1]
     n_threads: int,  # object: an integer >= 1
 ) -> float: ...  # double, in no particular order
-def max_threads() -> int: ...

@@ -1,44 +1,25 @@
-/* Conversions between the half-precision formats and float32 / float64.
+/* Conversions between the half-precision formats (uint16_t bit patterns)
+ * and float32 / float64, by NumPy's rules for float16 (IEEE binary16) and
+ * ml_dtypes' for bfloat16 (the top 16 bits of a float32):
+ *   - half to float32 is exact, NaN payloads kept;
+ *   - float32 and float64 to float16 round once, to nearest even; overflow
+ *     gives a signed infinity; a NaN keeps the top bits of its payload
+ *     (made nonzero);
+ *   - float32 to bfloat16 rounds to nearest even; a NaN becomes 0x7fc0 with
+ *     its sign;
+ *   - float64 to bfloat16 rounds through float32 (ml_dtypes < 0.7) or once
+ *     (0.7), as cpe_set_bf16_from_f64_direct says at import.
+ * One rounding from float64 is float64 to float32 rounded to odd, then to
+ * the half format to nearest even: float32 keeps enough more bits for that
+ * to be the correctly rounded result.
  *
- * float16 is IEEE binary16 (NumPy's half); bfloat16 is the top 16 bits of a
- * float32 (ml_dtypes' bfloat16). Both are stored as uint16_t bit patterns.
- * The rules are NumPy's and ml_dtypes':
- *   - half to float32 (and so to float64) is exact: NaN payloads and the
- *     signalling bit are kept, shifted into place;
- *   - float32 to float16 and float64 to float16 round once, to nearest even;
- *     overflow gives a signed infinity; a NaN keeps the top bits of its
- *     payload (made nonzero so that it stays a NaN);
- *   - float32 to bfloat16 rounds to nearest even; every NaN becomes the quiet
- *     NaN 0x7fc0 with its sign;
- *   - float64 to bfloat16 follows the installed ml_dtypes: through float32
- *     (two roundings, ml_dtypes < 0.7) or in one rounding (0.7), set at
- *     import by cpe_set_bf16_from_f64_direct.
- *
- * One rounding from float64 uses round-to-odd: float64 to float32 truncated
- * with the last bit set when inexact, then float32 to the half format to
- * nearest even. float32 keeps 13 more significand bits than float16 and 16
- * more than bfloat16 (subnormals included), so the result is the correctly
- * rounded one.
- *
- * The SSE2 versions convert eight values at a time with the same bits as the
- * scalar functions (tests/test_half_conversions.py compares them over every
- * half bit pattern and a sample of float32 patterns, every one with
- * CPOSEMBED_EXHAUSTIVE=1). Eight values in the common range (normal
- * float16, no NaN) take a short path; a block with any other value the full
- * one.
+ * The SSE2 versions convert eight values at a time with the scalar
+ * functions' bits; eight normal float16 values take a short path.
  */
 #ifndef CPOSEMBED_HALF_H
 #define CPOSEMBED_HALF_H
 
-#include <stdint.h>
-#include <string.h>
-
-#if defined(__SSE2__) || defined(_M_X64) || (defined(_M_IX86_FP) && _M_IX86_FP >= 2)
-#include <emmintrin.h>
-#define CPE_HALF_SSE2 1
-#else
-#define CPE_HALF_SSE2 0
-#endif
+#include "_stream.h" /* CPE_HAVE_STREAM: SSE2 */
 
 static inline uint32_t cpe_f32_bits(float f) {
     uint32_t b;
@@ -142,13 +123,10 @@ static inline uint16_t cpe_f64_to_bf16(double x) {
 }
 
 /* ---- SSE2: eight values at a time --------------------------------------- */
-#if CPE_HALF_SSE2
+#if CPE_HAVE_STREAM
 
-/* Four float16 (the low or high half of x, zero-extended to 32-bit lanes)
- * to float32. */
-/* Four float16 (zero-extended into 32-bit lanes): their sign moved to
- * float32's place, and their bits without it as a normal float32 (the
- * exponent rebiased, the significand shifted into place). */
+/* Four float16 (zero-extended into 32-bit lanes): their sign in float32's
+ * place, and their other bits as a normal float32 (exponent rebiased). */
 static inline __m128i cpe_f16x4_sign(__m128i h) {
     return _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16);
 }
@@ -175,11 +153,10 @@ static inline __m128 cpe_f16x4_to_f32(__m128i h) {
     return _mm_castsi128_ps(_mm_or_si128(r, cpe_f16x4_sign(h)));
 }
 
-
 static inline void cpe_ld8_f16(const uint16_t *p, __m128 *lo, __m128 *hi) {
     __m128i x = _mm_loadu_si128((const __m128i *)p), z = _mm_setzero_si128();
-    /* zeros, subnormals, infinities and NaNs (exponent 0 or 31) take the
-     * full conversion; eight normal values the short one */
+    /* a zero, subnormal, infinity or NaN (exponent 0 or 31) takes the full
+     * conversion */
     __m128i e = _mm_and_si128(x, _mm_set1_epi16(0x7c00));
     __m128i special = _mm_or_si128(_mm_cmpeq_epi16(e, z), _mm_cmpeq_epi16(e, _mm_set1_epi16(0x7c00)));
     if (_mm_movemask_epi8(special)) {
@@ -246,7 +223,6 @@ static inline __m128i cpe_f16x4_in_normal_range(__m128i a) {
                          _mm_cmpgt_epi32(_mm_set1_epi32(0x47800000), a));
 }
 
-
 static inline __m128i cpe_pack8_f16(__m128 lo, __m128 hi) {
     const __m128i abs = _mm_set1_epi32(0x7fffffff);
     __m128i a = _mm_and_si128(_mm_castps_si128(lo), abs);
@@ -284,5 +260,5 @@ static inline __m128i cpe_pack8_bf16(__m128 lo, __m128 hi) {
     return _mm_packs_epi32(a, b);
 }
 
-#endif /* CPE_HALF_SSE2 */
+#endif /* CPE_HAVE_STREAM */
 #endif /* CPOSEMBED_HALF_H */

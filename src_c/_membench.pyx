@@ -1,20 +1,13 @@
-# Machine-limit probes for `python -m cposembed bench`.
-#
-# What the hardware can do with the same bytes and the same threads as the
-# kernels: a streaming (non-temporal) fill, a streaming copy, and a
-# vectorised read-only sum. An op's time divided by the matching probe's is
-# how far it sits from the memory system's limit. Each thread takes one
-# contiguous block, as the kernels do; blocks start on 64-byte boundaries.
-# Sizes and thread counts are checked as the public entries check theirs.
+# Machine-limit probes for `python -m cposembed bench`: a streaming fill, a
+# streaming copy and a read-only sum, with the kernels' bytes and threads, so
+# that an op's time over its probe's says how far it is from the memory
+# system's limit. Each thread takes one contiguous block.
 
 from cython.parallel cimport prange
-
-from _openmp cimport omp_get_max_threads
 
 from cposembed._core import team
 
 cdef extern from "_stream.h" nogil:
-    int cpe_have_stream()
     void cpe_sfence()
     void cpe_copy_bytes(void* dst, const void* src, size_t n, int stream)
     void cpe_fill_f32(float* dst, Py_ssize_t n, float value, int stream)
@@ -29,18 +22,12 @@ cdef inline Py_ssize_t _lo(Py_ssize_t n, int t, int n_threads) noexcept nogil:
 
 
 cdef int _threads(object n_threads, Py_ssize_t n) except 0:
-    # The thread count the kernels' rule gives for n floats (_core.team: an
-    # explicit count capped as num_threads= is, small work on one thread);
+    # The thread count the kernels' rule gives for n floats (_core.team);
     # ValueError for anything but an integer >= 1.
     cdef int nt = 0 if n_threads is None else team(n_threads, n, max(1, n // 16))
     if nt < 1:
         raise ValueError(f"n_threads must be a positive integer; got {n_threads!r}")
     return nt
-
-
-def streaming_available():
-    """True if the probes use non-temporal stores (x86-64 SSE2)."""
-    return bool(cpe_have_stream())
 
 
 def fill(float[::1] out, n_threads, bint stream=True):  # OUT
@@ -51,15 +38,9 @@ def fill(float[::1] out, n_threads, bint stream=True):  # OUT
     if n == 0:
         return
     cdef float* p = &out[0]
-    with nogil:
-        if nt <= 1:
-            cpe_fill_f32(p, n, 1.0, stream)
-            cpe_sfence()
-        else:
-            for t in prange(nt, schedule="static", num_threads=nt):
-                cpe_fill_f32(p + _lo(n, t, nt),
-                             _lo(n, t + 1, nt) - _lo(n, t, nt), 1.0, stream)
-                cpe_sfence()
+    for t in prange(nt, schedule="static", num_threads=nt, nogil=True):
+        cpe_fill_f32(p + _lo(n, t, nt), _lo(n, t + 1, nt) - _lo(n, t, nt), 1.0, stream)
+        cpe_sfence()
 
 
 def copy(float[::1] dst, const float[::1] src, n_threads, bint stream=True):
@@ -73,15 +54,10 @@ def copy(float[::1] dst, const float[::1] src, n_threads, bint stream=True):
         return
     cdef float* dp = &dst[0]
     cdef const float* sp = &src[0]
-    with nogil:
-        if nt <= 1:
-            cpe_copy_bytes(dp, sp, n * sizeof(float), stream)
-            cpe_sfence()
-        else:
-            for t in prange(nt, schedule="static", num_threads=nt):
-                cpe_copy_bytes(dp + _lo(n, t, nt), sp + _lo(n, t, nt),
-                               (_lo(n, t + 1, nt) - _lo(n, t, nt)) * sizeof(float), stream)
-                cpe_sfence()
+    for t in prange(nt, schedule="static", num_threads=nt, nogil=True):
+        cpe_copy_bytes(dp + _lo(n, t, nt), sp + _lo(n, t, nt),
+                       (_lo(n, t + 1, nt) - _lo(n, t, nt)) * sizeof(float), stream)
+        cpe_sfence()
 
 
 def read_sum(const float[::1] src, n_threads):  # IN
@@ -93,15 +69,6 @@ def read_sum(const float[::1] src, n_threads):  # IN
     if n == 0:
         return 0.0
     cdef const float* p = &src[0]
-    with nogil:
-        if nt <= 1:
-            total = cpe_read_sum_f32(p, n)
-        else:
-            for t in prange(nt, schedule="static", num_threads=nt):
-                total += cpe_read_sum_f32(p + _lo(n, t, nt),
-                                          _lo(n, t + 1, nt) - _lo(n, t, nt))
+    for t in prange(nt, schedule="static", num_threads=nt, nogil=True):
+        total += cpe_read_sum_f32(p + _lo(n, t, nt), _lo(n, t + 1, nt) - _lo(n, t, nt))
     return total
-
-
-def max_threads():
-    return omp_get_max_threads()

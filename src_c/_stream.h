@@ -1,18 +1,9 @@
-/* Memory primitives: non-temporal (streaming) stores, prefetches, a row copy.
- *
- * Streaming stores write whole cache lines straight to memory without first
- * reading them (no read-for-ownership), which cuts the memory traffic of an
- * output far larger than the cache from 2x to 1x its size. They are only a
- * win for such outputs: for a small output the lines would have stayed in
- * cache for the caller. The entries decide per call (STREAM_THRESHOLD_BYTES in
- * src_c/_parallel.pxi). SSE2 is part of x86-64, so this stays portable;
- * other architectures get plain stores. Each thread that streamed must call
- * cpe_sfence() before its work counts as done.
- *
- * The typed row operations (add, accumulate, the SGD update) are generated
- * for every element type from src_c/_rows.h.tp; this file holds what is
- * the same for all of them.
- */
+/* Memory primitives: streaming (non-temporal) stores, prefetches, a row copy
+ * and the benchmark's probes. Streaming stores write whole cache lines without
+ * reading them first, halving the traffic of an output far larger than the
+ * cache (STREAM_THRESHOLD_BYTES, _kernels.pxi). They need SSE2 (x86-64);
+ * elsewhere stores are ordinary. A thread that streamed calls cpe_sfence()
+ * before its work counts as done. */
 #ifndef CPOSEMBED_STREAM_H
 #define CPOSEMBED_STREAM_H
 
@@ -35,32 +26,33 @@ static inline void cpe_sfence(void) {
 #endif
 }
 
-static inline void cpe_prefetch(const void *p) {
+/* Prefetches: into L1, into L1 for writing, into L2 (rows a few ahead), and
+ * non-temporal (data read once, which should not evict the rows reused). */
 #if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 3);
+static inline void cpe_prefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
+static inline void cpe_prefetch_w(const void *p) { __builtin_prefetch(p, 1, 3); }
+static inline void cpe_prefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
+static inline void cpe_prefetch_nta(const void *p) { __builtin_prefetch(p, 0, 0); }
 #else
-    (void)p;
-#endif
-}
-
-static inline void cpe_prefetch_w(const void *p) {
-#if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 1, 3);
-#else
-    (void)p;
-#endif
-}
-
-/* For data read once (token rows, the gradient): fetch it without letting
- * it push the reused rows (the table, the gradient table) out of the caches. */
-static inline void cpe_prefetch_nta(const void *p) {
+static inline void cpe_prefetch(const void *p) { (void)p; }
+static inline void cpe_prefetch_w(const void *p) { (void)p; }
 #if CPE_HAVE_STREAM
-    _mm_prefetch((const char *)p, _MM_HINT_NTA);
-#elif defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 0);
+static inline void cpe_prefetch_l2(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
+static inline void cpe_prefetch_nta(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_NTA); }
 #else
-    (void)p;
+static inline void cpe_prefetch_l2(const void *p) { (void)p; }
+static inline void cpe_prefetch_nta(const void *p) { (void)p; }
 #endif
+#endif
+
+/* The row primitives' prefetches at byte offsets gk of source rows and tk of
+ * rows added into: nxt into L1, far and far_acc into L2, nacc for writing. */
+static inline void cpe_prefetch_acc(const void *nxt, const void *far, const void *nacc,
+                                    const void *far_acc, ptrdiff_t gk, ptrdiff_t tk) {
+    if (nxt) cpe_prefetch((const char *)nxt + gk);
+    if (far) cpe_prefetch_l2((const char *)far + gk);
+    if (nacc) cpe_prefetch_w((const char *)nacc + tk);
+    if (far_acc) cpe_prefetch_l2((const char *)far_acc + tk);
 }
 
 /* Elements before the first 16-byte-aligned one (all of them if `p` is not
@@ -102,17 +94,6 @@ static inline void cpe_copy_bytes(void *dst, const void *src, size_t n, int stre
     memcpy(dst, src, n);
 }
 
-/* L2 prefetch, for rows a few ahead (see _rows.h.tp's accumulators). */
-static inline void cpe_prefetch_l2(const void *p) {
-#if CPE_HAVE_STREAM
-    _mm_prefetch((const char *)p, _MM_HINT_T1);
-#elif defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 2);
-#else
-    (void)p;
-#endif
-}
-
 /* ---- machine-limit probes (cposembed._membench) ----------------------- */
 static inline void cpe_fill_f32(float *dst, ptrdiff_t n, float value, int stream) {
     ptrdiff_t k = 0;
@@ -121,10 +102,6 @@ static inline void cpe_fill_f32(float *dst, ptrdiff_t n, float value, int stream
         __m128 v = _mm_set1_ps(value);
         ptrdiff_t peel = cpe_peel(dst, n, sizeof(float));
         for (; k < peel; k++) dst[k] = value;
-        for (; k + 16 <= n; k += 16) {
-            _mm_stream_ps(dst + k, v); _mm_stream_ps(dst + k + 4, v);
-            _mm_stream_ps(dst + k + 8, v); _mm_stream_ps(dst + k + 12, v);
-        }
         for (; k + 4 <= n; k += 4) _mm_stream_ps(dst + k, v);
     }
 #endif
@@ -132,10 +109,8 @@ static inline void cpe_fill_f32(float *dst, ptrdiff_t n, float value, int stream
     for (; k < n; k++) dst[k] = value;
 }
 
-/* Sum of n floats with independent accumulators (4 SSE vectors of 4 lanes,
- * 16 floats a step; 8 scalars without SSE2): bound by memory, not by the
- * latency of one chain of adds. Order differs from NumPy's sum; this is a
- * bandwidth probe, not a numerical routine. */
+/* Sum of n floats with independent accumulators, so that memory bounds it,
+ * not one chain of adds (a bandwidth probe: not NumPy's order). */
 static inline double cpe_read_sum_f32(const float *src, ptrdiff_t n) {
     ptrdiff_t k = 0;
     double total = 0.0;

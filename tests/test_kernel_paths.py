@@ -211,7 +211,6 @@ def test_both_sides_of_the_real_stream_threshold(dtype, extra_rows):
 def test_streaming_flag_reports_the_build():
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert _core.streaming_stores_available()
-    assert _membench.streaming_available() == _core.streaming_stores_available()
 
 
 # ------------------------------------------------------------ scatter-add
@@ -743,7 +742,6 @@ def test_membench_probes(threads, n, stream):
         assert _membench.read_sum(src, threads) == pytest.approx(
             float(src.sum(dtype=np.float64)), rel=1e-4, abs=1e-3
         )
-    assert _membench.max_threads() >= 1
 
 
 def test_membench_copy_refuses_a_src_of_another_length():

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from .. import _membench, _state, _threads
+from .. import _core, _state, _threads
 from .._config import config
 from ._common import OURS, Group
 from ._groups import GROUP_NAMES, build_groups
@@ -54,7 +54,7 @@ def machine_info(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
         "cposembed": cfg["cposembed"],
         "openmp": cfg["openmp_enabled"],
         "compile_args": cfg["compile_args"],
-        "streaming_stores": _membench.streaming_available(),
+        "streaming_stores": _core.streaming_stores_available(),
         "threads": args.threads,
         "table": list(args.table),
         "batch": list(args.batch),
