@@ -560,7 +560,12 @@ class TokenPositionEmbedding(nn.Module):
         self, token_ids: torch.Tensor, positions: torch.Tensor | None, offset: int
     ) -> torch.Tensor:
         if positions is None:
-            T = token_ids.shape[-1] if token_ids.dim() > 0 else 1
+            if token_ids.dim() == 0:
+                raise ValueError(  # _routes.id_positions' words, in TorchScript too
+                    "token_ids must have shape (..., T) when positions is None; got a single "
+                    "id (pass positions=, e.g. the token's position)"
+                )
+            T = token_ids.shape[-1]
             positions = torch.arange(offset, offset + T, device=token_ids.device)
         return self.tokens(token_ids) + self.positions(positions.expand(token_ids.shape))
 

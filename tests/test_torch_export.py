@@ -204,6 +204,24 @@ def test_an_offset_with_explicit_positions_is_refused_on_every_path():
         assert isinstance(info.value, ValueError) or "ValueError" in str(info.value), name
 
 
+def test_a_single_id_without_positions_is_refused_on_every_path():
+    def with_max_norm():
+        m = ct.TokenPositionEmbedding(20, 8, 4)
+        m.tokens.max_norm = 1.0
+        return m
+
+    calls = {
+        "eager": lambda: ct.TokenPositionEmbedding(20, 8, 4)(torch.tensor(3)),
+        "max_norm": lambda: with_max_norm()(torch.tensor(3)),
+        "offset": lambda: ct.TokenPositionEmbedding(20, 8, 4)(torch.tensor(3), None, 1),
+        "script": lambda: torch.jit.script(ct.TokenPositionEmbedding(20, 8, 4))(torch.tensor(3)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(Exception, match=r"shape \(\.\.\., T\) when positions is None") as info:
+            call()
+        assert isinstance(info.value, ValueError) or "ValueError" in str(info.value), name
+
+
 def _dual_calls(d: torch.Tensor, t: torch.Tensor, pos: torch.Tensor):
     tok = torch.zeros(3, 3, dtype=d.dtype)
     ops = torch.ops.cposembed
