@@ -282,9 +282,20 @@ EXTENSIONS = [
             "src_c/_index.pxi",
             "src_c/_parallel.pxi",
             "src_c/_threads.h",
-            "src_c/_marks.pxi",
+            "src_c/cposembed/_marks.pxd",
             "src_c/_contract.pxi",
         ],
+        define_macros=[
+            ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+            ("NPY_TARGET_VERSION", "NPY_1_24_API_VERSION"),
+        ],
+    ),
+    # The rows a call touches (RowMarks, RowSlots, the distinct rows of a
+    # call), cimported by _core through src_c/cposembed/_marks.pxd.
+    Extension(
+        "cposembed._marks",
+        ["src_c/cposembed/_marks.pyx"],
+        include_dirs=[numpy.get_include()],
         define_macros=[
             ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
             ("NPY_TARGET_VERSION", "NPY_1_24_API_VERSION"),

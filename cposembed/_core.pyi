@@ -11,11 +11,13 @@
 
 import enum
 from collections.abc import Callable
-from typing import Any, TypeVar, final
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 from typing_extensions import disjoint_base
+
+from cposembed._marks import RowMarks, RowSlots
 
 _A = TypeVar("_A", bound=np.ndarray)
 
@@ -112,32 +114,6 @@ def embed_backward(
     position_touched: RowMarks | None = None,  # of L rows
     token_skip_row: int = -1,  # Py_ssize_t
 ) -> bool | None: ...
-
-# Rows marked at a cost that grows with the call (src_c/_marks.pxi).
-@final
-class RowMarks:
-    def __new__(cls, n_rows: int, mask: npt.ArrayLike | None = None) -> RowMarks: ...
-    @property
-    def mask(self) -> npt.NDArray[np.bool_]: ...  # read-only, one flag per row
-    @property
-    def n_rows(self) -> int: ...
-    def __len__(self) -> int: ...
-    def rows(self) -> npt.NDArray[np.int64]: ...  # in marking order
-    def mark_all(self) -> None: ...
-    def unmark(self, row: int) -> None: ...
-    def clear(self) -> None: ...
-    def zero_rows(self, grad: np.ndarray) -> None: ...
-
-# Where an optimizer keeps each row's state (src_c/_marks.pxi).
-@final
-class RowSlots:
-    def __new__(cls, n_rows: int, rows: npt.ArrayLike | None = None) -> RowSlots: ...
-    @property
-    def n_rows(self) -> int: ...
-    def __len__(self) -> int: ...
-    def rows(self) -> npt.NDArray[np.int64]: ...  # in slot order
-    def slot_of(self, row: int) -> int: ...  # -1: no state
-
 def distinct_rows(
     rows: Any,  # canonical int64, any shape, in [0, n_rows)
     n_rows: int,

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import _core, _routes
+from . import _core, _marks, _routes
 from . import _validation as v
 
 
@@ -22,7 +22,7 @@ class GradientState:
     """``grad`` (None until the first backward), the rows touched since the last
     zero, and the row that gets no gradient (``padding_idx``; -1: none).
 
-    ``touched`` (a :class:`~cposembed._core.RowMarks`: a mask and the list of
+    ``touched`` (a :class:`~cposembed._marks.RowMarks`: a mask and the list of
     the marked rows, so that zeroing and stepping cost the touched rows, not
     the table) describes ``touched_grad``, the array it was built for: if the
     user assigns another array to ``grad``, the marks are not trusted and
@@ -33,7 +33,7 @@ class GradientState:
 
     def __init__(self, skip_row: int = -1) -> None:
         self.grad: np.ndarray | None = None
-        self.touched: _core.RowMarks | None = None
+        self.touched: _marks.RowMarks | None = None
         self.touched_grad: np.ndarray | None = None
         self.skip_row = skip_row
 
@@ -56,7 +56,7 @@ class GradientState:
         """The gradient and touched-rows mask of a checked pickled state."""
         self.grad = grad
         if touched is not None:
-            self.touched = _core.RowMarks(touched.shape[0], touched)
+            self.touched = _marks.RowMarks(touched.shape[0], touched)
             self.touched_grad = grad
 
     def kept_touched(self) -> np.ndarray | None:
@@ -66,7 +66,7 @@ class GradientState:
         return np.array(self.touched.mask)
 
     # -- backward ------------------------------------------------------------
-    def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, _core.RowMarks]:
+    def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, _marks.RowMarks]:
         """The gradient a backward adds into, and the touched rows to mark.
 
         A fresh gradient is zeros in :func:`~cposembed._validation.work_dtype`
@@ -83,12 +83,12 @@ class GradientState:
         if grad is None:
             grad = _core.zeros(table.shape, v.work_dtype(table.dtype))
         check_grad(grad, table)
-        touched = _core.RowMarks(table.shape[0])
+        touched = _marks.RowMarks(table.shape[0])
         if not fresh:
             touched.mark_all()
         return grad, touched
 
-    def keep(self, grad: np.ndarray, touched: _core.RowMarks) -> None:
+    def keep(self, grad: np.ndarray, touched: _marks.RowMarks) -> None:
         self.grad = grad
         self.touched = touched
         self.touched_grad = grad
@@ -139,7 +139,7 @@ class GradientState:
             raise ValueError(f"grad must have the table's shape {table.shape}; got {grad.shape}")
         return grad
 
-    def step_marks(self, grad: np.ndarray) -> _core.RowMarks | None:
+    def step_marks(self, grad: np.ndarray) -> _marks.RowMarks | None:
         """The rows a step on ``grad`` visits, as marks (None: every row)."""
         return self.touched if grad is self.touched_grad else None
 

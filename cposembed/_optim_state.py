@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core
+from . import _core, _marks
 from . import _validation as v
 
 # Version of what state_dict() returns and pickle stores.
@@ -65,7 +65,7 @@ def check_betas(pair: Any) -> tuple[float, float]:
 class RowState:
     """The state of one table: a zeroed ``(L, d)`` array per buffer (``buffers``;
     fresh memory that faults in as it fills, ``_core.zeros(growing=True)``) and
-    where each row's state is in them (``slots``, a :class:`~cposembed._core.RowSlots`:
+    where each row's state is in them (``slots``, a :class:`~cposembed._marks.RowSlots`:
     rows get the buffers' rows 0, 1, 2, ... in the order they are first stepped,
     so new rows' state costs pages in sequence, not a page per row)."""
 
@@ -74,7 +74,7 @@ class RowState:
         self.dtype = dtype
         self.buffers = {name: _core.zeros(shape, dtype, growing=True) for name in names}
         # Plain SGD keeps no state: no rows have any.
-        self.slots = _core.RowSlots(shape[0] if names else 0)
+        self.slots = _marks.RowSlots(shape[0] if names else 0)
 
     def export(self) -> dict[str, np.ndarray]:
         """Copies of the state in row order: ``rows`` and one ``(n, d)`` array per buffer."""
@@ -95,7 +95,7 @@ class RowState:
         if names:
             for name in names:
                 state.buffers[name][: rows.size] = checked[name]
-            state.slots = _core.RowSlots(table.shape[0], rows)
+            state.slots = _marks.RowSlots(table.shape[0], rows)
         return state
 
 

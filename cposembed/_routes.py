@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core, _threads
+from . import _core, _marks, _threads
 from . import _validation as v
 
 # The C entries take positions of up to this many axes (the most NumPy 1.x
@@ -227,14 +227,14 @@ def scatter_add(
     *,
     offset: Any,
     num_threads: Any,
-    touched: _core.RowMarks | None = None,
+    touched: _marks.RowMarks | None = None,
     skip_row: int = -1,
 ) -> None:
     """:func:`cposembed.scatter_add` that also marks the rows it touched and skips one:
     the C entry, else the worded error, or the normalised arguments and the entry
     once more.
 
-    ``touched``: a :class:`~cposembed._core.RowMarks` of L rows (or None) in
+    ``touched``: a :class:`~cposembed._marks.RowMarks` of L rows (or None) in
     which the rows that received a contribution are marked; ``skip_row``: a row that gets
     no gradient (zeroed after the sum; ``padding_idx``), or -1.
     """
@@ -355,12 +355,12 @@ def embed_backward(
     *,
     offset: Any,
     num_threads: Any,
-    token_touched: _core.RowMarks | None = None,
-    position_touched: _core.RowMarks | None = None,
+    token_touched: _marks.RowMarks | None = None,
+    position_touched: _marks.RowMarks | None = None,
     token_skip_row: int = -1,
 ) -> None:
     """:func:`cposembed.embed_backward` that also marks the rows it touched
-    (:class:`~cposembed._core.RowMarks` of V and L rows, or None) and gives token row ``token_skip_row``
+    (:class:`~cposembed._marks.RowMarks` of V and L rows, or None) and gives token row ``token_skip_row``
     (padding) no gradient (-1: none).
 
     It calls the entry first itself, as :func:`scatter_add` does: the entry

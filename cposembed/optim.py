@@ -10,7 +10,7 @@ state stay as they are (the semantics of ``torch.optim.SparseAdam``).
 
 The state of a table is one zeroed array per buffer with the table's shape,
 made when the optimizer is, whose rows are given out in the order rows are
-first stepped (:class:`~cposembed._core.RowSlots`), so its memory grows with
+first stepped (:class:`~cposembed._marks.RowSlots`), so its memory grows with
 the rows that have state; it lives in :mod:`cposembed._optim_state`, with
 the checks of saved states. The
 optimizer reaches its layer's tables through ``layer.trainable_tables()``.

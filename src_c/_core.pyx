@@ -20,11 +20,18 @@
 cimport cython
 cimport numpy as cnp
 
+from cposembed._marks cimport (
+    RowMarks,
+    RowSlots,
+    _compact_pays,
+    _distinct,
+    _distinct_scratch_bytes,
+)
+
 include "_kernels.pxi"
 include "_blocks.pxi"
 include "_index.pxi"
 include "_parallel.pxi"
-include "_marks.pxi"
 
 cnp.import_array()
 
@@ -166,7 +173,7 @@ cdef struct KernelCall:
     double lr            # the SGD step, rounded to the compute type by the row primitive
     int64_t* scratch
     int src_type
-    # The sparse plan (_marks.pxi): `out` (and `out2`) is a compact copy of
+    # The sparse plan (_marks.pxd): `out` (and `out2`) is a compact copy of
     # rows compact_rows[:L] (compact_rows2[:L] of out2) of the table
     # compact_of (compact_of2), gathered before the kernel and written back
     # after it; NULL: `out` is the table itself.
@@ -741,7 +748,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     the sum, and unmarked: padding_idx, whose row is zero before every
     call), or -1. plan: a ScatterPlan (PLAN_AUTO: chosen per call; the
     others force one, for tests). A table far larger than the call is summed
-    in a compact copy of the rows it touches (_marks.pxi), at the cost of
+    in a compact copy of the rows it touches (cposembed._marks), at the cost of
     the call, not the table.
     """
     cdef int typenum = _rows_type(grad, grad_output, True)

@@ -11,7 +11,7 @@ import pytest
 from helpers import tuned
 
 import cposembed
-from cposembed import LearnedPositionEmbedding, _core, _threads, embedding
+from cposembed import LearnedPositionEmbedding, _core, _marks, _threads, embedding
 
 L, D = 64, 512
 
@@ -340,10 +340,10 @@ def _scratch_failure_calls():
     tokens = rng.standard_normal((1, 600, 4)).astype(np.float32)
     grad = np.zeros((1000, 4), np.float32)
     g = rng.standard_normal((3, 4)).astype(np.float32)
-    touched = _core.RowMarks(1000)
+    touched = _marks.RowMarks(1000)
     ids = rng.integers(0, 1000, (1, 600))
     pair = (np.zeros((1000, 4), np.float32), np.zeros((1000, 4), np.float32))
-    marks = (_core.RowMarks(1000), _core.RowMarks(1000))
+    marks = (_marks.RowMarks(1000), _marks.RowMarks(1000))
     out = np.full((600, 4), 7.0, np.float32)
     return [
         ("lookup", lambda: _core.lookup(table, many, out, None), 0, _NO_POSITIONS, [out]),

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cposembed
-from cposembed import _core, _membench
+from cposembed import _core, _marks, _membench
 
 FLOATS = [np.float32, np.float64]
 
@@ -391,7 +391,7 @@ def test_scatter_marks_touched_rows_and_skips_one(tuning, dtype, threads):
         grad = rng.standard_normal((L, d)).astype(dtype)
         expect = reference_scatter(grad, g, pos)
         expect[skip] = 0
-        touched = _core.RowMarks(L, np.arange(L) == L - 1)  # marks accumulate
+        touched = _marks.RowMarks(L, np.arange(L) == L - 1)  # marks accumulate
         assert _core.scatter_add(grad, g, pos, 0, threads, touched, skip, plan) is grad
         _same_bits(grad, expect)
         want = np.zeros(L, bool)
@@ -419,7 +419,7 @@ def test_sgd_step_is_numpys_update_on_touched_rows(tuning, dtype, threads, touch
         "sparse": np.isin(np.arange(L), [0, 7, 17, L - 1]),
         "none_marked": np.zeros(L, bool),
     }[touched_kind]
-    touched = None if mask is None else _core.RowMarks(L, mask)
+    touched = None if mask is None else _marks.RowMarks(L, mask)
     for lr in (0.1, -3.7, 1e-3, 0.0):
         expect = table.copy()
         rows = np.arange(L) if mask is None else np.flatnonzero(mask)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import cposembed
 import cposembed.train
-from cposembed import LearnedPositionEmbedding, _core
+from cposembed import LearnedPositionEmbedding, _core, _marks
 from cposembed.reference import LearnedPositionEmbedding as Reference
 
 
@@ -56,9 +56,9 @@ def test_sgd_entry_accepts_exactly_the_plain_case(data):
     touched_kind = cases._pick(data.draw, ["none", "plain"], ["length", "mask"], plain=plain)
     touched = None
     if touched_kind == "plain":
-        touched = _core.RowMarks(L, rng.random(L) < 0.5)
+        touched = _marks.RowMarks(L, rng.random(L) < 0.5)
     elif touched_kind == "length":
-        touched = _core.RowMarks(L + 1, np.ones(L + 1, bool))
+        touched = _marks.RowMarks(L + 1, np.ones(L + 1, bool))
     elif touched_kind == "mask":
         touched = np.ones(L, bool)  # a bare mask, not RowMarks
     lr = data.draw(st.floats(-10, 10, allow_nan=False), label="lr")
@@ -72,7 +72,7 @@ def test_sgd_entry_accepts_exactly_the_plain_case(data):
         and cases._plain(grad, table.dtype)
         and grad.shape == table.shape
         and cases._disjoint(grad, table)
-        and (touched is None or (isinstance(touched, _core.RowMarks) and touched.n_rows == L))
+        and (touched is None or (isinstance(touched, _marks.RowMarks) and touched.n_rows == L))
         and -1 <= skip_row < L
         and cases._threads_ok(num_threads)
     )

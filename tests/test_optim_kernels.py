@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_optim import CONFIG_IDS, CONFIGS, make
 
 import cposembed
-from cposembed import LearnedPositionEmbedding, TokenPositionEmbedding, _core
+from cposembed import LearnedPositionEmbedding, TokenPositionEmbedding, _core, _marks
 from cposembed.optim import state_dtype
 
 BUFFERS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}
@@ -353,7 +353,7 @@ CRAFTED = r"""
 import json
 import numpy as np
 import cposembed
-from cposembed import _core, Adam, SGD, TokenPositionEmbedding
+from cposembed import _core, _marks, Adam, SGD, TokenPositionEmbedding
 
 V, L, d = 20, 4, 8
 failures = []
@@ -372,7 +372,7 @@ def opt_call(table, grad, rows, compact, s1, s2, slots, hyper, skip_row=-1):
 
 
 def check(name, call, *watched):
-    slot_maps = [w for w in watched if isinstance(w, _core.RowSlots)]
+    slot_maps = [w for w in watched if isinstance(w, _marks.RowSlots)]
     before = [(m, m.rows().copy()) for m in slot_maps]
     snap = snapshot(*watched)
     try:
@@ -400,11 +400,11 @@ table = m.token_embeddings
 grad = np.ones((V, d), np.float32)
 rows = np.array([1, 5, 19], np.int64)
 s1, s2 = np.zeros((V, d), np.float32), np.zeros((V, d), np.float32)
-has = _core.RowSlots(V)
+has = _marks.RowSlots(V)
 args = (table, grad, rows, False, s1, s2, has, A)
 t2 = table.copy()
-assert opt_call(t2, grad, rows, False, s1.copy(), s2.copy(), _core.RowSlots(V), A) is True
-assert opt_call(t2, grad[:3], rows, True, s1.copy(), s2.copy(), _core.RowSlots(V), A) is True
+assert opt_call(t2, grad, rows, False, s1.copy(), s2.copy(), _marks.RowSlots(V), A) is True
+assert opt_call(t2, grad[:3], rows, True, s1.copy(), s2.copy(), _marks.RowSlots(V), A) is True
 
 W = (table, grad, s1, s2, has)
 for name, bad_rows in [
@@ -461,7 +461,7 @@ for name, hyper in [
     ("hyper not a dict", None),
 ]:
     check(name, lambda: opt_call(table, grad, rows, False, s1, s2, has, hyper), *W)
-for name, marks in [("slots length", _core.RowSlots(V + 1)), ("slots RowMarks", _core.RowMarks(V)),
+for name, marks in [("slots length", _marks.RowSlots(V + 1)), ("slots RowMarks", _marks.RowMarks(V)),
                     ("slots bool mask", np.zeros(V, bool))]:
     check(name, lambda: opt_call(table, grad, rows, False, s1, s2, marks, A), *W, marks)
 for skip in (V, -2):
@@ -526,7 +526,7 @@ check("step list", lambda: fused(tstep=[tok, ts1, ts2, th, -1]), *FW)
 check("skip row V", lambda: fused(tstep=(tok, ts1, ts2, th, V)), *FW)
 check("fused hyper short", lambda: fused(hyper=A_short), *FW)
 check("fused hyper unknown kind", lambda: fused(hyper=hyper_with(kind=7)), *FW)
-check("fused slots length", lambda: fused(tstep=(tok, ts1, ts2, _core.RowSlots(V + 1), -1)), *FW)
+check("fused slots length", lambda: fused(tstep=(tok, ts1, ts2, _marks.RowSlots(V + 1), -1)), *FW)
 check("fused adam without state", lambda: fused(tstep=(tok, None, ts2, th, -1)), *FW)
 check("position table float64",
       lambda: fused(pstep=(pos.astype(np.float64), ps1.astype(np.float64),
@@ -793,16 +793,16 @@ def test_rows_get_state_slots_in_the_order_they_are_first_stepped(n_rows, batche
 
 
 def test_row_slots_refuse_bad_rows_and_pickle():
-    s = _core.RowSlots(10, np.array([7, 2, 9]))
+    s = _marks.RowSlots(10, np.array([7, 2, 9]))
     assert len(s) == 3 and list(s.rows()) == [7, 2, 9] and s.slot_of(2) == 1
     assert s.slot_of(3) == -1
     copy = pickle.loads(pickle.dumps(s))
-    assert type(copy) is _core.RowSlots and copy.n_rows == 10 and list(copy.rows()) == [7, 2, 9]
+    assert type(copy) is _marks.RowSlots and copy.n_rows == 10 and list(copy.rows()) == [7, 2, 9]
     for rows, message in [([10], "in \\[0, 10\\)"), ([-1], "in \\[0, 10\\)"), ([3, 3], "distinct")]:
         with pytest.raises(ValueError, match=message):
-            _core.RowSlots(10, np.array(rows))
+            _marks.RowSlots(10, np.array(rows))
     with pytest.raises(ValueError, match="n_rows must be >= 0"):
-        _core.RowSlots(-1)
+        _marks.RowSlots(-1)
     with pytest.raises(IndexError):
         s.slot_of(10)
 
@@ -810,7 +810,7 @@ def test_row_slots_refuse_bad_rows_and_pickle():
 SHARED_SLOTS_CHILD = """
 import json
 import numpy as np
-from cposembed import _core
+from cposembed import _core, _marks
 from cposembed.optim import Adam
 from cposembed import TokenPositionEmbedding
 
@@ -819,7 +819,7 @@ m = TokenPositionEmbedding(n, n, d, seed=0)
 adam = Adam(m, 0.1)
 adam._step = 1
 h = adam._kernel_hyper()
-slots = _core.RowSlots(n)
+slots = _marks.RowSlots(n)
 s = [np.zeros((n, d), np.float32) for _ in range(4)]
 ids = np.arange(10, dtype=np.int64)[None]
 positions = np.arange(50, 60, dtype=np.int64)

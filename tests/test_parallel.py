@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cposembed
-from cposembed import _core
+from cposembed import _core, _marks
 
 needs_openmp = pytest.mark.skipif(not cposembed.openmp_enabled(), reason="serial build")
 THREADS = (1, 2, 3, 4)
@@ -37,7 +37,7 @@ def _results(num_threads, table, tokens, pos, ids, vocab, plan):
     gtok, gpos = np.zeros_like(vocab), np.zeros_like(table)
     cposembed.embed_backward(gtok, gpos, tokens, ids, pos, num_threads=num_threads)
     stepped = table.copy()
-    touched = _core.RowMarks(L, np.isin(np.arange(L), pos))
+    touched = _marks.RowMarks(L, np.isin(np.arange(L), pos))
     assert _core.sgd_step(stepped, grad, touched, 0.25, -1, num_threads)
     return [
         cposembed.lookup(table, pos, num_threads=num_threads),
@@ -250,7 +250,7 @@ _COUNT_THREADS = """
 import json, os, threading, time
 import numpy as np
 import cposembed
-from cposembed import _core
+from cposembed import _core, _marks
 
 CALLERS = {callers}
 table = np.random.default_rng(0).standard_normal((1024, 256)).astype(np.float32)
@@ -320,7 +320,7 @@ _UNDER_NPROC_LIMIT = """
 import json, os, resource, threading
 import numpy as np
 import cposembed
-from cposembed import _core
+from cposembed import _core, _marks
 
 CALLERS = 100
 HELPER_ROOM = 2

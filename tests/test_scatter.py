@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import cposembed
-from cposembed import LearnedPositionEmbedding, _core
+from cposembed import LearnedPositionEmbedding, _core, _marks
 
 PLANS = [_core.PLAN_AUTO, _core.PLAN_DISTINCT, _core.PLAN_SCAN, _core.PLAN_SORT]
 
@@ -59,9 +59,9 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
     )
     touched = None
     if touched_kind == "plain":
-        touched = _core.RowMarks(L, rng.random(L) < 0.3)
+        touched = _marks.RowMarks(L, rng.random(L) < 0.3)
     elif touched_kind == "length":
-        touched = _core.RowMarks(L + 1)
+        touched = _marks.RowMarks(L + 1)
     elif touched_kind == "mask":
         touched = np.zeros(L, bool)  # a bare mask, not RowMarks
     elif touched_kind == "other":
@@ -83,11 +83,12 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
         rows = cases._explicit_rows(positions, offset, lead, L)
     accept = (
         rows is not None
-        and cases._plain(g, grad.dtype)
+        and cases._plain(g)
+        and g.dtype in cases.FLOATS  # any dtype with kernels
         and g.ndim >= 1
         and g.shape[-1] == d
         and cases._disjoint(g, grad)
-        and (touched is None or (isinstance(touched, _core.RowMarks) and touched.n_rows == L))
+        and (touched is None or (isinstance(touched, _marks.RowMarks) and touched.n_rows == L))
         and -1 <= skip_row < L
         and 0 <= plan <= 3
         and cases._threads_ok(num_threads)
@@ -96,7 +97,7 @@ def test_scatter_entry_accepts_exactly_the_plain_case(data):
     if accept:
         expect, marks = cases._scatter_expect(grad, g, rows, touched, skip_row)
     event("accepted" if accept else "declined")
-    marks_before = touched.mask.copy() if isinstance(touched, _core.RowMarks) else None
+    marks_before = touched.mask.copy() if isinstance(touched, _marks.RowMarks) else None
     snap = cases.Snapshot(grad, g, positions, touched)
     with tuned(serial_below=serial_below, scan_block_bytes=scan_block):
         result = _core.scatter_add(grad, g, positions, offset, num_threads, touched, skip_row, plan)

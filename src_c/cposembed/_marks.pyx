@@ -1,4 +1,5 @@
-# The rows a call touches, at a cost that grows with the call, not the table.
+# cposembed._marks: the rows a call touches, at a cost that grows with the
+# call, not the table.
 #
 # RowMarks: the rows of a table that a gradient has received since it was
 # last zeroed: a mask with one flag per table row, for the test "is this row
@@ -12,6 +13,19 @@
 # _distinct: the distinct rows of a call and, for each of its positions,
 # the slot of its row among them, in O(positions): a hash table for a table
 # far larger than the call, a direct map of the table's rows otherwise.
+#
+# The constants and inline rules the entries share are in _marks.pxd.
+
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy, memset
+
+import os
+
+import numpy as np
+
+cnp.import_array()
 
 
 cdef extern from *:
@@ -30,42 +44,7 @@ cdef extern from *:
     void cpe_set_row_hash_key(uint64_t key)
 
 
-import os as _os
-
-cpe_set_row_hash_key(int.from_bytes(_os.urandom(8), "little"))
-
-
-# A table of more rows than this many times the call's positions is mapped
-# by a hash table (_distinct), whose scratch grows with the call, not the
-# table.
-cdef enum:
-    _SPARSE_ROWS_PER_POSITION = 4
-# A scatter-add into such a table sums in a compact copy of its touched rows
-# (the sparse plan) once the table's own passes (a few of 8 bytes per table
-# row) would cost more than copying the touched rows there and back: when it
-# also has more rows per position than a row has bytes / this (the copy costs
-# the row's bytes twice, the passes a few bytes per table row: the measurements
-# are in docs/performance.md, "Measurements behind the constants").
-cdef enum:
-    _COMPACT_ROW_BYTES_PER_ROW = 16
-
-
-cdef inline bint _sparse_table(Py_ssize_t L, Py_ssize_t m) noexcept nogil:
-    return L > _SPARSE_ROWS_PER_POSITION * m
-
-
-cdef inline bint _compact_pays(Py_ssize_t L, Py_ssize_t m, Py_ssize_t row_bytes) noexcept nogil:
-    # Whether a scatter-add of m positions into L rows of row_bytes takes the
-    # sparse plan.
-    return _sparse_table(L, m) and L > m * (row_bytes // _COMPACT_ROW_BYTES_PER_ROW)
-
-
-cdef inline int _hash_bits(Py_ssize_t m) noexcept nogil:
-    # log2 of the hash table's size: at least twice the positions.
-    cdef int bits = 4
-    while (<Py_ssize_t>1 << bits) < 2 * m:
-        bits += 1
-    return bits
+cpe_set_row_hash_key(int.from_bytes(os.urandom(8), "little"))
 
 
 cdef size_t _distinct_scratch_bytes(Py_ssize_t m, Py_ssize_t L) noexcept nogil:
@@ -125,7 +104,6 @@ cdef Py_ssize_t _distinct(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int64
     return k
 
 
-@cython.final
 cdef class RowMarks:
     """RowMarks(n_rows, mask=None)
 
@@ -134,11 +112,6 @@ cdef class RowMarks:
     (:meth:`rows`), so that clearing, listing or zeroing them costs the
     marked rows, not the table. ``mask``: a bool array of length
     ``n_rows`` whose rows start marked (a pickled gradient's)."""
-
-    cdef readonly object mask
-    cdef uint8_t* flags
-    cdef int64_t* marked
-    cdef Py_ssize_t n, capacity, n_rows
 
     def __cinit__(self, Py_ssize_t n_rows, mask=None):
         cdef cnp.npy_intp dims = n_rows
@@ -243,11 +216,17 @@ cdef class RowMarks:
     def zero_rows(self, grad):
         """``grad[rows] = 0`` for the marked rows, then :meth:`clear`: at the
         cost of the marked rows (a whole ``fill`` when most are marked).
-        grad: a canonical writable (n_rows, d) array of a dtype with kernels."""
-        if _table_type(grad) < 0 or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>grad) or (
-                cnp.PyArray_DIMS(<cnp.ndarray>grad)[0] != self.n_rows):
+        grad: a C-contiguous writable (n_rows, d) array of numbers."""
+        if not (
+            cnp.PyArray_CheckExact(grad)
+            and cnp.PyArray_NDIM(<cnp.ndarray>grad) == 2
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>grad)
+            and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>grad)
+            and cnp.PyArray_DIMS(<cnp.ndarray>grad)[0] == self.n_rows
+            and not grad.dtype.hasobject
+        ):
             raise ValueError(
-                f"grad must be a canonical writable ({self.n_rows}, d) float array; "
+                f"grad must be a C-contiguous writable ({self.n_rows}, d) array of numbers; "
                 f"got {type(grad).__name__}"
             )
         cdef char* base = cnp.PyArray_BYTES(<cnp.ndarray>grad)
@@ -265,7 +244,6 @@ cdef class RowMarks:
         return (RowMarks, (self.n_rows, np.array(self.mask)))
 
 
-@cython.final
 cdef class RowSlots:
     """RowSlots(n_rows, rows=None)
 
@@ -279,11 +257,6 @@ cdef class RowSlots:
     kept at most half full) maps a row to its slot; its size grows with the
     rows that have state, not the table. ``rows``: rows that start with
     state, given slots in their order (a restored state)."""
-
-    cdef int64_t* index      # 2**bits entries: a slot, or -1
-    cdef int64_t* row_of     # row_of[s]: the row of slot s
-    cdef Py_ssize_t n, capacity, n_rows
-    cdef int bits
 
     def __cinit__(self, Py_ssize_t n_rows, rows=None):
         cdef cnp.ndarray given
