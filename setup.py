@@ -277,14 +277,26 @@ EXTENSIONS = [
             "src_c/_rows.h",
             "src_c/_openmp.pxd",
             "src_c/_kernels.pxi",
-            "src_c/_blocks.pxi",
-            "src_c/_blocks.h",
+            "src_c/cposembed/_blocks.pxd",
             "src_c/_index.pxi",
             "src_c/_parallel.pxi",
             "src_c/_threads.h",
             "src_c/cposembed/_marks.pxd",
             "src_c/_contract.pxi",
         ],
+        define_macros=[
+            ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+            ("NPY_TARGET_VERSION", "NPY_1_24_API_VERSION"),
+        ],
+    ),
+    # The one allocator (src_c/_blocks.h, included here only): large outputs,
+    # the entries' scratch, zeroed tables; cimported by _core through
+    # src_c/cposembed/_blocks.pxd.
+    Extension(
+        "cposembed._blocks",
+        ["src_c/cposembed/_blocks.pyx"],
+        include_dirs=["src_c", numpy.get_include()],
+        depends=["src_c/_blocks.h"],
         define_macros=[
             ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
             ("NPY_TARGET_VERSION", "NPY_1_24_API_VERSION"),

@@ -1,5 +1,5 @@
 # Stubs for the compiled module cposembed._core (src_c/_core.pyx): the one
-# checked C entry per operation, the thread rules and the output pool.
+# checked C entry per operation and the thread rules.
 #
 # The six entries take the caller's objects as they are and return the
 # result, or None (nothing written) for anything but the canonical case;
@@ -10,12 +10,10 @@
 # those, or an ndarray of a native-order integer dtype; values in [-L, L).
 
 import enum
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import disjoint_base
 
 from cposembed._marks import RowMarks, RowSlots
 
@@ -23,7 +21,6 @@ _A = TypeVar("_A", bound=np.ndarray)
 
 SERIAL_THRESHOLD: int  # elements of work below which a call runs on one thread
 STREAM_THRESHOLD_BYTES: int  # outputs at least this large use streaming stores
-POOL_MIN_BYTES: int  # fresh outputs at least this large come from the pool
 
 def bfloat16() -> np.dtype[Any]: ...
 def loaded_bfloat16() -> np.dtype[Any] | None: ...
@@ -173,33 +170,7 @@ def openmp_enabled() -> bool: ...
 def omp_max_threads() -> int: ...
 def streaming_stores_available() -> bool: ...
 
-# The allocator (src_c/_blocks.h, _blocks.pxi): outputs, scratch, zeroed tables.
-@disjoint_base
-class _Block:
-    """Owner of one block of memory; a writable buffer of the requested size
-    (the buffer protocol is implemented in C: wrap it in memoryview())."""
-
-    @property
-    def reused(self) -> bool: ...
-
-def block(nbytes: int) -> _Block: ...  # Py_ssize_t nbytes > 0
-
-KEEP_SLOTS: int  # the most blocks the allocator keeps
-
-def zero_memory(address: int, nbytes: int, lazily: bool) -> None: ...  # (size_t, size_t, bint)
-def advise_huge(address: int, nbytes: int) -> None: ...  # (size_t, size_t)
-def pool_info() -> tuple[int, int, int, bool]: ...  # (blocks, bytes, limit, enabled)
-def set_pool(enabled: bool = True, limit_bytes: int | None = None) -> None: ...
-def clear_pool() -> None: ...
-def on_clear_pool(hook: Callable[[], object]) -> None: ...
-def fail_scratch(n: int, after: int = 0) -> int: ...  # tests: n requests of scratch fail
-
 ISAS: tuple[str, ...]  # the half-precision primitives' variants: sse2, f16c, avx2
 
 def set_isa(name: str) -> str: ...  # tests: use a variant (same bits); the one used
 def isas() -> tuple[str, ...]: ...  # the variants this CPU has
-
-# Zeroed tables (src_c/_blocks.h), as NumPy arrays.
-ZEROED_MIN_BYTES: int  # zeroed tables at least this large are the allocator's
-
-def zeros(shape: tuple[int, ...], dtype: npt.DTypeLike, growing: bool = False) -> np.ndarray: ...

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import _core, _marks, _routes
+from . import _blocks, _core, _marks, _routes
 from . import _validation as v
 
 
@@ -81,7 +81,7 @@ class GradientState:
             return grad, self.touched
         fresh = grad is None
         if grad is None:
-            grad = _core.zeros(table.shape, v.work_dtype(table.dtype))
+            grad = _blocks.zeros(table.shape, v.work_dtype(table.dtype))
         check_grad(grad, table)
         touched = _marks.RowMarks(table.shape[0])
         if not fresh:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core, _marks
+from . import _blocks, _core, _marks
 from . import _validation as v
 
 # Version of what state_dict() returns and pickle stores.
@@ -64,7 +64,7 @@ def check_betas(pair: Any) -> tuple[float, float]:
 # -- per-row state -----------------------------------------------------------------
 class RowState:
     """The state of one table: a zeroed ``(L, d)`` array per buffer (``buffers``;
-    fresh memory that faults in as it fills, ``_core.zeros(growing=True)``) and
+    fresh memory that faults in as it fills, ``_blocks.zeros(growing=True)``) and
     where each row's state is in them (``slots``, a :class:`~cposembed._marks.RowSlots`:
     rows get the buffers' rows 0, 1, 2, ... in the order they are first stepped,
     so new rows' state costs pages in sequence, not a page per row)."""
@@ -72,7 +72,7 @@ class RowState:
     def __init__(self, names: tuple[str, ...], shape: tuple[int, int], dtype: np.dtype) -> None:
         self.names = names
         self.dtype = dtype
-        self.buffers = {name: _core.zeros(shape, dtype, growing=True) for name in names}
+        self.buffers = {name: _blocks.zeros(shape, dtype, growing=True) for name in names}
         # Plain SGD keeps no state: no rows have any.
         self.slots = _marks.RowSlots(shape[0] if names else 0)
 

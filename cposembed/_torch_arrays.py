@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from cposembed import _core
+from cposembed import _blocks, _core
 
 # Table dtypes the kernels take; other dtypes go to torch's own F.embedding.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -146,7 +146,7 @@ class _Held:
 # The storages handed out (live or free), newest last, at most _HELD_MAX. The
 # calls only try the lock (a thread that finds it taken makes new memory).
 _held: list[_Held] = []
-_HELD_MAX = 2 * _core.KEEP_SLOTS
+_HELD_MAX = 2 * _blocks.KEEP_SLOTS
 _held_lock = threading.Lock()
 # The one private torch function the bridge uses; without it nothing is reused.
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
@@ -177,20 +177,20 @@ def _forget_after_fork() -> None:
 
 
 def _release_held() -> None:
-    """Forget every storage handed out (``_core.clear_pool`` and ``set_pool(False)``)."""
+    """Forget every storage handed out (``_blocks.clear_pool`` and ``set_pool(False)``)."""
     with _held_lock:
         _held.clear()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
-_core.on_clear_pool(_release_held)
+_blocks.on_clear_pool(_release_held)
 
 
 def _reusable(nbytes: int, zeroed: bool, room: int) -> _Held | None:
     """A free storage of ``nbytes`` for the same use, if any; of the other free
     ones, the allocator's keeping policy (docs/architecture.md, "Memory") keeps at
-    most ``_core.KEEP_SLOTS``, the largest, within ``room`` bytes."""
+    most ``_blocks.KEEP_SLOTS``, the largest, within ``room`` bytes."""
     found = None
     free = []
     for h in list(_held):
@@ -203,7 +203,7 @@ def _reusable(nbytes: int, zeroed: bool, room: int) -> _Held | None:
             found = h
         else:
             free.append(h)
-    slots = _core.KEEP_SLOTS
+    slots = _blocks.KEEP_SLOTS
     for h in sorted(free, key=lambda h: h.nbytes, reverse=True):
         if slots and h.nbytes <= room:
             slots, room = slots - 1, room - h.nbytes
@@ -215,7 +215,7 @@ def _reusable(nbytes: int, zeroed: bool, room: int) -> _Held | None:
 def _storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
     """A storage of ``nbytes`` that nothing else refers to, zero if ``zeroed``:
     a free one handed out before (zeroed whole), else a new one."""
-    _, kept_bytes, limit, enabled = _core.pool_info()
+    _, kept_bytes, limit, enabled = _blocks.pool_info()
     if not enabled or _FREE is None or not _held_lock.acquire(blocking=False):
         return _new_storage(nbytes, zeroed)
     try:
@@ -228,7 +228,7 @@ def _storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
         _held.remove(found)
         _held.append(found)
         if zeroed:
-            _core.zero_memory(found.ptr, nbytes, False)
+            _blocks.zero_memory(found.ptr, nbytes, False)
         return found.tensor.untyped_storage()
     finally:
         _held_lock.release()
@@ -237,22 +237,22 @@ def _storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
 def _new_storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
     s = torch.UntypedStorage(nbytes)
     if zeroed:  # whole pages read as zero, and fault in only where written
-        _core.zero_memory(s.data_ptr(), nbytes, True)
+        _blocks.zero_memory(s.data_ptr(), nbytes, True)
     else:  # an output, written whole: huge pages, as the allocator's dense blocks
-        _core.advise_huge(s.data_ptr(), nbytes)
+        _blocks.advise_huge(s.data_ptr(), nbytes)
     return s
 
 
 def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, zeroed: bool) -> torch.Tensor:
     """A C-order tensor of torch's memory (resizable, as ``nn.Embedding``'s) that
     nothing else refers to, zero if ``zeroed``; gradients of :data:`FRESH_MIN_BYTES`
-    and outputs of ``_core.POOL_MIN_BYTES`` or more are storages kept here."""
+    and outputs of ``_blocks.POOL_MIN_BYTES`` or more are storages kept here."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes >= (FRESH_MIN_BYTES if zeroed else _core.POOL_MIN_BYTES):
+    if nbytes >= (FRESH_MIN_BYTES if zeroed else _blocks.POOL_MIN_BYTES):
         return torch.empty(0, dtype=dtype).set_(_storage(nbytes, zeroed), 0, shape, ())
     t = torch.empty(shape, dtype=dtype)
     if zeroed and nbytes:
-        _core.zero_memory(t.data_ptr(), nbytes, False)
+        _blocks.zero_memory(t.data_ptr(), nbytes, False)
     return t
 
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _core, _routes
+from . import _blocks, _core, _routes
 
 __all__ = ["lookup", "add_positions", "scatter_add"]
 
-# Fresh outputs of at least _core.POOL_MIN_BYTES come from reusable blocks:
+# Fresh outputs of at least _blocks.POOL_MIN_BYTES come from reusable blocks:
 # a new mmap'ed array pays a page fault and a kernel zeroing per page, more
 # than the lookup that fills it; a block freed by a previous call's result is
 # handed out again instead (at most 8 blocks, 1 GiB, are kept; the calls'
@@ -28,7 +28,7 @@ __all__ = ["lookup", "add_positions", "scatter_add"]
 # turns the reuse off (nothing is kept after the last result or call is
 # done), for processes that must give memory back at once.
 if os.environ.get("CPOSEMBED_REUSE_OUTPUTS", "").strip() == "0":
-    _core.set_pool(False)
+    _blocks.set_pool(False)
 
 
 def lookup(

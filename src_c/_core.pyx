@@ -20,6 +20,7 @@
 cimport cython
 cimport numpy as cnp
 
+from cposembed._blocks cimport _new_output, _scratch_give, _scratch_or_raise
 from cposembed._marks cimport (
     RowMarks,
     RowSlots,
@@ -29,7 +30,6 @@ from cposembed._marks cimport (
 )
 
 include "_kernels.pxi"
-include "_blocks.pxi"
 include "_index.pxi"
 include "_parallel.pxi"
 
@@ -352,23 +352,6 @@ cdef inline cnp.ndarray _output(object out, int typenum, int nd, cnp.npy_intp* d
     result = _new_output(nd, dims, table) if out is None else out
     nt[0] = _threads_for(num_threads, n_rows * d, n_rows)
     return result if nt[0] else None
-
-
-cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, cnp.ndarray like):
-    """A fresh C-contiguous array of `like`'s dtype; large ones from the reusable blocks."""
-    cdef int typenum = cnp.PyArray_TYPE(like)
-    cdef Py_ssize_t nbytes = cnp.PyArray_ITEMSIZE(like)
-    cdef int k
-    for k in range(nd):
-        if dims[k] and nbytes > (<Py_ssize_t>1 << 62) // dims[k]:
-            return cnp.PyArray_SimpleNew(nd, dims, typenum)  # NumPy words the error
-        nbytes *= dims[k]
-    if nbytes < _POOL_BYTES:
-        return cnp.PyArray_SimpleNew(nd, dims, typenum)
-    cdef _Block blk = _new_block(nbytes)
-    cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, blk.mem.ptr)
-    cnp.set_array_base(arr, blk)  # the block returns to the pool with the array
-    return arr
 
 
 # The offset rule, its one home: with explicit positions the offset is 0;

@@ -11,7 +11,7 @@ import pytest
 from helpers import tuned
 
 import cposembed
-from cposembed import LearnedPositionEmbedding, _core, _marks, _threads, embedding
+from cposembed import LearnedPositionEmbedding, _blocks, _core, _marks, _threads, embedding
 
 L, D = 64, 512
 
@@ -444,12 +444,12 @@ def test_no_memory_for_scratch_is_a_memory_error_with_nothing_written(case):
         pytest.skip("one thread: the backward pass needs no scratch")
     before = [a.copy() for a in written]
     with tuned(serial_below=1):  # two threads where asked: the pair's scratch
-        _core.fail_scratch(1, after=spared)
+        _blocks.fail_scratch(1, after=spared)
         try:
             with pytest.raises(MemoryError, match=f"^{message}$"):
                 call()
         finally:
-            left = _core.fail_scratch(0)
+            left = _blocks.fail_scratch(0)
         assert left == 0  # the failure was the call's, not a later one's
         for a, b in zip(written, before):
             assert np.array_equal(a, b)

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cposembed
-from cposembed import _core, _marks, _membench
+from cposembed import _blocks, _core, _marks, _membench
 
 FLOATS = [np.float32, np.float64]
 
@@ -563,22 +563,22 @@ def test_add_to_both_sides_of_the_serial_threshold():
 def pool_on():
     """Reuse on (whatever the environment says) and an empty pool (earlier tests
     may have filled its places), the previous state restored after."""
-    _, _, limit, enabled = _core.pool_info()
+    _, _, limit, enabled = _blocks.pool_info()
     gc.collect()  # earlier tests' cyclic garbage returns its blocks now, not mid-test
-    _core.clear_pool()
-    _core.set_pool(True)
+    _blocks.clear_pool()
+    _blocks.set_pool(True)
     yield
-    _core.set_pool(enabled, limit)
+    _blocks.set_pool(enabled, limit)
 
 
 def test_large_outputs_reuse_blocks_and_views_stay_valid(pool_on):
     n_rows, d = 64, 256
     table = np.random.default_rng(0).standard_normal((n_rows, d)).astype(np.float32)
-    n = _core.POOL_MIN_BYTES // (d * 4) + 1
+    n = _blocks.POOL_MIN_BYTES // (d * 4) + 1
     pos_a = np.zeros(n, np.int64)
     pos_b = np.ones(n, np.int64)
     a = cposembed.lookup(table, pos_a)
-    assert isinstance(a.base, _core._Block)
+    assert isinstance(a.base, _blocks._Block)
     assert a.flags.writeable and a.flags.c_contiguous and a.flags.aligned
     _same_bits(a, table[pos_a])
     view = a[-1]
@@ -590,18 +590,18 @@ def test_large_outputs_reuse_blocks_and_views_stay_valid(pool_on):
     assert np.array_equal(view, table[0]) and np.array_equal(b, table[pos_b])
     del view, b
     gc.collect()
-    assert _core.pool_info()[0] >= 1
-    blk = _core.block(n * d * 4)
+    assert _blocks.pool_info()[0] >= 1
+    blk = _blocks.block(n * d * 4)
     assert blk.reused
     del blk
     c = cposembed.add_positions(np.zeros((n, d), np.float32), table, np.full(n, 2))
-    assert isinstance(c.base, _core._Block) and c.base.reused
+    assert isinstance(c.base, _blocks._Block) and c.base.reused
     assert np.array_equal(c, np.broadcast_to(table[2], (n, d)))
 
 
 def test_entry_outputs_below_the_pool_size_are_plain_numpy(pool_on):
     table = np.ones((8, 256), np.float32)
-    n_small = _core.POOL_MIN_BYTES // (256 * 4) - 1
+    n_small = _blocks.POOL_MIN_BYTES // (256 * 4) - 1
     for got in (
         _core.lookup(table, np.zeros(n_small, np.int64), None, None),
         _core.add(
@@ -611,14 +611,14 @@ def test_entry_outputs_below_the_pool_size_are_plain_numpy(pool_on):
     ):
         assert got.base is None and got.flags.owndata
     got = _core.lookup(table, np.zeros(n_small + 1, np.int64), None, None)
-    assert isinstance(got.base, _core._Block)
+    assert isinstance(got.base, _blocks._Block)
 
 
 @pytest.mark.parametrize("pool", [True, False])
 def test_scratch_of_large_calls_comes_back_to_the_pool(pool_on, pool):
     """The positions' buffer and the scatter-add's scratch are kept for the next
     call of the same size (or freed, with the pool off); results are unchanged."""
-    _core.set_pool(pool)
+    _blocks.set_pool(pool)
     rng = np.random.default_rng(4)
     L, d = 2048, 4
     g = rng.standard_normal((16, 1024, d)).astype(np.float32)
@@ -630,29 +630,29 @@ def test_scratch_of_large_calls_comes_back_to_the_pool(pool_on, pool):
             grad = np.zeros((L, d), np.float32)
             assert _core.scatter_add(grad, g, pos, 0, 2, None, -1, plan) is grad
             _same_bits(grad, want)
-        kept.append(_core.pool_info()[:2])
+        kept.append(_blocks.pool_info()[:2])
     assert kept[0][0] == (2 if pool else 0) and len(set(kept)) == 1, kept
 
 
 def test_pool_can_be_switched_off_limited_and_cleared(pool_on):
-    _core.set_pool(False)
-    assert _core.pool_info()[0] == 0 and not _core.pool_info()[3]
-    blk = _core.block(1 << 20)
+    _blocks.set_pool(False)
+    assert _blocks.pool_info()[0] == 0 and not _blocks.pool_info()[3]
+    blk = _blocks.block(1 << 20)
     del blk
-    assert _core.pool_info()[0] == 0
-    assert not _core.block(1 << 20).reused
-    _core.set_pool(True, limit_bytes=1 << 19)  # smaller than the block: not kept
-    blk = _core.block(1 << 20)
+    assert _blocks.pool_info()[0] == 0
+    assert not _blocks.block(1 << 20).reused
+    _blocks.set_pool(True, limit_bytes=1 << 19)  # smaller than the block: not kept
+    blk = _blocks.block(1 << 20)
     del blk
-    assert _core.pool_info()[:3] == (0, 0, 1 << 19)
-    _core.set_pool(True, limit_bytes=1 << 30)
-    blk = _core.block(1 << 20)
+    assert _blocks.pool_info()[:3] == (0, 0, 1 << 19)
+    _blocks.set_pool(True, limit_bytes=1 << 30)
+    blk = _blocks.block(1 << 20)
     del blk
-    assert _core.pool_info()[0] >= 1
-    _core.clear_pool()
-    assert _core.pool_info()[:2] == (0, 0)
+    assert _blocks.pool_info()[0] >= 1
+    _blocks.clear_pool()
+    assert _blocks.pool_info()[:2] == (0, 0)
     with pytest.raises(ValueError, match="positive"):
-        _core.block(0)
+        _blocks.block(0)
 
 
 def test_a_full_pool_keeps_the_larger_blocks(pool_on):
@@ -662,64 +662,64 @@ def test_a_full_pool_keeps_the_larger_blocks(pool_on):
     still reused (a training loop's outputs after other work), while the
     call's scratch cannot push it out; the byte limit is kept the same way."""
     mib = 1 << 20
-    others = [_core.block(k * mib) for k in range(1, 9)]  # 8 sizes: every place
+    others = [_blocks.block(k * mib) for k in range(1, 9)]  # 8 sizes: every place
     del others
-    assert _core.pool_info()[:2] == (8, 36 * mib)
-    step = _core.block(50 * mib)
+    assert _blocks.pool_info()[:2] == (8, 36 * mib)
+    step = _blocks.block(50 * mib)
     assert not step.reused
     del step
-    assert _core.pool_info()[:2] == (8, 85 * mib)  # in place of 1 MiB, the smallest
+    assert _blocks.pool_info()[:2] == (8, 85 * mib)  # in place of 1 MiB, the smallest
     for _ in range(3):
-        step = _core.block(50 * mib)
+        step = _blocks.block(50 * mib)
         assert step.reused
-        scratch = _core.block(mib // 2)  # a new small size: freed, not kept
+        scratch = _blocks.block(mib // 2)  # a new small size: freed, not kept
         del scratch
         del step
-        assert _core.pool_info()[:2] == (8, 85 * mib)
-    _core.set_pool(True, limit_bytes=60 * mib)
-    blk = _core.block(20 * mib)
+        assert _blocks.pool_info()[:2] == (8, 85 * mib)
+    _blocks.set_pool(True, limit_bytes=60 * mib)
+    blk = _blocks.block(20 * mib)
     del blk  # room only if the 50 MiB block went: freed, and nothing else is
-    assert _core.pool_info()[:2] == (8, 85 * mib)
-    blk = _core.block(61 * mib)
+    assert _blocks.pool_info()[:2] == (8, 85 * mib)
+    blk = _blocks.block(61 * mib)
     del blk  # over the limit: freed
-    assert _core.pool_info()[:2] == (8, 85 * mib)
-    big = _core.block(40 * mib)  # the 50 MiB block, within 2 x
-    assert big.reused and _core.pool_info()[:2] == (7, 35 * mib)
+    assert _blocks.pool_info()[:2] == (8, 85 * mib)
+    big = _blocks.block(40 * mib)  # the 50 MiB block, within 2 x
+    assert big.reused and _blocks.pool_info()[:2] == (7, 35 * mib)
     del big  # 35 + 50 MiB is over the limit: 2-7 MiB make room, smallest first
-    assert _core.pool_info()[:2] == (2, 58 * mib)
+    assert _blocks.pool_info()[:2] == (2, 58 * mib)
 
 
 def test_fresh_zeroed_tables_and_small_blocks_are_not_kept(pool_on):
-    """A gradient or optimizer state (_core.zeros: fresh memory) goes back to the
+    """A gradient or optimizer state (_blocks.zeros: fresh memory) goes back to the
     OS when freed, and so does a block under 64 KiB; a block of 64 KiB or more
     is kept."""
-    z = _core.zeros((1024, 1024), np.float32)  # 4 MiB: the allocator's
+    z = _blocks.zeros((1024, 1024), np.float32)  # 4 MiB: the allocator's
     z[::97] = 1.0
     assert z.shape == (1024, 1024) and z.flags.writeable and z.sum() == 11 * 1024
     del z
     gc.collect()
-    assert _core.pool_info()[0] == 0
-    small = _core.zeros((8, 8), np.float64)  # below the allocator's size: np.zeros
+    assert _blocks.pool_info()[0] == 0
+    small = _blocks.zeros((8, 8), np.float64)  # below the allocator's size: np.zeros
     assert small.base is None and not small.any()
-    blk = _core.block(256)  # 256 bytes: released
+    blk = _blocks.block(256)  # 256 bytes: released
     del blk
-    assert _core.pool_info()[0] == 0
-    blk = _core.block((64 << 10) - 1)  # just under 64 KiB: released
+    assert _blocks.pool_info()[0] == 0
+    blk = _blocks.block((64 << 10) - 1)  # just under 64 KiB: released
     del blk
-    assert _core.pool_info()[0] == 0
-    blk = _core.block(256 << 10)  # 256 KiB: kept
+    assert _blocks.pool_info()[0] == 0
+    blk = _blocks.block(256 << 10)  # 256 KiB: kept
     del blk
-    assert _core.pool_info()[:2] == (1, 256 << 10)
+    assert _blocks.pool_info()[:2] == (1, 256 << 10)
 
 
 def test_reuse_can_be_turned_off_by_environment():
     code = (
         "import numpy as np, cposembed\n"
-        "from cposembed import _core\n"
+        "from cposembed import _blocks\n"
         "t = np.ones((2048, 768), np.float32)\n"
         "for _ in range(3):\n"
         "    r = cposembed.lookup(t, np.zeros((8, 1024), np.int64)); del r\n"
-        "print(_core.pool_info()[0], _core.pool_info()[3])\n"
+        "print(_blocks.pool_info()[0], _blocks.pool_info()[3])\n"
     )
     # Kept when on: the output's block and the positions' 64 KiB scratch.
     for value, expected in (("0", "0 False"), ("1", "2 True"), (" 0 ", "0 False")):

@@ -347,7 +347,7 @@ def test_fork_while_other_threads_take_and_give_back_blocks():
         import json, os, threading
         import numpy as np
         import cposembed as c
-        from cposembed import _core
+        from cposembed import _blocks
         t = np.random.rand(1024, 64).astype(np.float32)
         pos = np.random.randint(0, 1024, (17, 1024))  # a 4.25 MiB output: a block
         stop = False
@@ -355,9 +355,9 @@ def test_fork_while_other_threads_take_and_give_back_blocks():
             while not stop:
                 r = c.lookup(t, pos, num_threads=1)
                 del r
-                blk = _core.block((256 + k) << 12)  # about 1 MiB: kept when freed
+                blk = _blocks.block((256 + k) << 12)  # about 1 MiB: kept when freed
                 del blk
-                z = _core.zeros((1024 + k, 1024), np.float32)  # 4 MiB+: fresh, released
+                z = _blocks.zeros((1024 + k, 1024), np.float32)  # 4 MiB+: fresh, released
                 del z
         threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
         for th in threads:
@@ -371,7 +371,7 @@ def test_fork_while_other_threads_take_and_give_back_blocks():
                     r = c.lookup(t, pos, num_threads=2)
                     ok = ok and np.array_equal(r, t[pos])
                     del r
-                ok = ok and _core.pool_info()[0] >= 1  # the child keeps blocks
+                ok = ok and _blocks.pool_info()[0] >= 1  # the child keeps blocks
                 os._exit(0 if ok else 3)
             codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
         stop = True

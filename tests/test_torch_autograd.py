@@ -352,11 +352,11 @@ def test_clear_pool_frees_the_kept_storages_at_once(release: str) -> None:
     the pool (or turning keeping off) frees them at once, not at the next call."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from cposembed import _core
+    from cposembed import _blocks
 
-    _, _, limit, enabled = _core.pool_info()
+    _, _, limit, enabled = _blocks.pool_info()
     try:
-        _core.set_pool(True)
+        _blocks.set_pool(True)
         e = ct.Embedding(4096, 256)  # a 4 MiB gradient
         y = e(torch.randint(0, 4096, (8, 1024)))  # an 8 MiB output
         e(torch.tensor([1, 2])).sum().backward()
@@ -365,12 +365,12 @@ def test_clear_pool_frees_the_kept_storages_at_once(release: str) -> None:
         e.weight.grad = None
         assert not any(r.expired() for r in refs)  # kept
         if release == "clear_pool":
-            _core.clear_pool()
+            _blocks.clear_pool()
         else:
-            _core.set_pool(False)
+            _blocks.set_pool(False)
         assert all(r.expired() for r in refs)
     finally:
-        _core.set_pool(enabled, limit)
+        _blocks.set_pool(enabled, limit)
 
 
 def test_no_private_torch_api_and_no_lock_in_the_bridge() -> None:

@@ -362,20 +362,20 @@ def test_a_kept_storage_resized_to_zero_and_back_is_not_handed_out_smaller() -> 
 
 
 def test_zero_memory_zeroes_lazily_and_gives_the_pages_back() -> None:
-    from cposembed import _core
+    from cposembed import _blocks
 
     s = torch.UntypedStorage(64 << 20)
     t = torch.empty(0, dtype=torch.uint8).set_(s)
     for lazily in (True, False):
         t.fill_(7)
         start, n = s.data_ptr() + 3, (64 << 20) - 5  # unaligned edges
-        _core.zero_memory(start, n, lazily)
+        _blocks.zero_memory(start, n, lazily)
         assert int(t[0]) == 7 and int(t[1]) == 7 and int(t[2]) == 7 and int(t[-2]) == 7
         assert int(t[-1]) == 7 and not t[3:-2].any()
     if sys.platform == "linux":  # the pages zeroed lazily are given back until written
         t.fill_(7)
         before = _resident_bytes()
-        _core.zero_memory(s.data_ptr(), s.nbytes(), True)
+        _blocks.zero_memory(s.data_ptr(), s.nbytes(), True)
         assert before - _resident_bytes() > 48 << 20
         assert not t.any()
 

@@ -78,8 +78,8 @@ esac
     LD_PRELOAD="$libasan" ASAN_OPTIONS="detect_leaks=0:log_path=$logs/canary" \
         "$PYTHON" -c 'import ctypes
 import numpy as np
-from cposembed import _core
-blk = _core.block(64)
+from cposembed import _blocks
+blk = _blocks.block(64)
 src = np.frombuffer(blk, np.uint8).ctypes.data
 dst = ctypes.create_string_buffer(128)
 ctypes.memmove(dst, src, 128)' >/dev/null 2>&1

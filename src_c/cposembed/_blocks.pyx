@@ -1,8 +1,15 @@
-# The Python face of the allocator in _blocks.h (included by _core.pyx): the
-# blocks behind large outputs and zeroed tables, the entries' scratch, and
+# cposembed._blocks: the Python face of the allocator in _blocks.h, the one
+# module that includes it: the blocks behind large outputs and zeroed
+# tables, the entries' scratch (cimported by _core through _blocks.pxd), and
 # the switches the tests and CPOSEMBED_REUSE_OUTPUTS use.
 
+cimport numpy as cnp
 from cpython.buffer cimport PyBuffer_FillInfo
+from libc.stdlib cimport free, malloc
+
+import numpy as np
+
+cnp.import_array()
 
 cdef extern from "_blocks.h" nogil:
     enum:
@@ -30,8 +37,7 @@ cdef extern from "_blocks.h" nogil:
 cpe_blocks_init()
 
 # Fresh outputs at least this large come from the allocator's blocks.
-POOL_MIN_BYTES = 1 << 22
-cdef Py_ssize_t _POOL_BYTES = POOL_MIN_BYTES
+POOL_MIN_BYTES = _POOL_BYTES
 
 
 cdef class _Block:
@@ -69,6 +75,23 @@ cdef _Block _new_block(Py_ssize_t nbytes, int kind=CPE_DENSE):
     b.reused = reused
     b.used = <size_t>nbytes
     return b
+
+
+cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, cnp.ndarray like):
+    """A fresh C-contiguous array of `like`'s dtype; large ones from the reusable blocks."""
+    cdef int typenum = cnp.PyArray_TYPE(like)
+    cdef Py_ssize_t nbytes = cnp.PyArray_ITEMSIZE(like)
+    cdef int k
+    for k in range(nd):
+        if dims[k] and nbytes > (<Py_ssize_t>1 << 62) // dims[k]:
+            return cnp.PyArray_SimpleNew(nd, dims, typenum)  # NumPy words the error
+        nbytes *= dims[k]
+    if nbytes < _POOL_BYTES:
+        return cnp.PyArray_SimpleNew(nd, dims, typenum)
+    cdef _Block blk = _new_block(nbytes)
+    cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, blk.mem.ptr)
+    cnp.set_array_base(arr, blk)  # the block returns to the pool with the array
+    return arr
 
 
 def block(Py_ssize_t nbytes):
