@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import disjoint_base
 
-# The C functions _core cimports (_new_output, _scratch_or_raise, _scratch_give), as capsules.
+# The C functions _core cimports (_block_array, _scratch_or_raise, _scratch_give), as capsules.
 __pyx_capi__: dict[str, Any]
 
 POOL_MIN_BYTES: int  # fresh outputs at least this large come from the pool

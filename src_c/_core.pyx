@@ -20,7 +20,12 @@
 cimport cython
 cimport numpy as cnp
 
-from cposembed._blocks cimport _new_output, _scratch_give, _scratch_or_raise
+from cposembed._blocks cimport (
+    _POOL_BYTES,
+    _block_array,
+    _scratch_give,
+    _scratch_or_raise,
+)
 from cposembed._marks cimport (
     RowMarks,
     RowSlots,
@@ -352,6 +357,20 @@ cdef inline cnp.ndarray _output(object out, int typenum, int nd, cnp.npy_intp* d
     result = _new_output(nd, dims, table) if out is None else out
     nt[0] = _threads_for(num_threads, n_rows * d, n_rows)
     return result if nt[0] else None
+
+
+cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, cnp.ndarray like):
+    """A fresh C-contiguous array of `like`'s dtype; large ones from the reusable blocks."""
+    cdef int typenum = cnp.PyArray_TYPE(like)
+    cdef Py_ssize_t nbytes = cnp.PyArray_ITEMSIZE(like)
+    cdef int k
+    for k in range(nd):
+        if dims[k] and nbytes > (<Py_ssize_t>1 << 62) // dims[k]:
+            return cnp.PyArray_SimpleNew(nd, dims, typenum)  # NumPy words the error
+        nbytes *= dims[k]
+    if nbytes < _POOL_BYTES:
+        return cnp.PyArray_SimpleNew(nd, dims, typenum)
+    return _block_array(nd, dims, typenum, nbytes)
 
 
 # The offset rule, its one home: with explicit positions the offset is 0;

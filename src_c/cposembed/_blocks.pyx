@@ -77,17 +77,8 @@ cdef _Block _new_block(Py_ssize_t nbytes, int kind=CPE_DENSE):
     return b
 
 
-cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, cnp.ndarray like):
-    """A fresh C-contiguous array of `like`'s dtype; large ones from the reusable blocks."""
-    cdef int typenum = cnp.PyArray_TYPE(like)
-    cdef Py_ssize_t nbytes = cnp.PyArray_ITEMSIZE(like)
-    cdef int k
-    for k in range(nd):
-        if dims[k] and nbytes > (<Py_ssize_t>1 << 62) // dims[k]:
-            return cnp.PyArray_SimpleNew(nd, dims, typenum)  # NumPy words the error
-        nbytes *= dims[k]
-    if nbytes < _POOL_BYTES:
-        return cnp.PyArray_SimpleNew(nd, dims, typenum)
+cdef cnp.ndarray _block_array(int nd, cnp.npy_intp* dims, int typenum, Py_ssize_t nbytes):
+    """A C-contiguous array of shape dims[:nd] over a dense block of its `nbytes`."""
     cdef _Block blk = _new_block(nbytes)
     cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, blk.mem.ptr)
     cnp.set_array_base(arr, blk)  # the block returns to the pool with the array
