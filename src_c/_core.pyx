@@ -146,7 +146,7 @@ cdef enum Kernel:
     K_SGD
     K_EMBED
     K_SCATTER_PAIR
-    K_OPT  # the optimizers' step (_opt_rows, not through _kernel)
+    K_OPT  # the optimizers' step
 
 
 cdef struct KernelCall:
@@ -188,6 +188,8 @@ cdef struct KernelCall:
     const int64_t* compact_rows2
     # The optimizer step fused into the pair's sums (FusedStep), or NULL.
     FusedStep* fused
+    # The optimizer step of K_OPT.
+    OptJob* opt
 
 
 cdef inline void _kernel_call(KernelCall* c, Kernel kernel, void* out, const void* src,
@@ -268,6 +270,8 @@ cdef void _kernel(const KernelCall* c, const cpe_row_ops* ops) noexcept nogil:
     elif c.kernel == K_SGD:
         _sgd_rows(<char*>c.out, <const char*>c.src, c.rows, c.n, c.d, ops, c.lr,
                   c.n_threads)
+    elif c.kernel == K_OPT:
+        _opt_rows(c.opt, c.n_threads)
     elif c.kernel == K_EMBED:
         _embed(<const char*>c.src, c.ids, c.V, <const char*>c.table, c.rows, <char*>c.out,
                c.n, c.m, c.d, ops, c.n_threads, c.stream)
@@ -1221,19 +1225,11 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, slots, hyper
     cdef size_t capacity = 0
     cdef int64_t* buf = _take_slots(slots, job.n, &capacity)
     _give_slots(slots, &job, job.n, buf)
-    cdef PyThreadState* gil
-    cdef long long t0 = 0
-    cdef bint measured
+    cdef KernelCall c
     if job.n and job.d:
-        measured = _measured(nt)
-        if measured:
-            nt = cpe_choose(K_OPT, job.n * job.d, nt)
-            t0 = cpe_now_ns()
-        gil = _release_gil(job.n * job.d)
-        _opt_rows(&job, nt)
-        _take_gil(gil)
-        if measured:
-            cpe_took(K_OPT, job.n * job.d, nt, cpe_now_ns() - t0)
+        _kernel_call(&c, K_OPT, NULL, NULL, NULL, job.n, job.n, job.d, nt)
+        c.opt = &job
+        _run_kernel(&c, cnp.PyArray_TYPE(<cnp.ndarray>table))
     _scratch_give(buf, capacity)
     return True
 
