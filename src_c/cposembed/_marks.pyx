@@ -104,6 +104,15 @@ cdef Py_ssize_t _distinct(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int64
     return k
 
 
+cdef object _int64_array(const int64_t* rows, Py_ssize_t n):
+    # rows[:n] as a new int64 array.
+    cdef cnp.npy_intp dims = n
+    out = cnp.PyArray_SimpleNew(1, &dims, cnp.NPY_INT64)
+    if n:
+        memcpy(cnp.PyArray_DATA(<cnp.ndarray>out), rows, n * sizeof(int64_t))
+    return out
+
+
 cdef class RowMarks:
     """RowMarks(n_rows, mask=None)
 
@@ -176,11 +185,7 @@ cdef class RowMarks:
 
     def rows(self):
         """The marked rows, in the order they were marked (a new int64 array)."""
-        cdef cnp.npy_intp dims = self.n
-        out = cnp.PyArray_SimpleNew(1, &dims, cnp.NPY_INT64)
-        if self.n:
-            memcpy(cnp.PyArray_DATA(<cnp.ndarray>out), self.marked, self.n * sizeof(int64_t))
-        return out
+        return _int64_array(self.marked, self.n)
 
     def mark_all(self):
         """Mark every row."""
@@ -355,11 +360,7 @@ cdef class RowSlots:
 
     def rows(self):
         """The rows that have state, in slot order (a new int64 array)."""
-        cdef cnp.npy_intp dims = self.n
-        out = cnp.PyArray_SimpleNew(1, &dims, cnp.NPY_INT64)
-        if self.n:
-            memcpy(cnp.PyArray_DATA(<cnp.ndarray>out), self.row_of, self.n * sizeof(int64_t))
-        return out
+        return _int64_array(self.row_of, self.n)
 
     def slot_of(self, Py_ssize_t row):
         """The slot of ``row``, or -1 if it has no state."""
