@@ -82,8 +82,8 @@ def add_positions(
     tokens : array_like of shape (..., T, d)
         Token embeddings of any real dtype; the result is NumPy's ``tokens +
         table[positions]`` (float16 with bfloat16 is a ``TypeError``).
-    table : array_like of shape (L, d), float16, bfloat16, float32 or float64
-        The position embedding table.
+    table : array_like of shape (L, d)
+        As in :func:`lookup`.
     positions : array_like of int, optional
         Must broadcast to ``tokens.shape[:-1]``. ``None`` means
         ``offset + arange(T)`` for every sequence.
@@ -147,13 +147,8 @@ def scatter_add(
     grad_output : array_like of shape (..., d)
         Float16, bfloat16, float32 or float64 is added as ``np.add.at`` adds
         it; another real dtype is converted to ``grad_table``'s first.
-    positions : array_like of int, optional
-        Must broadcast to ``grad_output.shape[:-1]``; ``None`` means
-        ``offset + arange(T)`` for every sequence.
-    offset : int, default 0
-        Only with ``positions=None``.
-    num_threads : int, optional
-        Threads for this call.
+    positions, offset, num_threads : as in :func:`add_positions`
+        The forward call's, with ``grad_output`` in place of ``tokens``.
 
     Returns
     -------

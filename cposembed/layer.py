@@ -109,14 +109,8 @@ def embed_backward(
         The same, for the position table.
     grad_output : array_like of shape token_ids.shape + (d,)
         Gradient of :func:`embed`'s output, dtypes as :func:`cposembed.scatter_add`'s.
-    token_ids : int, array_like of int
-        The token ids of the forward call.
-    positions : array_like of int, optional
-        The positions of the forward call; ``None`` means ``offset + arange(T)``.
-    offset : int, default 0
-        Only with ``positions=None``.
-    num_threads : int, optional
-        Threads for this call.
+    token_ids, positions, offset, num_threads : as in :func:`embed`
+        The forward call's.
 
     Raises
     ------

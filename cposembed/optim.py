@@ -457,23 +457,19 @@ class Adam(Optimizer):
 
     Parameters
     ----------
-    layer : LearnedPositionEmbedding or TokenPositionEmbedding
-        The layer whose tables this optimizer updates.
-    lr : float, default 1e-3
-        Learning rate, ``>= 0``.
+    layer, lr : as in :class:`SGD`
+        ``lr`` defaults to 1e-3.
     betas : (float, float), default (0.9, 0.999)
         Decay rates of the first and second moments, each in ``[0, 1)``.
     eps : float, default 1e-8
         Added to the bias-corrected root of the second moment, ``>= 0``.
     weight_decay : float, default 0.0
-        L2 penalty added to the gradient, ``>= 0``.
+        As in :class:`SGD`.
 
     Raises
     ------
-    TypeError
-        A hyper-parameter that is not a number, or ``layer`` of another class.
-    ValueError
-        A hyper-parameter out of range (worded as PyTorch words it).
+    TypeError, ValueError
+        As in :class:`SGD`.
 
     Examples
     --------

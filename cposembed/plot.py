@@ -156,14 +156,10 @@ def similarity(
 
     Parameters
     ----------
-    pe_or_table : LearnedPositionEmbedding or array_like of shape (L, d)
-    path : str or path-like, optional
-        Where to write a PNG (exactly this file name).
+    pe_or_table, path : as in :func:`heatmap`
     title : str, optional
         Defaults to "Cosine similarity between positions".
-    cmap : str, default "RdBu_r"
-        A diverging colour map, centred on 0.
-    dpi : int, default 100
+    cmap, dpi : as in :func:`heatmap`
     vmin, vmax : float, default -1.0 and 1.0
         The ends of the colour scale.
 
