@@ -23,13 +23,8 @@ __all__ = ["LearnedPositionEmbedding"]
 
 
 def _values_of(table: Any) -> np.ndarray:
-    """The values of an array-like as an ndarray (a copy may be made).
-
-    A tensor that requires grad (torch) refuses ``__array__``; its detached
-    values are taken instead, from the CPU, without importing its framework.
-    A torch bfloat16 tensor (which NumPy cannot read) comes as its bits viewed
-    as ``ml_dtypes.bfloat16``.
-    """
+    """An array-like as an ndarray; a tensor that requires grad is detached (on
+    the CPU, without importing torch), a torch bfloat16 one viewed as ml_dtypes'."""
     if not isinstance(table, np.ndarray) and callable(getattr(table, "detach", None)):
         table = table.detach()
         if callable(getattr(table, "cpu", None)):
@@ -41,22 +36,15 @@ def _values_of(table: Any) -> np.ndarray:
 
 
 def draw_tables(seed: Any, embed_dim: int, *n_rows: int) -> list[np.ndarray]:
-    """The reference's float64 initial tables, ``randn(n, d) * (1 / sqrt(d))`` for
-    each ``n`` of ``n_rows`` in turn, from one stream.
-
-    An integer ``seed`` draws from a private ``RandomState(seed)``, which yields
-    the stream ``np.random.seed(seed)`` would, without touching the global RNG;
-    ``seed=None`` draws from the global legacy RNG exactly as the reference does.
-    """
+    """The reference's float64 tables ``randn(n, d) / sqrt(d)``, each ``n`` of ``n_rows``
+    in turn, from ``RandomState(seed)`` (``None``: the global legacy RNG)."""
     rng = np.random if seed is None else np.random.RandomState(seed)
     scale = 1.0 / np.sqrt(embed_dim)
     return [rng.randn(n, embed_dim) * scale for n in n_rows]
 
 
 class _CallSignature:
-    """An instance's ``__signature__``: that of calling it (its class's
-    ``__call__``, without ``self``); None on the class, whose signature is its
-    constructor's."""
+    """An instance's ``__signature__``: its class's ``__call__`` without ``self``."""
 
     def __get__(self, obj: Any, cls: type | None = None) -> Any:
         if obj is None:
@@ -83,24 +71,11 @@ class LearnedPositionEmbedding(_core.TableCall):
     seed : int, optional
         Seed for the initial table; ``None`` uses NumPy's global legacy RNG.
     dtype : {float32, float64, float16, bfloat16}, default float32
-        Table dtype, or its name (``"bfloat16"``). float32 is the fast path;
-        float64 is bitwise the reference; float16 and bfloat16 tables move
-        half the bytes, and keep a float32 :attr:`grad` (a master gradient).
+        Table dtype, or its name (``"bfloat16"``). float16 and bfloat16
+        tables keep a float32 :attr:`grad`.
     padding_idx : int, optional
         As in ``torch.nn.Embedding``: that row starts at zero and never
-        receives gradient (:meth:`backward` leaves ``grad[padding_idx]`` at
-        zero, so :meth:`sgd_step` never moves it); looking it up still returns
-        it. Negative values count from the end; stored normalised to ``[0, L)``.
-        The other rows are drawn exactly as without it.
-
-    Attributes
-    ----------
-    embeddings : ndarray of shape (max_seq_len, embed_dim)
-        The live table (C-contiguous, writable).
-    grad : ndarray or None
-        Accumulated gradient, ``None`` until the first :meth:`backward`; in the
-        table's dtype, float32 for a float16 or bfloat16 table.
-    padding_idx : int or None
+        receives gradient. Negative values count from the end.
 
     Examples
     --------
@@ -116,14 +91,8 @@ class LearnedPositionEmbedding(_core.TableCall):
     >>> pe.sgd_step(0.1)
     """
 
-    # Slots: reads of them are as fast as an ordinary class's attributes (those of
-    # an instance __dict__ are slower once the base is a C type, as here).
-    # "__dict__" keeps instances open to other attributes.
-    # The gradient, its touched rows and the padding row are one
-    # _grad.GradientState, shared with TokenPositionEmbedding and the optimizers.
+    # Slots read faster than an instance __dict__ on a class with a C base.
     __slots__ = ("_embeddings", "_grad", "_tables", "__dict__", "__weakref__")
-    # pe(positions) is the C base's __call__ (TableCall): inspect.signature(pe)
-    # reads this, as it cannot read a C method of an instance.
     __signature__ = _CallSignature()
 
     def __init__(
@@ -157,19 +126,13 @@ class LearnedPositionEmbedding(_core.TableCall):
         Parameters
         ----------
         table : array_like of shape (L, d)
-            Any array-like of real numbers: a NumPy array (any dtype, bfloat16
-            included, layout or byte order), nested lists, or a framework
-            tensor such as a torch weight that requires grad (its values are
-            copied; no need to call ``.detach()`` first; a torch bfloat16
-            tensor works too).
+            Any array-like of real numbers, a torch tensor that requires grad
+            included (its values are copied).
         dtype : {float32, float64, float16, bfloat16}, default float32
-            Dtype of the new table (a name such as ``"bfloat16"`` works too).
-            Values are converted as NumPy's ``astype`` converts them; a
-            bfloat16 table with ``dtype="bfloat16"`` is copied bit for bit.
+            Dtype of the new table, converted as by NumPy's ``astype``.
         padding_idx : int, optional
-            As in ``torch.nn.Embedding.from_pretrained``: that row keeps the
-            value it has in ``table`` (it is not zeroed) and never receives
-            gradient.
+            As in ``torch.nn.Embedding.from_pretrained``: that row keeps its
+            value and never receives gradient.
 
         Returns
         -------
@@ -194,11 +157,7 @@ class LearnedPositionEmbedding(_core.TableCall):
     # -- the table ---------------------------------------------------------
     @property
     def embeddings(self) -> np.ndarray:
-        """The live table, shape ``(max_seq_len, embed_dim)``: C-contiguous and writable.
-
-        Writing into it changes what every later call looks up. Assigning an
-        array of the same shape copies it in, cast to :attr:`dtype`.
-        """
+        """The live table ``(L, d)``, C-contiguous and writable; assigning copies in."""
         return self._embeddings
 
     @embeddings.setter
@@ -215,10 +174,9 @@ class LearnedPositionEmbedding(_core.TableCall):
 
     @property
     def grad(self) -> np.ndarray | None:
-        """Accumulated gradient, ``None`` until the first :meth:`backward`.
+        """Accumulated gradient (float32 for a half table), ``None`` before :meth:`backward`.
 
-        Assignable (an array of the table's shape, or None); an assigned
-        array counts as touching every row.
+        An assigned array counts as touching every row.
         """
         return self._grad.grad
 
@@ -233,8 +191,7 @@ class LearnedPositionEmbedding(_core.TableCall):
 
     @padding_idx.setter
     def padding_idx(self, value: int | None) -> None:
-        # As in torch, setting it later does not zero the row; it only stops
-        # the row from receiving gradient from now on.
+        # As in torch, the row is not zeroed.
         self._grad.set_padding(v.padding_index(value, self.max_seq_len), self._embeddings)
 
     @property
@@ -253,8 +210,7 @@ class LearnedPositionEmbedding(_core.TableCall):
         return self._embeddings.dtype
 
     # -- forward -----------------------------------------------------------
-    # pe(positions) is TableCall.__call__ (src_c/_core.pyx): the lookup entry
-    # itself, then this for what it refused.
+    # pe(positions) is TableCall.__call__; this takes what its entry refused.
     def _lookup_normalised(self, positions: Any, out: np.ndarray | None) -> np.ndarray:
         return _routes.lookup(self._embeddings, positions, out=out, num_threads=None)
 
@@ -271,16 +227,11 @@ class LearnedPositionEmbedding(_core.TableCall):
         Parameters
         ----------
         token_embeddings : array_like of shape (..., T, embed_dim)
-            Token embeddings of any real dtype (NumPy's promotion decides the
-            result dtype).
         positions : array_like of int, optional
-            Must broadcast to ``token_embeddings.shape[:-1]``; ``None`` means
-            ``offset + arange(T)`` for each sequence.
         offset : int, default 0
-            Tokens already seen (incremental decoding); only with
-            ``positions=None``.
         out : ndarray, optional
-            Destination; may be ``token_embeddings`` itself (in place).
+            As ``tokens``, ``positions``, ``offset`` and ``out`` of
+            :func:`cposembed.add_positions`.
 
         Returns
         -------
@@ -315,31 +266,20 @@ class LearnedPositionEmbedding(_core.TableCall):
     ) -> np.ndarray | None:
         """Accumulate the table gradient of :meth:`add_to` / ``__call__`` into :attr:`grad`.
 
-        ``grad[positions[i]] += grad_output[i]`` for every ``i``, as
-        :func:`cposembed.scatter_add`: deterministic (bitwise the same for any
-        thread count). The ``padding_idx`` row gets no gradient.
-
-        With ``optimizer``, the backward is fused with the optimizer's step:
-        this call's gradient is summed into scratch rows (its distinct
-        positions only) and the step is applied to those rows; :attr:`grad` is
-        not touched. Tables and optimizer state end bitwise as after
-        ``zero_grad(); backward(grad_output, ...); optimizer.step()``.
+        As :func:`cposembed.scatter_add`; the ``padding_idx`` row gets none.
+        With ``optimizer``, :attr:`grad` is not touched: the step runs on this
+        call's rows, bitwise as ``zero_grad(); backward(...); optimizer.step()``.
 
         Parameters
         ----------
         grad_output : array_like of shape (..., embed_dim)
-            Gradient of the loss with respect to the output. A float16,
-            bfloat16, float32 or float64 one is added as it is, bitwise as
-            ``np.add.at(grad, positions, grad_output)`` adds it; another real
-            dtype is converted to the gradient's dtype first.
+            Gradient of the output (dtypes as :func:`cposembed.scatter_add`).
         positions : array_like of int, optional
-            The positions of the forward call; ``None`` means
-            ``offset + arange(T)``.
+            The positions of the forward call.
         offset : int, default 0
             Only with ``positions=None``.
         optimizer : SGD, Adam or AdamW, optional
-            An optimizer of this layer (:mod:`cposembed.optim`): fuse its step
-            into this backward.
+            An optimizer of this layer whose step to fuse into this backward.
 
         Returns
         -------
@@ -349,10 +289,9 @@ class LearnedPositionEmbedding(_core.TableCall):
         Raises
         ------
         TypeError, ValueError
-            A :attr:`grad` assigned by the user that is not a writable float
-            array of the table's shape, an optimizer of another layer, or bad
-            arguments (as :func:`cposembed.scatter_add`); nothing is written
-            then.
+            An assigned :attr:`grad` that is not a writable float array of the
+            table's shape, an optimizer of another layer, or bad arguments;
+            nothing is written then.
         """
         if optimizer is not None:
             _grad.fused_backward_of(optimizer)(self, grad_output, positions, offset=offset)
@@ -364,30 +303,18 @@ class LearnedPositionEmbedding(_core.TableCall):
         self._grad.zero()
 
     def trainable_tables(self) -> dict[str, _grad.Trainable]:
-        """The table an optimizer updates, with its gradient state.
-
-        What :mod:`cposembed.optim` reads of this layer: ``{"embeddings": ...}``.
-        """
+        """``{"embeddings": ...}``: the table an optimizer updates, with its gradient state."""
         return dict(self._tables)
 
     # -- learning ------------------------------------------------------------
     def sgd_step(self, lr: float) -> None:
-        """One SGD step (no momentum): ``embeddings -= lr * grad``, on the touched rows only.
+        """One SGD step (no momentum), ``embeddings -= lr * grad``, on the touched rows.
 
-        Bitwise what NumPy computes for ``pe.embeddings -= float(lr) * pe.grad``
-        (``lr`` rounded once to the table's dtype, then a multiply and a
-        subtract per element); for a float16 or bfloat16 table (whose
-        gradient is float32), ``T(float32(row) - float32(lr) * grad)``: a
-        multiply and a subtract in float32, then one rounding to the table's
-        dtype ``T``. Only rows that some :meth:`backward` touched
-        since the last :meth:`zero_grad` are visited: the others have a zero
-        gradient and would not change. Runs on the kernels' threads. Does not
-        reset the gradient (call :meth:`zero_grad`, as with torch optimizers).
-
-        If no :meth:`backward` has run yet (``grad is None``) this does nothing,
-        as torch optimizers skip parameters without a gradient. If you assign
-        another array to :attr:`grad`, every row is updated; in-place edits to
-        :attr:`grad` are only seen on the touched rows.
+        Bitwise NumPy's ``pe.embeddings -= float(lr) * pe.grad``; a float16 or
+        bfloat16 table computes in float32 and rounds once. Only rows touched
+        since :meth:`zero_grad` are visited (all rows for an assigned
+        :attr:`grad`); nothing happens while ``grad is None``. The gradient is
+        not reset.
 
         Parameters
         ----------
@@ -414,17 +341,13 @@ class LearnedPositionEmbedding(_core.TableCall):
         new_max_len : int
             Rows of the new table.
         method : {"linear", "repeat"}
-            ``"linear"`` interpolates along positions and keeps both end rows:
-            new row ``i`` is the old table at ``i * (L - 1) / (new_max_len - 1)``
-            (a one-row table is repeated; a one-row result is the old row 0).
-            ``"repeat"`` tiles the table and cuts it to length: row ``i`` is
-            old row ``i % L``.
+            ``"linear"``: new row ``i`` is the old table interpolated at
+            ``i * (L - 1) / (new_max_len - 1)``; ``"repeat"``: old row ``i % L``.
 
         Returns
         -------
         LearnedPositionEmbedding
-            Same dtype and ``padding_idx`` (whose row is copied from this
-            table, not interpolated); no gradient.
+            Same dtype and ``padding_idx`` (its row copied); no gradient.
 
         Raises
         ------
@@ -455,18 +378,9 @@ class LearnedPositionEmbedding(_core.TableCall):
     def save(self, path: PathOrFile) -> None:
         """Write the table and its settings to ``path`` as an ``.npz`` archive.
 
-        Writes exactly ``path`` (no ``.npz`` suffix is appended) or into an
-        open binary file. Stored: the table (bitwise, in its dtype), its dtype's
-        name, ``padding_idx`` and a format version. (NumPy writes a bfloat16
-        table as 2-byte void, ``|V2``; :meth:`load` reads it back as bfloat16
-        by the stored name.) The gradient is not stored: a
-        saved table is a checkpoint of the parameters, like a torch
-        ``state_dict`` (pickle keeps :attr:`grad`).
-
-        A file name is written atomically: into a temporary file in the same
-        folder that replaces ``path`` once complete, so a save that fails
-        part way (a full disk, say) leaves the previous file intact and no
-        temporary file behind; the ``OSError`` names ``path``.
+        Writes exactly ``path`` (no suffix added), atomically, or into an open
+        binary file: the table bitwise, its dtype, ``padding_idx`` and a format
+        version; not the gradient (pickle keeps it).
         """
         _state.save_npz(
             path,
@@ -480,13 +394,10 @@ class LearnedPositionEmbedding(_core.TableCall):
     def load(cls, path: PathOrFile) -> LearnedPositionEmbedding:
         """Read back what :meth:`save` wrote (exactly ``path``, or an open binary file).
 
-        A table saved in either byte order loads in native order.
-
         Raises
         ------
         ValueError
-            The file is not one :meth:`save` wrote, or is damaged or truncated
-            (the message names the file and what is wrong).
+            The file is not one :meth:`save` wrote, or is damaged or truncated.
         FileNotFoundError
             No file at ``path``.
         """
@@ -505,15 +416,11 @@ class LearnedPositionEmbedding(_core.TableCall):
         }
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # What protocol 2 does by default, for every protocol: protocols 0 and
-        # 1 cannot rebuild by default an instance of a class with a C base.
-        # (copyreg.__newobj__ is missing from typeshed's copyreg.)
+        # Protocol 2's default for every protocol (0 and 1 cannot rebuild a C-based class).
         newobj = copyreg.__newobj__  # type: ignore[attr-defined]
         return (newobj, (type(self),), self.__getstate__())
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Checked whole before anything is kept: sgd_step and backward trust
-        # the table, the gradient's shape and the touched-rows mask.
         checked = _state.from_pickle(state, _PICKLE_VERSION)
         self._embeddings = checked.embeddings
         self._init_state(checked.padding_idx)
@@ -528,12 +435,8 @@ class LearnedPositionEmbedding(_core.TableCall):
 
 
 def _interpolate_rows(old: np.ndarray, new_len: int) -> np.ndarray:
-    """Linear interpolation of the rows of ``old`` at ``i * (L - 1) / (new_len - 1)``.
-
-    Computed in float64 and cast once. Where the sample point falls exactly on
-    an old row (both ends always, every row when scaling by an integer factor)
-    that row is copied, so it comes back bitwise.
-    """
+    """The rows of ``old`` interpolated in float64 at ``i * (L - 1) / (new_len - 1)``;
+    a point on an old row copies it bitwise."""
     n_old = old.shape[0]
     if n_old == 1 or new_len == 1:
         return old[np.zeros(new_len, dtype=np.intp)]

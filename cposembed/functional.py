@@ -1,12 +1,8 @@
 """The functional API of one table: lookup, add_positions, scatter_add.
 
-Each operation has one route to its kernel: the function calls the
-operation's C entry (``cposembed._core``) with the arguments as given; the
-entry checks them and runs the kernel, or refuses (returns None, nothing
-written). What it refuses goes to the operation's normalising route
-(:mod:`cposembed._routes`), which normalises the arguments or raises the
-worded error, and calls the same entry again. ``scatter_add`` returns
-nothing of the entry's, so its route makes the first entry call too.
+Each function calls its C entry (``cposembed._core``) with the arguments as
+given; what the entry refuses goes to :mod:`cposembed._routes`, which
+normalises it or raises, and calls the entry again.
 """
 
 from __future__ import annotations
@@ -20,13 +16,8 @@ from . import _blocks, _core, _routes
 
 __all__ = ["lookup", "add_positions", "scatter_add"]
 
-# Fresh outputs of at least _blocks.POOL_MIN_BYTES come from reusable blocks:
-# a new mmap'ed array pays a page fault and a kernel zeroing per page, more
-# than the lookup that fills it; a block freed by a previous call's result is
-# handed out again instead (at most 8 blocks, 1 GiB, are kept; the calls'
-# scratch of 64 KiB or more is kept there too). CPOSEMBED_REUSE_OUTPUTS=0
-# turns the reuse off (nothing is kept after the last result or call is
-# done), for processes that must give memory back at once.
+# Large outputs and scratch reuse freed blocks (see docs/architecture.md);
+# CPOSEMBED_REUSE_OUTPUTS=0 turns that off, for processes that must give memory back.
 if os.environ.get("CPOSEMBED_REUSE_OUTPUTS", "").strip() == "0":
     _blocks.set_pool(False)
 
@@ -41,12 +32,10 @@ def lookup(
     table : array_like of shape (L, d), float16, bfloat16, float32 or float64
         The position embedding table.
     positions : int, array_like of int, or any NumPy index
-        Row indices, ``-L <= p < L`` (negatives wrap). Boolean masks and
-        slices work as in NumPy.
+        Row indices, ``-L <= p < L`` (negatives wrap), masks and slices.
     out : ndarray, optional
-        Destination of shape ``positions.shape + (d,)`` and the table's dtype.
-        It may share memory with ``positions`` (they are read first) or with
-        the table (the result is computed aside, then copied in).
+        Destination of shape ``positions.shape + (d,)`` and the table's dtype;
+        it may share memory with the inputs.
     num_threads : int, optional
         Threads for this call (default: :func:`cposembed.get_num_threads`).
 
@@ -91,19 +80,16 @@ def add_positions(
     Parameters
     ----------
     tokens : array_like of shape (..., T, d)
-        Token embeddings (any real dtype; the result dtype is NumPy's
-        ``result_type(tokens, table)``, each element as NumPy adds it: two
-        float16 or two bfloat16 operands in float32, rounded once). float16
-        with bfloat16 is a ``TypeError``.
-    table : array_like of shape (L, d), float16, bfloat16, float32 or float64
-        The position embedding table.
+        Token embeddings of any real dtype; the result is NumPy's ``tokens +
+        table[positions]`` (float16 with bfloat16 is a ``TypeError``).
+    table : array_like of shape (L, d)
+        As in :func:`lookup`.
     positions : array_like of int, optional
         Must broadcast to ``tokens.shape[:-1]``. ``None`` means
         ``offset + arange(T)`` for every sequence.
     offset : int, default 0
-        Tokens already seen (incremental decoding); one integer for the whole
-        call, only with ``positions=None``. For per-row offsets pass explicit
-        positions (see :func:`cposembed.positions_from_mask`).
+        Tokens already seen (incremental decoding), only with ``positions=None``;
+        per-row offsets: see :func:`cposembed.positions_from_mask`.
     out : ndarray, optional
         Destination of ``tokens``' shape and the result dtype; may be
         ``tokens`` itself for an in-place add.
@@ -151,27 +137,18 @@ def scatter_add(
 ) -> np.ndarray:
     """Accumulate ``grad_table[positions[i]] += grad_output[i]`` in place.
 
-    The gradient of :func:`add_positions` and :func:`lookup` with respect
-    to the table. Repeated positions accumulate (like ``np.add.at``, and in
-    the same order). The result is bitwise the same for any thread count.
+    The table gradient of :func:`add_positions` and :func:`lookup`: bitwise
+    ``np.add.at(grad_table, positions, grad_output)``, for any thread count.
 
     Parameters
     ----------
     grad_table : ndarray of shape (L, d), writable
         Of dtype float16, bfloat16, float32 or float64; accumulated into in place.
     grad_output : array_like of shape (..., d)
-        Of dtype float16, bfloat16, float32 or float64, whatever ``grad_table``'s:
-        each add as ``np.add.at`` makes it (in float64 if either is float64,
-        else in float32), rounded to ``grad_table``'s dtype after each add.
-        Another real dtype (bool, integers) is converted to ``grad_table``'s
-        dtype first.
-    positions : array_like of int, optional
-        Must broadcast to ``grad_output.shape[:-1]``; ``None`` means
-        ``offset + arange(T)`` for every sequence.
-    offset : int, default 0
-        Only with ``positions=None``.
-    num_threads : int, optional
-        Threads for this call.
+        Float16, bfloat16, float32 or float64 is added as ``np.add.at`` adds
+        it; another real dtype is converted to ``grad_table``'s first.
+    positions, offset, num_threads : as in :func:`add_positions`
+        The forward call's, with ``grad_output`` in place of ``tokens``.
 
     Returns
     -------
@@ -196,6 +173,5 @@ def scatter_add(
            [0., 0.],
            [1., 1.]], dtype=float32)
     """
-    # The entry first, inside the route.
     _routes.scatter_add(grad_table, grad_output, positions, offset=offset, num_threads=num_threads)
     return grad_table

@@ -1,10 +1,6 @@
 """The whole input layer: embed and embed_backward (token + position tables).
 
-The same route as :mod:`cposembed.functional`: ``embed`` calls its C entry
-(``_core.embed``) with the arguments as given and what it refuses goes to
-the normalising route (:mod:`cposembed._routes`); ``embed_backward``'s route
-tries its entry (``_core.embed_backward``) itself, as a skipped (None) table
-is refused before the entry is reached.
+Routed as :mod:`cposembed.functional`.
 """
 
 from __future__ import annotations
@@ -30,10 +26,6 @@ def embed(
 ) -> np.ndarray:
     """The input layer in one pass: ``token_table[token_ids] + position_table[positions]``.
 
-    Each output row is written once: the token row is gathered (from a
-    vocabulary table far larger than the caches) and its position row added
-    in the same pass.
-
     Parameters
     ----------
     token_ids : int, array_like of int
@@ -44,8 +36,7 @@ def embed(
         Position embeddings (GPT-2's ``wpe``); same ``d``. Mixed dtypes give
         NumPy's promotion, except float16 with bfloat16 (``TypeError``).
     positions : array_like of int, optional
-        Must broadcast to ``token_ids.shape``. ``None`` means
-        ``offset + arange(T)`` for every sequence.
+        Must broadcast to ``token_ids.shape``; ``None`` means ``offset + arange(T)``.
     offset : int, default 0
         Tokens already seen (incremental decoding); only with ``positions=None``.
     out : ndarray, optional
@@ -56,8 +47,8 @@ def embed(
     Returns
     -------
     ndarray
-        What NumPy's ``token_table[token_ids] + position_table[positions]``
-        returns (dtype and values): ``out`` if given, else a new array.
+        NumPy's ``token_table[token_ids] + position_table[positions]``:
+        ``out`` if given, else a new array.
 
     Raises
     ------
@@ -107,10 +98,7 @@ def embed_backward(
 
     ``np.add.at(grad_token_table, token_ids, grad_output)`` and
     ``np.add.at(grad_position_table, positions, grad_output)``, bitwise, for
-    any thread count: each table row sums its contributions in input order,
-    on one thread. The threads split the rows by contributions, not by row
-    count, so a token that appears thousands of times in a batch does not
-    leave the other threads idle.
+    any thread count.
 
     Parameters
     ----------
@@ -120,19 +108,9 @@ def embed_backward(
     grad_position_table : ndarray of shape (L, d), writable, or None
         The same, for the position table.
     grad_output : array_like of shape token_ids.shape + (d,)
-        Gradient of the loss with respect to :func:`embed`'s output. float16,
-        bfloat16, float32 or float64, whatever the tables' dtype: each add as
-        ``np.add.at`` makes it, rounded to the table's dtype after each add.
-        Another real dtype (bool, integers) is converted to each table's
-        dtype first.
-    token_ids : int, array_like of int
-        The token ids of the forward call.
-    positions : array_like of int, optional
-        The positions of the forward call; ``None`` means ``offset + arange(T)``.
-    offset : int, default 0
-        Only with ``positions=None``.
-    num_threads : int, optional
-        Threads for this call.
+        Gradient of :func:`embed`'s output, dtypes as :func:`cposembed.scatter_add`'s.
+    token_ids, positions, offset, num_threads : as in :func:`embed`
+        The forward call's.
 
     Raises
     ------
@@ -152,7 +130,6 @@ def embed_backward(
     >>> g_wte[:, 0], g_wpe[:, 0]
     (array([1., 0., 2.]), array([1., 1., 1., 0.]))
     """
-    # The entry first, inside the route: a None table (skipped) is refused.
     _routes.embed_backward(
         grad_token_table,
         grad_position_table,

@@ -17,11 +17,7 @@ _OFFSET = f"a non-negative integer that fits in int64 (at most {_INT64_MAX})"
 
 
 def _offsets(offset: Any, rows_shape: tuple[int, ...]) -> int | np.ndarray:
-    """``offset`` as a Python int or an int64 array of one value per row.
-
-    Values above the int64 maximum are refused here; whether offset plus the
-    tokens of each row still fit is checked once the counts are known.
-    """
+    """``offset`` as a Python int or an int64 array of one value per row."""
     if isinstance(offset, (bool, np.bool_)) or (
         hasattr(offset, "__index__") and not isinstance(offset, np.ndarray)
     ):
@@ -47,12 +43,8 @@ def _offsets(offset: Any, rows_shape: tuple[int, ...]) -> int | np.ndarray:
 
 
 def _check_fits(off: int | np.ndarray, tokens_per_row: np.ndarray) -> None:
-    """Refuse an offset whose row's last position would pass the int64 maximum.
-
-    A row of ``n`` tokens gets positions ``offset .. offset + n - 1``; rows
-    without tokens use no offset at all.
-    """
-    # room >= 0 because every offset is in [0, int64 max]: no overflow here.
+    """Refuse an offset whose row's last position would pass the int64 maximum."""
+    # room >= 0, as every offset is in [0, int64 max].
     room = np.subtract(_INT64_MAX, off, dtype=np.int64)
     too_far = (tokens_per_row > 0) & (tokens_per_row - 1 > room)
     if not too_far.any():
@@ -73,24 +65,18 @@ def positions_from_mask(
     """Position ids for a padded batch from its attention mask.
 
     Each token's position is ``offset`` plus the number of tokens (mask 1)
-    before it in its row; padding (mask 0) gets ``pad_position``. So a
-    left-padded row ``[0, 0, 1, 1, 1]`` gets ``[p, p, 0, 1, 2]`` and a
-    right-padded ``[1, 1, 1, 0, 0]`` gets ``[0, 1, 2, p, p]``: every sequence
-    starts at position ``offset`` wherever its padding is.
+    before it in its row; padding (mask 0) gets ``pad_position``.
 
     Parameters
     ----------
     attention_mask : array_like of shape (B, T)
-        1 (or True) for a token, 0 (or False) for padding; any integer, bool
-        or float dtype holding only 0 and 1. Any number of leading axes
-        (including none: one row ``(T,)``) works; positions count along the last.
+        1 (or True) for a token, 0 (or False) for padding, in any real dtype;
+        any number of leading axes (or one row ``(T,)``).
     offset : int or array_like of int, default 0
         Tokens already seen (incremental decoding): a non-negative int, or one
-        value per row, shape ``(B,)`` (e.g. ``past_mask.sum(-1)`` when the rows
-        of the cache hold different numbers of tokens).
+        value per row, shape ``(B,)`` (e.g. ``past_mask.sum(-1)``).
     pad_position : int, default 0
-        Position given to padding (any row of the table: its output is masked
-        out anyway; 0 keeps every position in range).
+        Position given to padding.
 
     Returns
     -------
@@ -141,8 +127,7 @@ def positions_from_mask(
         _check_fits(off, before[..., -1])
     before -= is_token
     row_offset = off if isinstance(off, int) else off[..., None]
-    # Only tokens get offset + count (padding after a row's last token could
-    # pass the int64 maximum, and is not a position anyway).
+    # Only tokens get offset + count (padding's could pass the int64 maximum).
     positions = np.full(mask.shape, pad, dtype=np.int64)
     np.add(before, row_offset, out=positions, where=is_token)
     return positions

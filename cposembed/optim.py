@@ -1,28 +1,9 @@
 """Lazy optimizers for the embedding tables: SGD, Adam and AdamW on the touched rows.
 
-Each optimizer holds one layer (a :class:`~cposembed.LearnedPositionEmbedding`
-or a :class:`~cposembed.TokenPositionEmbedding`, both its tables) and updates,
-per step, only the rows that got gradient: after ``layer.backward(...)`` the
-rows it touched since the last ``zero_grad()``, in a fused
-``layer.backward(..., optimizer=opt)`` the rows of that call. Each such row
-follows PyTorch's update rule for that optimizer; the other rows and their
-state stay as they are (the semantics of ``torch.optim.SparseAdam``).
-
-The state of a table is one zeroed array per buffer with the table's shape,
-made when the optimizer is, whose rows are given out in the order rows are
-first stepped (:class:`~cposembed._marks.RowSlots`), so its memory grows with
-the rows that have state; it lives in :mod:`cposembed._optim_state`, with
-the checks of saved states. The
-optimizer reaches its layer's tables through ``layer.trainable_tables()``.
-The update of a row is one C function (``_core.optimizer_step``) that both
-``step()`` and the fused backward call, so a step costs its touched rows,
-never the table's rows.
-
-A fused backward finds the call's distinct rows (``_core.distinct_rows``, in
-time proportional to the positions), sums the gradient into one scratch row
-each (with the same scatter-add kernel and so the same summation order as
-``layer.backward``) and hands them to the same update: fused and unfused give
-the same bits by construction.
+Each optimizer updates the tables of one layer, per step only the rows that
+got gradient (since ``zero_grad()``, or of a fused ``layer.backward(...,
+optimizer=opt)`` call), each by PyTorch's rule; the other rows and their state
+stay as they are, as in ``torch.optim.SparseAdam``. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -48,8 +29,7 @@ from ._optim_state import (
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer", "state_dtype"]
 
-# The fields of the C step's hyper-parameters (cpe_opt_hyper, src_c/_rows.h.tp)
-# that an optimizer does not use, at values that leave its arithmetic alone.
+# The C step's hyper-parameters (cpe_opt_hyper) at values that change nothing.
 _KERNEL_UNUSED: dict[str, Any] = {
     "kind": 0,
     "l2": False,
@@ -71,21 +51,16 @@ _KERNEL_UNUSED: dict[str, Any] = {
 
 
 class Optimizer:
-    """Base of the lazy optimizers: the layer, its tables, the state and the step count.
-
-    Not used directly: build an :class:`SGD`, :class:`Adam` or :class:`AdamW`.
+    """Base of :class:`SGD`, :class:`Adam` and :class:`AdamW`.
 
     Parameters
     ----------
     layer : LearnedPositionEmbedding or TokenPositionEmbedding
-        The layer whose tables this optimizer updates (its ``trainable_tables()``).
+        The layer whose tables this optimizer updates.
     """
 
-    #: Names of the per-row buffers of this optimizer's state.
+    #: The per-row buffers, in the update kernel's order.
     _buffer_names: ClassVar[tuple[str, ...]] = ()
-    #: The buffers handed to the update kernel, in its order (a name may be absent).
-    _buffer_slots: ClassVar[tuple[str, str]] = ("", "")
-    #: The keys of the hyper-parameters.
     _hyper_keys: ClassVar[tuple[str, ...]] = ()
     _hyper: dict[str, Any]
 
@@ -132,40 +107,30 @@ class Optimizer:
     def step(self) -> None:
         """Update the rows that got gradient since the layer's last ``zero_grad()``.
 
-        Reads ``layer.grad`` (both gradients of a :class:`TokenPositionEmbedding`);
-        a table whose gradient is ``None`` is left alone. A gradient array that
-        the user assigned counts as touching every row. Counts one step.
+        A table whose gradient is ``None`` is left alone; an assigned gradient
+        counts as touching every row.
 
         Raises
         ------
         TypeError, ValueError
-            A gradient assigned by the user that is not a real-valued array of
-            the table's shape; nothing moves then.
+            An assigned gradient that is not a real array of the table's shape;
+            nothing moves then.
         """
         work = []
         for name, t in self._tables.items():
-            # Checked for both tables before either moves.
             grad = t.gradient.for_step(t.table)
             if grad is None:
                 continue
             work.append((name, t.gradient.step_rows(grad, t.table.shape[0]), grad))
         self._step += 1
         for name, rows, grad in work:
-            # The gradient as it is; one the user assigned (another dtype or
-            # layout, or memory shared with a table) as a compact copy of its rows.
+            # A gradient the entry refuses (an assigned one) goes as a copy of its rows.
             if not self._apply(name, rows, grad, False, -1, strict=False):
                 dt = self._states[name].dtype
                 self._apply(name, rows, np.array(grad[rows], dtype=dt, order="C"), True, -1)
 
     def fused_backward(self, layer: Any, grad_output: Any, *inputs: Any, offset: Any = 0) -> None:
-        """``layer.backward(grad_output, *inputs, offset=offset, optimizer=self)``.
-
-        What a layer's backward with ``optimizer=`` calls: the gradient of the
-        call goes straight into this optimizer's step on the rows of the call
-        (``inputs``: the positions of a :class:`LearnedPositionEmbedding`; the
-        token ids and positions of a :class:`TokenPositionEmbedding`). Counts
-        one step.
-        """
+        """``layer.backward(grad_output, *inputs, offset=offset, optimizer=self)``: one step."""
         if layer is not self._layer:
             raise ValueError(
                 f"optimizer was built for another layer ({self._layer!r}); "
@@ -203,7 +168,7 @@ class Optimizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the state with one :meth:`state_dict` returned (checked whole first).
+        """Replace the state with one :meth:`state_dict` returned.
 
         Parameters
         ----------
@@ -214,9 +179,7 @@ class Optimizer:
         Raises
         ------
         ValueError, TypeError
-            A state of another optimizer class, other tables, bad
-            hyper-parameters, or arrays of the wrong shape, dtype or rows;
-            nothing changes then.
+            A state of another optimizer or tables, or bad values; nothing changes.
         """
         self._hyper, self._step, self._states = self._checked(state)
 
@@ -268,8 +231,7 @@ class Optimizer:
         raise NotImplementedError
 
     def _kernel_hyper(self) -> dict[str, Any]:
-        """The hyper-parameters of this step as the C step takes them (the
-        fields of ``cpe_opt_hyper``, ``src_c/_rows.h.tp``)."""
+        """This step's hyper-parameters as the C step takes them."""
         raise NotImplementedError
 
     def _apply(
@@ -281,10 +243,8 @@ class Optimizer:
         skip_row: int,
         strict: bool = True,
     ) -> bool:
-        """Update the table ``name`` on the distinct ``rows`` (but ``skip_row``)
-        and their state: ``grad`` in the state's dtype, row ``i`` that of
-        ``rows[i]`` if ``compact``, else of the table's shape. False if the
-        entry refused ``grad`` (nothing written), unless ``strict``."""
+        """Update table ``name`` on ``rows`` (but ``skip_row``) from ``grad`` (of
+        the rows if ``compact``); False if the entry refused it and not ``strict``."""
         table, state1, state2, slots, skip = self._target_of(name, skip_row)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         done = _core.optimizer_step(
@@ -295,24 +255,18 @@ class Optimizer:
         return done is not None
 
     def _target_of(self, name: str, skip_row: int) -> tuple[Any, ...]:
-        """Table ``name``, its state arrays (None where this optimizer keeps
-        none), where each row's state is (its RowSlots) and the row never to update,
-        as the C steps take them."""
+        """Table ``name``, its two state arrays (or None), RowSlots and skip row."""
         state = self._states[name]
-        buffers = [state.buffers.get(n) for n in self._buffer_slots]
+        buffers = [state.buffers.get(n) for n in self._buffer_names] + [None, None]
         slots = state.slots if state.names else None
         return self._tables[name].table, buffers[0], buffers[1], slots, skip_row
 
     # -- fused backward --------------------------------------------------------------
     def _scratch_rows(self, name: str, n: int, d: int) -> np.ndarray:
-        """``n`` zeroed rows of scratch for table ``name`` (kept between calls:
-        fresh memory would cost a page fault per 4 KiB each time)."""
-        kept = self._scratch.get(name)
-        if kept is None or kept.shape[0] < n:
-            n_kept = max(n, 2 * (0 if kept is None else kept.shape[0]))
-            kept = np.zeros((n_kept, d), dtype=self._states[name].dtype)
-            self._scratch[name] = kept
-            return kept[:n]
+        """``n`` zeroed rows of scratch for table ``name``, kept between calls."""
+        kept = self._scratch.get(name, np.zeros((0, d), dtype=self._states[name].dtype))
+        if kept.shape[0] < n:
+            kept = self._scratch[name] = np.zeros((max(n, 2 * kept.shape[0]), d), dtype=kept.dtype)
         rows = kept[:n]
         rows.fill(0)
         return rows
@@ -336,9 +290,8 @@ class Optimizer:
     def _layer_backward(
         self, grad_output: Any, token_ids: Any, positions: Any, offset: Any
     ) -> None:
-        """The fused backward of a :class:`TokenPositionEmbedding`: the entry
-        first, as the other operations call theirs; what it refuses is
-        normalised (or refused with the worded error) and handed to it again."""
+        """The fused backward of a :class:`TokenPositionEmbedding`: the entry, then
+        what it refused, normalised."""
         if self._layer_step(grad_output, token_ids, positions, offset):
             return
         tokens, positions_of = self._tables["token_embeddings"], self._tables["position_embeddings"]
@@ -361,8 +314,7 @@ class Optimizer:
             raise RuntimeError("the fused step's kernel refused its arguments")
 
     def _layer_step(self, grad_output: Any, token_ids: Any, positions: Any, offset: Any) -> bool:
-        """The entry of a layer's fused step (one step counted if it ran); False:
-        refused, nothing written, no step counted."""
+        """The entry of a layer's fused step; False if it refused (no step counted)."""
         self._step += 1
         skip = self._tables["token_embeddings"].gradient.skip_row
         done = _core.fused_embed_step(
@@ -394,12 +346,8 @@ def _tables_of(layer: Any, who: str) -> dict[str, Trainable]:
 class SGD(Optimizer):
     """Lazy stochastic gradient descent, with momentum, as ``torch.optim.SGD``.
 
-    Per step, each row that got gradient ``g`` follows ``torch.optim.SGD``:
-    ``g += weight_decay * p``; with momentum ``buf = g`` at the row's first
-    gradient, else ``buf = momentum * buf + (1 - dampening) * g``, and
-    ``g = g + momentum * buf`` (``nesterov``) or ``g = buf``; then
-    ``p -= lr * g``. Rows without gradient do not move and their buffer does
-    not decay. The ``padding_idx`` row never moves.
+    Rows without gradient do not move and their buffer does not decay; the
+    ``padding_idx`` row never moves.
 
     Parameters
     ----------
@@ -479,11 +427,11 @@ class SGD(Optimizer):
             "nesterov": bool(nesterov),
         }
 
+    _buffer_names = ("momentum_buffer",)
+
     def _names_for(self, hyper: dict[str, Any]) -> tuple[str, ...]:
         # As torch: no momentum, no buffer.
-        return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
-
-    _buffer_slots = ("momentum_buffer", "")
+        return self._buffer_names if hyper["momentum"] != 0 else ()
 
     def _kernel_hyper(self) -> dict[str, Any]:
         h = self._hyper
@@ -504,34 +452,25 @@ class SGD(Optimizer):
 class Adam(Optimizer):
     """Lazy Adam: ``torch.optim.Adam``'s rule on the rows that got gradient.
 
-    Per step (``t`` counts every :meth:`step` and every fused backward), each
-    row that got gradient ``g`` follows ``torch.optim.Adam``:
-    ``g += weight_decay * p`` (L2), ``m = lerp(m, g, 1 - beta1)``,
-    ``v = beta2 * v + (1 - beta2) * g * g``,
-    ``denom = sqrt(v) / sqrt(1 - beta2**t) + eps``,
-    ``p -= (lr / (1 - beta1**t)) * m / denom``. Moments start at zero; rows
-    without gradient keep their moments and do not move (as
-    ``torch.optim.SparseAdam``). The ``padding_idx`` row never moves.
+    The step count ``t`` counts every :meth:`step` and fused backward. Rows
+    without gradient keep their moments and do not move; the ``padding_idx``
+    row never moves.
 
     Parameters
     ----------
-    layer : LearnedPositionEmbedding or TokenPositionEmbedding
-        The layer whose tables this optimizer updates.
-    lr : float, default 1e-3
-        Learning rate, ``>= 0``.
+    layer, lr : as in :class:`SGD`
+        ``lr`` defaults to 1e-3.
     betas : (float, float), default (0.9, 0.999)
         Decay rates of the first and second moments, each in ``[0, 1)``.
     eps : float, default 1e-8
         Added to the bias-corrected root of the second moment, ``>= 0``.
     weight_decay : float, default 0.0
-        L2 penalty added to the gradient, ``>= 0``.
+        As in :class:`SGD`.
 
     Raises
     ------
-    TypeError
-        A hyper-parameter that is not a number, or ``layer`` of another class.
-    ValueError
-        A hyper-parameter out of range (worded as PyTorch words it).
+    TypeError, ValueError
+        As in :class:`SGD`.
 
     Examples
     --------
@@ -571,8 +510,6 @@ class Adam(Optimizer):
         )
         return {"lr": lr, "betas": pair, "eps": eps, "weight_decay": weight_decay}
 
-    _buffer_slots = ("exp_avg", "exp_avg_sq")
-
     def _kernel_hyper(self) -> dict[str, Any]:
         # torch.optim.Adam's scalars, in Python floats as it computes them.
         h = self._hyper
@@ -598,29 +535,18 @@ class Adam(Optimizer):
 class AdamW(Adam):
     """Lazy AdamW: Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
-    As :class:`Adam`, except that weight decay is decoupled: each row that got
-    gradient is first scaled, ``p *= 1 - lr * weight_decay``, once per step,
-    and the gradient is used as it is. Rows without gradient do not decay.
+    Rows without gradient do not decay.
 
     Parameters
     ----------
-    layer : LearnedPositionEmbedding or TokenPositionEmbedding
-        The layer whose tables this optimizer updates.
-    lr : float, default 1e-3
-        Learning rate, ``>= 0``.
-    betas : (float, float), default (0.9, 0.999)
-        Decay rates of the first and second moments, each in ``[0, 1)``.
-    eps : float, default 1e-8
-        Added to the bias-corrected root of the second moment, ``>= 0``.
+    layer, lr, betas, eps : as in :class:`Adam`
     weight_decay : float, default 1e-2
         Decoupled weight decay, ``>= 0``.
 
     Raises
     ------
-    TypeError
-        A hyper-parameter that is not a number, or ``layer`` of another class.
-    ValueError
-        A hyper-parameter out of range (worded as PyTorch words it).
+    TypeError, ValueError
+        As in :class:`Adam`.
     """
 
     _decoupled = True

@@ -1,13 +1,8 @@
 """Pictures of a position table: the handbook's heatmap and a similarity map.
 
-matplotlib is an optional extra (``python -m pip install ".[plot]"`` from a
-checkout of cposembed, or ``python -m pip install matplotlib``) imported only
-when a picture is drawn: :func:`heatmap` and :func:`similarity` raise
-``ImportError`` without it, while ``import cposembed.plot`` always works and
-the numbers behind the pictures (:func:`cosine_similarity`,
-:func:`adjacent_similarity`) need NumPy only. Figures are built with
-``matplotlib.figure.Figure`` and written by the Agg renderer: no pyplot, no
-window, no change to the user's matplotlib backend.
+matplotlib (the ``plot`` extra) is imported only when a picture is drawn:
+:func:`heatmap` and :func:`similarity` raise ``ImportError`` without it. The
+figures use the Agg renderer, without pyplot or a change of backend.
 """
 
 from __future__ import annotations
@@ -91,9 +86,7 @@ def adjacent_similarity(pe_or_table: Any) -> float:
 def _draw(
     image: np.ndarray, size: Any, labels: tuple[str, str, str], path: Any, dpi: int, **imshow: Any
 ) -> Any:
-    """A figure of ``image`` with positions along x; ``labels`` are the y axis's,
-    the colour bar's and the title; ``imshow`` takes ``cmap``, ``vmin``, ``vmax``
-    (and ``aspect``). Written to ``path`` as a PNG when one is given."""
+    """A figure of ``image``, labelled (y axis, colour bar, title), saved to ``path`` if given."""
     fig = _new_figure(size)
     ax = fig.add_subplot()
     im = ax.imshow(image, origin="lower", interpolation="nearest", **imshow)
@@ -102,8 +95,7 @@ def _draw(
     ax.set_title(labels[2])
     fig.colorbar(im, ax=ax, label=labels[1])
     if path is not None:
-        # Into a file object with format="png", so the file is exactly `path`
-        # whatever its suffix; atomic, so a failed write leaves no half PNG.
+        # Exactly `path`, whatever its suffix, written atomically.
         with _state.atomic_write(path) as f:
             fig.savefig(f, format="png", dpi=dpi)
     return fig
@@ -133,11 +125,8 @@ def heatmap(
         A diverging colour map, centred on 0.
     dpi : int, default 100
     vmin, vmax : float, optional
-        The values at the two ends of the colour scale. ``vmax`` defaults to
-        the table's largest absolute value (1 for a table of zeros), ``vmin``
-        to ``-vmax``. Pictures drawn with the same limits compare by eye:
-        ``python -m cposembed train`` draws its before and after heatmaps with
-        the largest absolute value of both tables.
+        The ends of the colour scale; ``vmax`` defaults to the table's largest
+        absolute value (1 for zeros), ``vmin`` to ``-vmax``.
 
     Returns
     -------
@@ -165,23 +154,14 @@ def similarity(
 ) -> Any:
     """Cosine similarity between every pair of positions, as an ``(L, L)`` image.
 
-    A learned table that has picked up order shows a bright band along the
-    diagonal (neighbours alike); a random one shows only the diagonal.
-
     Parameters
     ----------
-    pe_or_table : LearnedPositionEmbedding or array_like of shape (L, d)
-    path : str or path-like, optional
-        Where to write a PNG (exactly this file name).
+    pe_or_table, path : as in :func:`heatmap`
     title : str, optional
         Defaults to "Cosine similarity between positions".
-    cmap : str, default "RdBu_r"
-        A diverging colour map, centred on 0.
-    dpi : int, default 100
+    cmap, dpi : as in :func:`heatmap`
     vmin, vmax : float, default -1.0 and 1.0
-        The values at the two ends of the colour scale. The default, the
-        whole range of a cosine, is the same for every table, so any two
-        similarity maps compare by eye.
+        The ends of the colour scale.
 
     Returns
     -------

@@ -21,8 +21,7 @@ __all__ = ["TokenPositionEmbedding"]
 
 
 def _part_property(part: str, name: str, doc: str) -> Any:
-    """A property that reads and sets attribute ``name`` of the layer's table
-    ``part`` (``_tokens`` or ``_positions``, a :class:`LearnedPositionEmbedding`)."""
+    """A property for attribute ``name`` of the table ``part`` (``_tokens`` or ``_positions``)."""
 
     def get(self: TokenPositionEmbedding) -> Any:
         return getattr(getattr(self, part), name)
@@ -36,11 +35,8 @@ def _part_property(part: str, name: str, doc: str) -> Any:
 class TokenPositionEmbedding:
     """Token and position embedding tables, looked up and added in one pass.
 
-    GPT-2's input layer ``wte[token_ids] + wpe[positions]`` with its gradient:
-    :meth:`__call__` is :func:`cposembed.embed`, :meth:`backward` is
-    :func:`cposembed.embed_backward` (both tables from one read of the
-    gradient, bitwise ``np.add.at``), and :meth:`sgd_step` updates the rows
-    some backward touched, in both tables.
+    GPT-2's input layer ``wte[token_ids] + wpe[positions]``: :meth:`__call__`
+    is :func:`cposembed.embed`, :meth:`backward` :func:`cposembed.embed_backward`.
 
     Parameters
     ----------
@@ -51,29 +47,13 @@ class TokenPositionEmbedding:
     embed_dim : int
         Embedding dimension ``d`` of both tables.
     seed : int, optional
-        Seed of the initial draw. Both tables are drawn from one legacy NumPy
-        stream, ``RandomState(seed)`` (``seed=None``: the global legacy RNG,
-        as the handbook's class does), position table first:
-        ``randn(L, d) / sqrt(d)``, then ``randn(V, d) / sqrt(d)``, each cast
-        to ``dtype`` (``.astype(dtype)``). So the position table equals
-        ``LearnedPositionEmbedding(L, d, seed, dtype=dtype).embeddings``.
+        Seed of the initial draw: one stream, the position table first, so it
+        equals ``LearnedPositionEmbedding(L, d, seed, dtype=dtype).embeddings``.
     dtype : {float32, float64, float16, bfloat16}, default float32
-        Dtype of both tables, or its name (``"bfloat16"``). float16 and
-        bfloat16 tables keep float32 gradients (master gradients).
+        Dtype of both tables, as in :class:`LearnedPositionEmbedding`.
     padding_idx : int, optional
         A token id, as in ``torch.nn.Embedding``: its row starts at zero and
-        never receives gradient; looking it up still returns it. Negative
-        values count from the end.
-
-    Attributes
-    ----------
-    token_embeddings : ndarray of shape (vocab_size, embed_dim)
-        The live token table.
-    position_embeddings : ndarray of shape (max_seq_len, embed_dim)
-        The live position table.
-    token_grad, position_grad : ndarray or None
-        Accumulated gradients, ``None`` until the first :meth:`backward`; in
-        the tables' dtype, float32 for float16 or bfloat16 tables.
+        never receives gradient.
 
     Examples
     --------
@@ -115,8 +95,7 @@ class TokenPositionEmbedding:
     def _set_tables(
         self, tokens: LearnedPositionEmbedding, positions: LearnedPositionEmbedding
     ) -> None:
-        """The two tables, and what trainable_tables() gives of them (made once:
-        every backward reads it)."""
+        """Keep the two tables and their trainable_tables() entries."""
         self._tokens = tokens
         self._positions = positions
         self._tables = {
@@ -138,16 +117,11 @@ class TokenPositionEmbedding:
         Parameters
         ----------
         token_table : array_like of shape (V, d)
-            Any array-like of real numbers, including a framework tensor that
-            requires grad (its values are copied).
         position_table : array_like of shape (L, d)
-            The same, with the same ``d``.
         dtype : {float32, float64, float16, bfloat16}, default float32
-            Dtype of both tables (a name such as ``"bfloat16"`` works too);
-            bfloat16 tables with ``dtype="bfloat16"`` are copied bit for bit.
         padding_idx : int, optional
-            A token id whose row keeps its value (it is not zeroed, as in
-            ``torch.nn.Embedding.from_pretrained``) and never receives gradient.
+            As :meth:`LearnedPositionEmbedding.from_pretrained`'s ``table``,
+            ``dtype`` and ``padding_idx`` (a token id).
 
         Returns
         -------
@@ -167,22 +141,12 @@ class TokenPositionEmbedding:
         return self
 
     # -- the tables ----------------------------------------------------------
-    token_embeddings = _part_property(
-        "_tokens", "embeddings", "The live token table ``(V, d)``: C-contiguous, writable."
-    )
+    token_embeddings = _part_property("_tokens", "embeddings", "The live token table ``(V, d)``.")
     position_embeddings = _part_property(
-        "_positions", "embeddings", "The live position table ``(L, d)``: C-contiguous, writable."
+        "_positions", "embeddings", "The live position table ``(L, d)``."
     )
-    token_grad = _part_property(
-        "_tokens",
-        "grad",
-        "The token table's accumulated gradient, or None before the first backward.",
-    )
-    position_grad = _part_property(
-        "_positions",
-        "grad",
-        "The position table's accumulated gradient, or None before the first backward.",
-    )
+    token_grad = _part_property("_tokens", "grad", "The token table's gradient, or None.")
+    position_grad = _part_property("_positions", "grad", "The position table's gradient, or None.")
 
     @property
     def padding_idx(self) -> int | None:
@@ -223,14 +187,10 @@ class TokenPositionEmbedding:
         Parameters
         ----------
         token_ids : int, array_like of int
-            Shape ``(..., T)``.
         positions : array_like of int, optional
-            Must broadcast to ``token_ids.shape``; ``None`` means
-            ``offset + arange(T)``.
         offset : int, default 0
-            Tokens already seen (incremental decoding); only with ``positions=None``.
         out : ndarray, optional
-            Destination of shape ``token_ids.shape + (embed_dim,)``.
+            As in :func:`cposembed.embed`.
 
         Returns
         -------
@@ -279,32 +239,22 @@ class TokenPositionEmbedding:
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """Accumulate both tables' gradients of :meth:`__call__` from one read of ``grad_output``.
 
-        With ``optimizer``, the backward is fused with the optimizer's step on
-        both tables: this call's gradients are summed into scratch rows (its
-        distinct token ids and positions only) and the step is applied to
-        those rows; the gradients are not touched. Tables and optimizer state
-        end bitwise as after ``zero_grad(); backward(...); optimizer.step()``.
+        As :meth:`LearnedPositionEmbedding.backward`, for both tables.
 
         Parameters
         ----------
         grad_output : array_like of shape token_ids.shape + (embed_dim,)
-            Gradient of the loss with respect to the output.
         token_ids : int, array_like of int
-            The token ids of the forward call.
         positions : array_like of int, optional
-            The positions of the forward call (``None``: ``offset + arange(T)``).
         offset : int, default 0
-            Only with ``positions=None``.
+            As in :func:`cposembed.embed_backward`.
         optimizer : SGD, Adam or AdamW, optional
-            An optimizer of this layer (:mod:`cposembed.optim`): fuse its step
-            into this backward.
+            An optimizer of this layer whose step to fuse into this backward.
 
         Returns
         -------
         (ndarray, ndarray) or None
-            :attr:`token_grad` and :attr:`position_grad` (``None`` when fused
-            with an optimizer). Bitwise the same for any thread count; the
-            ``padding_idx`` row gets no gradient.
+            :attr:`token_grad` and :attr:`position_grad`; ``None`` when fused.
         """
         if optimizer is not None:
             fused = _grad.fused_backward_of(optimizer)
@@ -336,32 +286,20 @@ class TokenPositionEmbedding:
         self._positions.zero_grad()
 
     def trainable_tables(self) -> dict[str, _grad.Trainable]:
-        """The tables an optimizer updates, with their gradient states.
-
-        What :mod:`cposembed.optim` reads of this layer: ``"token_embeddings"``
-        and ``"position_embeddings"``.
-        """
+        """The tables an optimizer updates (``"token_embeddings"``, ``"position_embeddings"``)."""
         return dict(self._tables)
 
     def sgd_step(self, lr: float) -> None:
-        """One SGD step (no momentum, no weight decay) on both tables, on the rows some backward touched.
-
-        Bitwise ``table -= lr * grad`` for each table, computed in float32
-        and rounded once for float16 and bfloat16 tables (see
-        :meth:`LearnedPositionEmbedding.sgd_step`); only rows touched since the
-        last :meth:`zero_grad` are visited, so a step costs the batch's
-        distinct tokens, not the vocabulary.
+        """:meth:`LearnedPositionEmbedding.sgd_step` on both tables.
 
         Parameters
         ----------
         lr : float
             Learning rate: any finite real number.
         """
-        # Everything is checked before either table moves.
+        # Both gradients are checked before either table moves.
         step = v.learning_rate(lr)
-        work = []
-        for t in self._tables.values():
-            work.append((t.table, t.gradient, t.gradient.for_step(t.table)))
+        work = [(t.table, t.gradient, t.gradient.for_step(t.table)) for t in self._tables.values()]
         for embeddings, state, grad in work:
             if grad is not None:
                 _grad.sgd_step(embeddings, state, grad, step)
@@ -373,9 +311,7 @@ class TokenPositionEmbedding:
         Parameters
         ----------
         path : str, path-like or binary file
-            Exactly this file name (no ``.npz`` suffix is appended), written
-            atomically as by :meth:`LearnedPositionEmbedding.save`, or an
-            open binary file. The gradients are not stored (pickle keeps them).
+            As in :meth:`LearnedPositionEmbedding.save`.
         """
         _state.save_npz(
             path,
