@@ -1,23 +1,10 @@
 """The normalising routes: arguments a C entry refused, made into what it takes.
 
-Each public operation (:mod:`cposembed.functional`, :mod:`cposembed.layer`,
-the classes) first calls its C entry (``cposembed._core``) with the
-arguments as given. The entry checks them and runs the kernel, or returns
-None with nothing written. Those calls come here: the arguments are
-normalised (any layout, dtype or byte order, lists, NumPy's other index
-forms, positions that broadcast) or the worded error is raised
-(:mod:`cposembed._validation`), and the same entry is called again, which
-now accepts them. Positions are read by the entries' own reader
-(``_core.index_rows``; the offset by ``_core.offset_rule``). Outputs the kernel cannot
-write directly (an ``out`` in another layout, or one sharing memory with an
-input) are computed into a scratch array and copied in at the end, as NumPy
-does.
-
-One route per operation, its internal arguments keyword-only: ``lookup``,
-``add``, ``scatter_add``, ``embed``, ``embed_backward``; the two backward
-routes (which return nothing) call their entry first themselves; and the shared
-steps of the routes (``row_positions``, ``checked_ids``, ``id_positions``),
-which the fused optimizer backward (:mod:`cposembed.optim`) uses too.
+One route per operation (``lookup``, ``add``, ``scatter_add``, ``embed``,
+``embed_backward``; the two backward ones call their entry first themselves):
+it normalises the arguments or raises the worded error (:mod:`cposembed._validation`)
+and calls the same entry again. An ``out`` the kernel cannot write is computed
+aside and copied in, as NumPy does. docs/architecture.md draws the route of a call.
 """
 
 from __future__ import annotations

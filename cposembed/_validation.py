@@ -1,13 +1,8 @@
-"""The checks behind every worded error, in one place.
-
-The C entries (``cposembed._core``) run the calls whose arguments they can
-use as given and return None, with nothing written, for the rest. For those,
-these functions either normalise the argument into a form the entry takes (a
-native C-contiguous table, an owned int64 position array, a Python ``int``)
-or raise a ``TypeError``, ``ValueError`` or ``IndexError`` that says what was
-expected and what came. As in pandas' ``validate_indices``, an out-of-range
-error names the largest or the smallest position, so ``L`` and ``-L - 1``
-cannot slip through.
+"""The checks behind every worded error, in one place: each normalises an argument
+the C entries refused into a form they take, or raises a ``TypeError``,
+``ValueError`` or ``IndexError`` that says what was expected and what came (an
+out-of-range error names the largest or smallest value, as pandas'
+``validate_indices`` does).
 """
 
 from __future__ import annotations
