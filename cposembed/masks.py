@@ -65,7 +65,9 @@ def positions_from_mask(
     """Position ids for a padded batch from its attention mask.
 
     Each token's position is ``offset`` plus the number of tokens (mask 1)
-    before it in its row; padding (mask 0) gets ``pad_position``.
+    before it in its row; padding (mask 0) gets ``pad_position``. So a
+    left-padded row ``[0, 0, 1, 1, 1]`` gets ``[p, p, 0, 1, 2]`` and a
+    right-padded ``[1, 1, 1, 0, 0]`` gets ``[0, 1, 2, p, p]``.
 
     Parameters
     ----------
