@@ -30,14 +30,6 @@ cdef inline bint _compact_pays(Py_ssize_t L, Py_ssize_t m, Py_ssize_t row_bytes)
     return _sparse_table(L, m) and L > m * (row_bytes // _COMPACT_ROW_BYTES_PER_ROW)
 
 
-cdef inline int _hash_bits(Py_ssize_t m) noexcept nogil:
-    # log2 of a hash table's size: at least twice the entries.
-    cdef int bits = 4
-    while (<Py_ssize_t>1 << bits) < 2 * m:
-        bits += 1
-    return bits
-
-
 cdef size_t _distinct_scratch_bytes(Py_ssize_t m, Py_ssize_t L) noexcept nogil
 cdef Py_ssize_t _distinct(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int64_t* slot,
                           int64_t* uniq, int64_t* first, int64_t* scratch) noexcept nogil

@@ -47,6 +47,14 @@ cdef extern from *:
 cpe_set_row_hash_key(int.from_bytes(os.urandom(8), "little"))
 
 
+cdef inline int _hash_bits(Py_ssize_t m) noexcept nogil:
+    # log2 of a hash table's size: at least twice the entries.
+    cdef int bits = 4
+    while (<Py_ssize_t>1 << bits) < 2 * m:
+        bits += 1
+    return bits
+
+
 cdef size_t _distinct_scratch_bytes(Py_ssize_t m, Py_ssize_t L) noexcept nogil:
     # _distinct's scratch: the hash table, or the direct map of the table.
     if _sparse_table(L, m):
