@@ -1,10 +1,8 @@
-"""The normalising routes: arguments a C entry refused, made into what it takes.
+"""The normalising routes: one per operation, for arguments its C entry refused.
 
-One route per operation (``lookup``, ``add``, ``scatter_add``, ``embed``,
-``embed_backward``; the two backward ones call their entry first themselves):
-it normalises the arguments or raises the worded error (:mod:`cposembed._validation`)
-and calls the same entry again. An ``out`` the kernel cannot write is computed
-aside and copied in, as NumPy does. docs/architecture.md draws the route of a call.
+Each normalises the arguments (or raises the worded error, :mod:`._validation`) and
+calls the same entry again; an ``out`` the entry cannot write is computed aside and
+copied in, as NumPy does. docs/architecture.md draws the route of a call.
 """
 
 from __future__ import annotations
@@ -16,25 +14,21 @@ import numpy as np
 from . import _core, _marks, _threads
 from . import _validation as v
 
-# The C entries take positions of up to this many axes (the most NumPy 1.x
-# allows with one more for the rows). Deeper ones (NumPy 2 allows 64) are
-# served by NumPy's indexing in lookups, flattened for the other operations.
+# Positions of more axes (NumPy 2 allows 64) are served by NumPy's indexing in
+# lookups and flattened for the other operations.
 MAX_POSITION_DIMS = _core.MAX_POSITION_DIMS
 
 
 def _accepted(result: Any) -> Any:
-    # Normalised arguments are exactly what the entries take (the layout rule
-    # is the entries' own, _core.is_canonical); None here is a bug, not bad input.
+    # Normalised arguments are what the entries take: None here is a bug.
     if result is None:
         raise RuntimeError("cposembed internal error: a C entry refused checked arguments")
     return result
 
 
 def _into(out: Any, entry: Any, *args: Any, num_threads: int | None) -> Any:
-    """``entry(*args, out, num_threads)`` with checked arguments: a new array if
-    ``out`` is None, else ``out``, which the entry writes itself if it can (it
-    refuses another layout, or an ``out`` over what the call reads); else the
-    result is computed aside and copied in, as NumPy does."""
+    """``entry(*args, out, num_threads)`` with checked arguments; an ``out`` the
+    entry refuses (another layout, or over what the call reads) is copied into."""
     if out is None:
         return _accepted(entry(*args, None, num_threads))
     if entry(*args, _base(out), num_threads) is None:
@@ -72,8 +66,7 @@ def lookup(table: Any, positions: Any, *, out: Any, num_threads: Any) -> Any:
 
 
 def _lookup_numpy(table: np.ndarray, positions: Any, out: Any) -> Any:
-    # Indices that also reach into the embedding axis (e.g. ``(slice(None), 0)``)
-    # are served by NumPy itself, as the reference does.
+    # Indices into the embedding axis too, served by NumPy as the reference does.
     result = table[positions]
     if isinstance(result, np.ndarray) and np.shares_memory(result, table):
         result = result.copy()
@@ -85,9 +78,8 @@ def _lookup_numpy(table: np.ndarray, positions: Any, out: Any) -> Any:
 
 
 def check_offset(offset: Any, with_positions: bool, n_tokens: int, n_rows: int) -> int:
-    """``offset`` (one integer for the whole call) as a Python int, if it keeps the
-    entries' rule (``_core.offset_rule``) for ``n_tokens`` rows of a table of
-    ``n_rows`` positions, else the worded error."""
+    """``offset`` as a Python int if it keeps the entries' ``_core.offset_rule`` for
+    ``n_tokens`` rows of a table of ``n_rows`` positions, else the worded error."""
     if isinstance(offset, np.ndarray) and offset.ndim != 0:
         raise v.NotAnIntegerError(
             f"offset must be a single non-negative integer; got {v.describe(offset)} "
@@ -111,9 +103,11 @@ def check_offset(offset: Any, with_positions: bool, n_tokens: int, n_rows: int) 
     return off
 
 
-def default_rows(offset: int, n_tokens: int) -> np.ndarray:
-    """What ``positions=None`` means, ``offset + arange(T)``, for a checked offset."""
-    return np.arange(offset, offset + n_tokens, dtype=np.int64)
+def full_positions(pos: np.ndarray | None, offset: int, lead: tuple[int, ...]) -> np.ndarray:
+    """``pos``, or for ``None`` the rows ``offset + arange(T)`` broadcast to ``lead``."""
+    if pos is not None:
+        return pos
+    return np.broadcast_to(np.arange(offset, offset + lead[-1], dtype=np.int64), lead)
 
 
 def row_positions(
@@ -156,25 +150,19 @@ def add(tokens: Any, table: Any, positions: Any, *, offset: Any, out: Any, num_t
     dtype = np.result_type(tok.dtype, t.dtype)
     if out is not None:
         v.check_out(out, tok.shape, dtype)
-    if dtype != t.dtype:
-        # e.g. float64 tokens + float32 table, or float16 tokens + float32
-        # table: NumPy's own promotion decides.
-        rows = t[default_rows(off, tok.shape[-2])] if pos is None else t[pos]
-        return np.add(tok, rows, out=out)
+    if dtype != t.dtype:  # float64 tokens + float32 table, say: NumPy promotes
+        return np.add(tok, t[full_positions(pos, off, tok.shape[:-1])], out=out)
     tok_c = v.canonical_copy(tok, dtype)
     rows, pos, off = _shallow(tok_c, pos, off, n_rows)
     if out is None:
         return _accepted(_core.add(rows, t, pos, off, None, nt)).reshape(tok.shape)
     o = _base(out)
     if _same_buffer(o, tok_c):
-        # In place (the tokens may be a read-only view of out's memory):
-        # out's own writable view serves as both.
+        # In place (the tokens may be a read-only view of out): out serves as both.
         o_rows = o.reshape(rows.shape)
         done = _core.add(o_rows, t, pos, off, o_rows, nt)
     else:
-        # The entry writes `out` itself if it can (it refuses another layout,
-        # or an `out` over the table or the tokens); a C-contiguous `out` is
-        # seen in the rows' shape, another one only as it is.
+        # The entry writes `out` if it can; a C-contiguous one in the rows' shape.
         target = o.reshape(rows.shape) if o.flags.c_contiguous else o
         done = None
         if target.shape == rows.shape:
@@ -187,22 +175,19 @@ def add(tokens: Any, table: Any, positions: Any, *, offset: Any, out: Any, num_t
 def _shallow(
     rows: np.ndarray, pos: np.ndarray | None, offset: int, n_rows: int
 ) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """Rows ``(..., d)`` and their positions as the C entries take them: at most
-    31 position axes. Deeper ones (NumPy 2 allows 64 axes) are broadcast and
-    flattened, with the rows seen as ``(N, d)``; the caller reshapes a result."""
+    """Rows ``(..., d)`` and positions of more than ``MAX_POSITION_DIMS`` axes seen as
+    ``(N, d)`` and ``(N,)``; the caller reshapes a result."""
     lead = rows.shape[:-1]
     if len(lead) <= MAX_POSITION_DIMS and (pos is None or pos.ndim <= MAX_POSITION_DIMS):
         return rows, pos, offset
-    full = default_rows(offset, lead[-1]) if pos is None else pos
-    flat = np.ascontiguousarray(np.broadcast_to(full, lead)).reshape(-1)
+    flat = np.ascontiguousarray(np.broadcast_to(full_positions(pos, offset, lead), lead))
+    flat = flat.reshape(-1)
     return rows.reshape(-1, rows.shape[-1]), flat, 0
 
 
 def grad_output_dtype(grad_output: np.dtype, table: np.dtype) -> np.dtype:
-    """The dtype a gradient enters the scatter-add entries in: its own (native) if
-    it is one of the four float dtypes (the entries add as ``np.add.at`` does, in
-    float64 if either side is float64, else in float32, and round to the table's
-    dtype after each add), else (bool, integers) the table's."""
+    """The dtype a gradient enters the scatter-add entries in: its own (native) if a
+    table dtype (the entries add as ``np.add.at`` does), else the table's."""
     native = v.native_dtype(grad_output)
     return native if v.is_float(native) else table
 
@@ -217,14 +202,9 @@ def scatter_add(
     touched: _marks.RowMarks | None = None,
     skip_row: int = -1,
 ) -> None:
-    """:func:`cposembed.scatter_add` that also marks the rows it touched and skips one:
-    the C entry, else the worded error, or the normalised arguments and the entry
-    once more.
-
-    ``touched``: a :class:`~cposembed._marks.RowMarks` of L rows (or None) in
-    which the rows that received a contribution are marked; ``skip_row``: a row that gets
-    no gradient (zeroed after the sum; ``padding_idx``), or -1.
-    """
+    """:func:`cposembed.scatter_add` that also marks the rows it adds to in
+    ``touched`` (a :class:`~cposembed._marks.RowMarks` of L rows, or None) and gives
+    row ``skip_row`` (padding; -1: none) no gradient. It calls the entry first."""
     args = (grad_table, grad_output, positions, offset, num_threads, touched, skip_row)
     if _core.scatter_add(*args) is not None:
         return
@@ -254,8 +234,7 @@ def _same_dim(a: np.ndarray, b: np.ndarray, names: str) -> None:
 
 
 def checked_ids(token_ids: Any, vocab_size: int) -> np.ndarray:
-    """Token ids as an owned int64 array, each checked to lie in ``[-V, V)`` and
-    wrapped into ``[0, V)``."""
+    """Token ids as an owned int64 array, checked in ``[-V, V)`` and wrapped."""
     ids = v.as_positions(token_ids, vocab_size, "token id")
     if ids is None:
         raise IndexError(
@@ -300,10 +279,8 @@ def embed(
     shape = ids.shape + (tt.shape[1],)
     if out is not None:
         v.check_out(out, shape, dtype)
-    if tt.dtype != pt.dtype or ids.ndim > MAX_POSITION_DIMS:
-        # Mixed dtypes: NumPy's own promotion decides.
-        rows = pt[default_rows(off, ids.shape[-1])] if pos is None else pt[pos]
-        return np.add(tt[ids], rows, out=out)
+    if tt.dtype != pt.dtype or ids.ndim > MAX_POSITION_DIMS:  # NumPy promotes
+        return np.add(tt[ids], pt[full_positions(pos, off, ids.shape)], out=out)
     return _into(out, _core.embed, ids, tt, pt, pos, off, num_threads=nt)
 
 
@@ -346,13 +323,8 @@ def embed_backward(
     position_touched: _marks.RowMarks | None = None,
     token_skip_row: int = -1,
 ) -> None:
-    """:func:`cposembed.embed_backward` that also marks the rows it touched
-    (:class:`~cposembed._marks.RowMarks` of V and L rows, or None) and gives token row ``token_skip_row``
-    (padding) no gradient (-1: none).
-
-    It calls the entry first itself, as :func:`scatter_add` does: the entry
-    takes two tables, so a ``None`` table (skipped) comes here directly.
-    """
+    """:func:`cposembed.embed_backward` with the touched rows and the row to skip, as
+    :func:`scatter_add`. It calls the entry first when both tables are given."""
     marks = (token_touched, position_touched, token_skip_row)
     if grad_token_table is not None and grad_position_table is not None:
         args = (grad_token_table, grad_position_table, grad_output, token_ids, positions)
@@ -376,9 +348,8 @@ def embed_backward(
         pos, off = id_positions(ids, positions, offset, gp.shape[0])
     else:
         pos, off = None, check_offset(offset, False, 0, 0)  # no position table to index
-    # Both gradients come from grad_output as given, as np.add.at on copies
-    # gives them: one that shares memory with a table is copied before the
-    # first write. (The ids and positions are arrays this call owns.)
+    # Both gradients come from grad_output as given (np.add.at on copies), so one
+    # that shares memory with a table is copied before the first write.
     if any(v.overlaps(g, table) for table in tables):
         g = g.copy()
     same = (
@@ -389,19 +360,15 @@ def embed_backward(
         and ids.ndim <= MAX_POSITION_DIMS
     )
     if not same:
-        # One table, or two that differ in dtype or share memory: one
-        # scatter-add each, tokens first (np.add.at's order on tied tables).
+        # One table, or two of different dtypes or memory: one scatter-add each,
+        # tokens first (np.add.at's order on tied tables).
         if gt is not None:
             scatter_add(
                 gt, g, ids, offset=0, num_threads=nt, touched=token_touched, skip_row=token_skip_row
             )
         if gp is not None:
-            rows = pos
-            if rows is None:
-                rows = np.broadcast_to(default_rows(off, ids.shape[-1]), ids.shape)
-            scatter_add(
-                gp, g, rows, offset=0, num_threads=nt, touched=position_touched, skip_row=-1
-            )
+            rows = full_positions(pos, off, ids.shape)
+            scatter_add(gp, g, rows, offset=0, num_threads=nt, touched=position_touched)
         return
     assert gt is not None and gp is not None
     native = v.native_dtype(gt.dtype)

@@ -1,9 +1,6 @@
-"""The checks behind every worded error, in one place: each normalises an argument
-the C entries refused into a form they take, or raises a ``TypeError``,
-``ValueError`` or ``IndexError`` that says what was expected and what came (an
-out-of-range error names the largest or smallest value, as pandas'
-``validate_indices`` does).
-"""
+"""The checks behind every worded error: each normalises an argument the C entries
+refused into a form they take, or raises the error that says what was expected and
+what came."""
 
 from __future__ import annotations
 
@@ -16,18 +13,14 @@ import numpy as np
 
 from . import _core
 
-# NumPy's bfloat16 comes from ml_dtypes (the kernels' _core.bfloat16()), imported
-# only when a bfloat16 is asked for: no array of one can exist before. Its kind is
-# 'V' and np.issubdtype(bfloat16, np.floating) is False, so "is it a float" is
-# asked of is_float or is_real here, never of the dtype's kind alone.
+# ml_dtypes' bfloat16, imported when first asked for. Its kind is 'V', so "is it a
+# float" is asked of is_float or is_real, never of the dtype's kind.
 bfloat16 = _core.bfloat16
 _FLOAT16 = np.dtype(np.float16)
 _FULL_FLOATS = (np.dtype(np.float32), np.dtype(np.float64), _FLOAT16)
 FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 _INT64 = np.dtype(np.int64)
-# Element kinds NumPy can add to a float table: bool, signed, unsigned, float
-# (and bfloat16, of kind 'V').
-_REAL_KINDS = "biuf"
+_REAL_KINDS = "biuf"  # element kinds NumPy adds to a float table, besides bfloat16
 # Scalars a real-valued argument (a learning rate, ...) may be, besides bfloat16.
 _REAL_SCALARS = (int, float, np.integer, np.floating)
 
@@ -60,10 +53,9 @@ def is_real_scalar(value: Any) -> bool:
 class NotAnIntegerError(TypeError, ValueError):
     """An integer argument that is not an integer (``1.5``, ``"3"``, ``True``).
 
-    A ``TypeError``, as NumPy and PyTorch raise for a size that is not an
-    integer, and a ``ValueError``, as the handbook's class promises for
-    ``max_seq_len`` and ``embed_dim`` that are not positive integers: either
-    ``except`` catches it. An integer out of range is a ``ValueError`` (not this class).
+    Both a ``TypeError`` (as NumPy and PyTorch raise for such a size) and a
+    ``ValueError`` (as the handbook's class promises for ``max_seq_len`` and
+    ``embed_dim``). An integer out of range is a plain ``ValueError``.
     """
 
 
@@ -99,21 +91,15 @@ def check_int(
     max_value: int | None = None,
     expected: str | None = None,
 ) -> int:
-    """``value`` as a Python int, in the manner of ``sklearn.utils.check_scalar``.
-
-    Anything with ``__index__`` counts (Python and NumPy integers, 0-d integer
-    arrays), except bools. Not an integer: :class:`NotAnIntegerError`; outside
-    ``[min_value, max_value]``: ``ValueError``. The message names the argument
-    and what it must be (``expected``, else the range's own words).
-    """
+    """``value`` (anything with ``__index__`` but a bool) as a Python int in
+    ``[min_value, max_value]``, as ``sklearn.utils.check_scalar``; the message says
+    ``expected``, else the range in words."""
     expected = expected or _int_range_text(min_value, max_value)
-    if (
-        isinstance(value, (bool, np.bool_))
-        or (isinstance(value, np.ndarray) and value.ndim != 0)
-        or not hasattr(value, "__index__")
-    ):
-        raise NotAnIntegerError(f"{name} must be {expected}; got {describe(value)}")
     try:
+        if isinstance(value, (bool, np.bool_)) or (
+            isinstance(value, np.ndarray) and value.ndim != 0
+        ):
+            raise TypeError
         n = operator.index(value)
     except TypeError:
         raise NotAnIntegerError(f"{name} must be {expected}; got {describe(value)}") from None
@@ -137,12 +123,9 @@ def is_real(dtype: np.dtype) -> bool:
 
 
 def work_dtype(dtype: np.dtype) -> np.dtype:
-    """The dtype a table of ``dtype`` keeps its gradient and optimizer state in, and
-    computes its steps in: float64 for float64, float32 for every other dtype (the
-    master gradient of a float16 or bfloat16 table)."""
-    if np.dtype(dtype) == np.float64:
-        return np.dtype(np.float64)
-    return np.dtype(np.float32)
+    """The dtype of a table's gradient, optimizer state and steps: float64 for
+    float64, else float32 (a float16 or bfloat16 table's master gradient)."""
+    return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
 
 
 def check_not_mixed_halves(a: np.dtype, a_name: str, b: np.dtype, b_name: str) -> None:
@@ -200,10 +183,8 @@ def _int_range_text(lo: int | None, hi: int | None) -> str:
 
 
 def refuse_masked(value: Any, name: str) -> None:
-    """Masked arrays are refused: the kernels cannot keep a mask, and dropping it
-    would turn padding into data. (Asked of numpy.ma only once it is imported:
-    no masked array exists before, and importing it here would cost every
-    process its import where NumPy does not import it itself, as NumPy 2 does not.)"""
+    """Masked arrays are refused: dropping the mask would turn padding into data.
+    (numpy.ma is asked only once imported: no masked array exists before.)"""
     ma = sys.modules.get("numpy.ma")
     if ma is not None and isinstance(value, ma.MaskedArray):
         raise TypeError(
@@ -232,17 +213,11 @@ def as_table(table: Any, name: str = "table") -> np.ndarray:
 
 
 def as_positions(positions: Any, n_rows: int, what: str = "position") -> np.ndarray | None:
-    """Any NumPy-style index into the rows of an ``(n_rows, d)`` table, checked.
-
-    Returns an int64 array that this call owns (the shape of the index), each
-    row wrapped into ``[0, n_rows)``. The entries' reader (``_core.index_rows``)
-    reads integers, integer arrays and lists of them and holds the range rule;
-    everything else NumPy accepts along the first axis (boolean masks, slices,
-    ``None``, ``...``) becomes the equivalent integer positions first. ``None``
-    is returned for an index that also reaches into the embedding axis (a tuple
-    such as ``(slice(None), 0)``), which only NumPy's own indexing serves.
-    Floats, strings and other non-indices raise ``IndexError`` as NumPy does.
-    """
+    """Any NumPy index into the rows of an ``(n_rows, d)`` table as an owned int64
+    array of rows in ``[0, n_rows)``, in the index's shape; None for an index into the
+    embedding axis too (``(slice(None), 0)``), which only NumPy's indexing serves.
+    Masks, slices, ``None`` and ``...`` become integers first (``_integer_index``);
+    ``_core.index_rows`` holds the range rule."""
     refuse_masked(positions, "positions" if what == "position" else "token_ids")
     rows = _core.index_rows(positions, n_rows)
     if rows is not None:
@@ -265,9 +240,8 @@ def as_positions(positions: Any, n_rows: int, what: str = "position") -> np.ndar
 
 
 def _range_error(index: np.ndarray, n_rows: int, what: str) -> IndexError:
-    # Names the largest value of `index` if it is above the range, else the
-    # smallest, as pandas' validate_indices does; `what` is "position" or
-    # "token id".
+    # Names the largest value if it is above the range, else the smallest, as
+    # pandas' validate_indices does.
     hi, lo = int(index.max()), int(index.min())
     rows = "positions" if what == "position" else "tokens"
     return IndexError(
@@ -277,10 +251,9 @@ def _range_error(index: np.ndarray, n_rows: int, what: str) -> IndexError:
 
 
 def _integer_index(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
-    # `positions` (a form the entries do not read) as an array of integers
-    # (Python ints, object dtype, for values beyond int64), or None for an
-    # index that may also address the embedding axis: a tuple (one index per
-    # axis) or a boolean mask of more than one dimension.
+    # `positions` as an integer array (object dtype for ints beyond int64), or
+    # None for an index that may address the embedding axis too (a tuple, or a
+    # boolean mask of more than one dimension).
     if _is_int(positions):
         return np.array(int(positions), dtype=object)
     if isinstance(positions, np.ndarray) and positions.dtype.kind in "iu":
@@ -295,8 +268,7 @@ def _integer_index(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
         if arr is not None and arr.size == 0 and arr.dtype.kind == "f":
             return arr.astype(_INT64)  # NumPy reads [] as an empty index
         if arr is not None and arr.dtype.kind in "fO":
-            # NumPy turns a list holding an int beyond int64 into float64 or
-            # object and then rejects it as "not an integer".
+            # A list holding an int beyond int64 becomes float64 or object.
             items = np.asarray(positions, dtype=object)
             if all(_is_int(x) for x in items.flat):
                 return items
@@ -305,8 +277,7 @@ def _integer_index(positions: Any, n_rows: int, what: str) -> np.ndarray | None:
     )
     if isinstance(positions, tuple) and any(p is Ellipsis for p in positions):
         return None  # "..." means other axes for a 1-D arange
-    # Indexing arange(n_rows) the same way yields the row numbers the index
-    # selects, in the shape it selects them (masks, slices, newaxis).
+    # arange(n_rows) indexed the same way gives the rows the index selects.
     try:
         return np.arange(n_rows, dtype=_INT64)[positions]
     except IndexError as exc:
@@ -337,8 +308,7 @@ def as_rows(values: Any, d: int, name: str) -> np.ndarray:
 
 
 def as_grad_table(grad: Any, name: str) -> np.ndarray:
-    """A gradient table the call accumulates into: a writable 2-D ndarray of one of
-    a table dtype (:func:`is_float`; any layout or byte order; masked arrays refused)."""
+    """A writable 2-D ndarray of a table dtype, any layout or byte order."""
     if not isinstance(grad, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray; got {describe(grad)}")
     refuse_masked(grad, name)
@@ -366,10 +336,8 @@ def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def broadcast_positions(pos: np.ndarray, lead: tuple[int, ...], what: str) -> np.ndarray:
-    """Positions for rows laid out as ``lead`` (e.g. ``(B, T)``), checked to
-    broadcast there and materialised to ``lead`` (positions are ``d`` times
-    smaller than the rows they index; the C entries find repeating rows again).
-    """
+    """Positions checked to broadcast to the rows' ``lead`` shape (``(B, T)``, say)
+    and materialised there."""
     # By hand: np.broadcast_shapes stops at 32 axes, NumPy 2 arrays have up to 64.
     fits = len(pos.shape) <= len(lead) and all(
         p in (1, n) for p, n in zip(pos.shape[::-1], lead[::-1])
@@ -382,15 +350,15 @@ def broadcast_positions(pos: np.ndarray, lead: tuple[int, ...], what: str) -> np
 
 
 def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether writing ``a`` could change ``b`` (a cheap, conservative test): not
-    when the entries' own rule (``_core.disjoint``) says so, else NumPy's bounds."""
+    """Whether writing ``a`` could change ``b``: the entries' ``_core.disjoint``,
+    else NumPy's bounds."""
     return not _core.disjoint(a, b) and bool(np.may_share_memory(a, b))
 
 
 def canonical_copy(arr: Any, dtype: Any) -> np.ndarray:
-    """``arr`` as the entries take it for ``dtype`` (native): itself if it already is
-    (``_core.is_canonical``, the entries' own rule), else a copy: an exact ndarray,
-    C-contiguous and aligned (``np.ascontiguousarray`` keeps a misaligned array)."""
+    """``arr`` itself if the entries take it for ``dtype`` (``_core.is_canonical``),
+    else an exact, C-contiguous, aligned copy (``np.ascontiguousarray`` keeps a
+    misaligned array)."""
     if _core.is_canonical(arr, dtype):
         return arr
     return np.require(arr, dtype=dtype, requirements=["C", "A", "E"])
