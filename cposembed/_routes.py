@@ -284,19 +284,6 @@ def embed(
     return _into(out, _core.embed, ids, tt, pt, pos, off, num_threads=nt)
 
 
-def _grad_tables(
-    grad_token_table: Any, grad_position_table: Any
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """embed_backward's two gradient tables, checked (None: skipped)."""
-    gt = None if grad_token_table is None else v.as_grad_table(grad_token_table, "grad_token_table")
-    gp = None
-    if grad_position_table is not None:
-        gp = v.as_grad_table(grad_position_table, "grad_position_table")
-    if gt is not None and gp is not None:
-        _same_dim(gt, gp, "grad_token_table and grad_position_table")
-    return gt, gp
-
-
 def _backward_ids(token_ids: Any, gt: np.ndarray | None) -> np.ndarray:
     """embed_backward's token ids: checked against the token table, or (no token
     table) integers that give the shape only."""
@@ -325,13 +312,21 @@ def embed_backward(
 ) -> None:
     """:func:`cposembed.embed_backward` with the touched rows and the row to skip, as
     :func:`scatter_add`. It calls the entry first when both tables are given."""
-    marks = (token_touched, position_touched, token_skip_row)
     if grad_token_table is not None and grad_position_table is not None:
         args = (grad_token_table, grad_position_table, grad_output, token_ids, positions)
+        marks = (token_touched, position_touched, token_skip_row)
         if _core.embed_backward(*args, offset, num_threads, *marks) is not None:
             return
-    gt, gp = _grad_tables(grad_token_table, grad_position_table)
+    gt, gp = (
+        None if t is None else v.as_grad_table(t, name)
+        for t, name in [
+            (grad_token_table, "grad_token_table"),
+            (grad_position_table, "grad_position_table"),
+        ]
+    )
     tables = [x for x in (gt, gp) if x is not None]
+    if gt is not None and gp is not None:
+        _same_dim(gt, gp, "grad_token_table and grad_position_table")
     nt = _threads.check_num_threads(num_threads)
     ids = _backward_ids(token_ids, gt)
     if not tables:
@@ -352,29 +347,11 @@ def embed_backward(
     # that shares memory with a table is copied before the first write.
     if any(v.overlaps(g, table) for table in tables):
         g = g.copy()
-    same = (
-        gt is not None
-        and gp is not None
-        and gt.dtype == gp.dtype
-        and not v.overlaps(gt, gp)
-        and ids.ndim <= MAX_POSITION_DIMS
-    )
-    if not same:
-        # One table, or two of different dtypes or memory: one scatter-add each,
-        # tokens first (np.add.at's order on tied tables).
-        if gt is not None:
-            scatter_add(
-                gt, g, ids, offset=0, num_threads=nt, touched=token_touched, skip_row=token_skip_row
-            )
-        if gp is not None:
-            rows = full_positions(pos, off, ids.shape)
-            scatter_add(gp, g, rows, offset=0, num_threads=nt, touched=position_touched)
-        return
-    assert gt is not None and gp is not None
-    native = v.native_dtype(gt.dtype)
-    g_c = v.canonical_copy(g, grad_output_dtype(g.dtype, native))
-    works = [v.canonical_copy(_base(table), native) for table in (gt, gp)]
-    _accepted(_core.embed_backward(works[0], works[1], g_c, ids, pos, off, nt, *marks))
-    for table, work in zip((gt, gp), works):
-        if work is not _base(table):
-            np.copyto(table, work)
+    # One scatter-add per table, tokens first (np.add.at's order on tied tables).
+    if gt is not None:
+        scatter_add(
+            gt, g, ids, offset=0, num_threads=nt, touched=token_touched, skip_row=token_skip_row
+        )
+    if gp is not None:
+        rows = full_positions(pos, off, ids.shape)
+        scatter_add(gp, g, rows, offset=0, num_threads=nt, touched=position_touched)
