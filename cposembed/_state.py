@@ -1,18 +1,10 @@
-"""Checks for what pickle and ``load()`` hand back, before it becomes an instance;
-and the one way the package writes a file (``save()``, the command line's files).
+"""Checks of pickled states and saved files, and the one way the package writes a file.
 
-A pickled state and a saved ``.npz`` file are bytes from outside: the
-kernels trust the table, the gradient and the touched-rows mask they are
-given (``sgd_step`` writes the rows the mask names), so everything read here
-is checked (type, dtype, shape, range) and converted to the layout the class
-keeps: native byte order, C-contiguous, aligned, writable. Every refusal is a
-``ValueError`` that names the field (or the file) and says what was expected
-and what came.
-
-Files are written through :func:`atomic_write`: into a temporary file beside
-the target that replaces it only once it is complete, so a write that fails
-part way (a full disk, a quota, an interrupt) leaves the previous file as it
-was. :func:`output_problem` checks a path before long work that ends in a write.
+The kernels trust the arrays they are given, so a pickled state or a saved
+``.npz`` file is checked whole (type, dtype, shape, range) and converted to the
+layout the class keeps (native, C-contiguous, aligned, writable); a refusal is a
+``ValueError`` naming the field or the file. Files are written through
+:func:`atomic_write`, so a write that fails part way leaves the old file as it was.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Iterator
-from typing import IO, Any, Literal, NamedTuple, Union
+from typing import IO, Any, NamedTuple, Union
 
 import numpy as np
 
@@ -81,8 +73,7 @@ class State(NamedTuple):
 
 
 def _table(value: Any, what: str) -> np.ndarray:
-    """An ``(L, d)`` table of a table dtype, native and C-contiguous (a copy if
-    needed)."""
+    """An ``(L, d)`` table of a table dtype, native and C-contiguous (a copy if needed)."""
     if (
         not isinstance(value, np.ndarray)
         or value.ndim != 2
@@ -112,8 +103,7 @@ def check_version(version: Any, current_version: int, what: str) -> None:
 def from_pickle(state: Any, current_version: int) -> State:
     """Check a state from ``__getstate__`` (or a legacy ``__dict__``); ``ValueError`` if bad.
 
-    The arrays of the result share no memory with the state unless they
-    already had the layout the class keeps (as freshly unpickled arrays do).
+    Arrays already in the layout the class keeps are used as they are, others copied.
     """
     if not isinstance(state, dict):
         raise ValueError(
@@ -152,8 +142,7 @@ def from_pickle(state: Any, current_version: int) -> State:
                 f"pickled state: grad must have the table's shape {table.shape}; "
                 f"got shape {grad.shape}"
             )
-        # A gradient in another layout becomes one in the dtype a backward
-        # gives (float32 for a float16 or bfloat16 table).
+        # Another layout becomes the dtype a backward gives.
         grad_dtype = work_dtype(table.dtype)
         if not _core.is_canonical(grad, grad_dtype, writable=True):
             grad = np.array(grad, dtype=grad_dtype, order="C", copy=True, subok=False)
@@ -169,10 +158,8 @@ def from_pickle(state: Any, current_version: int) -> State:
                 f"pickled state: touched must be None or a bool array of shape ({n_rows},) "
                 f"(one flag per table row); got {describe(touched)}"
             )
-        # A mask says which rows of *this* gradient are non-zero: without a
-        # gradient there is nothing it could describe, and a row it leaves out
-        # that holds gradient would be skipped by sgd_step, so such rows are
-        # marked too.
+        # The mask describes the gradient: none without one, and every
+        # non-zero row marked, since sgd_step skips unmarked rows.
         if grad is None:
             touched = None
         else:
@@ -188,11 +175,8 @@ class _Refused(Exception):
 def _read_member(
     archive: zipfile.ZipFile, key: str, kinds: str, ndim: int, what: str
 ) -> np.ndarray:
-    """Member ``key``, of a dtype kind in ``kinds`` and with ``ndim`` dimensions.
-
-    Checked from its header before NumPy reads it, so a damaged header cannot
-    make NumPy allocate what it claims.
-    """
+    """Member ``key``, of a dtype kind in ``kinds`` and with ``ndim`` dimensions,
+    checked from its header first so that NumPy never allocates what a damaged one claims."""
     info = archive.getinfo(key + ".npy")
     with archive.open(info) as fp:
         version = np.lib.format.read_magic(fp)
@@ -216,36 +200,29 @@ def _read_member(
     return arr
 
 
-def _void_byte_order(archive: zipfile.ZipFile, key: str) -> Literal["<", ">", "="]:
-    """The byte order of a void member as its header wrote it (``"<"``, ``">"``, or
-    ``"="`` for ``"|"``): NumPy reads ``'>V2'`` (a big-endian bfloat16) back as
-    ``'|V2'``."""
-    with archive.open(key + ".npy") as fp:
-        major, _ = np.lib.format.read_magic(fp)
-        size_format = "<H" if major == 1 else "<I"
-        (length,) = struct.unpack(size_format, fp.read(struct.calcsize(size_format)))
-        header = ast.literal_eval(fp.read(length).decode("latin1"))
-    descr = header.get("descr") if isinstance(header, dict) else None
-    if isinstance(descr, str) and descr.startswith("<"):
-        return "<"
-    if isinstance(descr, str) and descr.startswith(">"):
-        return ">"
-    return "="
-
-
 def _bfloat16_member(
-    raw: np.ndarray, dtype_name: str | None, key: str, order: Literal["<", ">", "="]
+    archive: zipfile.ZipFile, raw: np.ndarray, dtype_name: str | None, key: str
 ) -> np.ndarray:
-    """A void table member as read: NumPy writes bfloat16 as 2-byte void (``|V2``,
-    or ``>V2`` from a big-endian array), which is bfloat16 in that byte order again
-    (a view) when the ``dtype`` member says so."""
+    """A void member as bfloat16 (a view), where the ``dtype`` member says so.
+
+    NumPy writes bfloat16 as 2-byte void and reads ``'>V2'`` back as ``'|V2'``,
+    so the byte order is read from the member's header.
+    """
     if dtype_name != "bfloat16" or raw.dtype.itemsize != 2 or raw.dtype.fields is not None:
         raise _Refused(
             f"member {key!r} must be a 2-D {FLOAT_NAMES} array; got shape {raw.shape} "
             f"and dtype {raw.dtype} (2-byte void is bfloat16 only where the member "
             f"'dtype' says 'bfloat16'; it says {dtype_name!r})"
         )
-    return raw.view(bfloat16().newbyteorder(order))
+    with archive.open(key + ".npy") as fp:
+        major, _ = np.lib.format.read_magic(fp)
+        size_format = "<H" if major == 1 else "<I"
+        (length,) = struct.unpack(size_format, fp.read(struct.calcsize(size_format)))
+        header = ast.literal_eval(fp.read(length).decode("latin1"))
+    descr = str(header.get("descr")) if isinstance(header, dict) else ""
+    return raw.view(
+        bfloat16().newbyteorder(">" if descr[:1] == ">" else "<" if descr[:1] == "<" else "=")
+    )
 
 
 def save_npz(
@@ -256,11 +233,7 @@ def save_npz(
     padding_idx: int | None,
 ) -> None:
     """Write a class's ``save()`` archive: ``kind``, ``version``, the ``tables``
-    (of one dtype, whose name is stored too) and ``padding_idx`` (-1 for None).
-
-    A file name is written exactly (no ``.npz`` appended) through
-    :func:`atomic_write`; an open binary file is written as it is.
-    """
+    (of one dtype, whose name is stored too) and ``padding_idx`` (-1 for None)."""
     arrays: dict[str, Any] = {
         "kind": np.array(kind),
         "format_version": np.array(version, dtype=np.int64),
@@ -280,14 +253,9 @@ def save_npz(
 def load_npz(
     path: PathOrFile, kind: str, current_version: int, keys: tuple[str, ...]
 ) -> tuple[list[np.ndarray], int | None, str]:
-    """The tables ``keys`` (in that order) and ``padding_idx`` of what :func:`save_npz`
-    wrote, from a file name or an open binary file, and the file's name for messages.
-
-    Returns the tables native and C-contiguous, all of one dtype (the ``dtype``
-    member's, when present); ``padding_idx`` is a row of the first table. A
-    missing file raises ``FileNotFoundError``; any damage ``ValueError``
-    naming the file.
-    """
+    """The tables ``keys`` (in order, checked, of one dtype), ``padding_idx`` and the
+    file's name for messages, from what :func:`save_npz` wrote; any damage is a
+    ``ValueError`` naming the file."""
     f: IO[bytes]
     with contextlib.ExitStack() as stack:
         if isinstance(path, (str, bytes, os.PathLike)):
@@ -332,18 +300,17 @@ def _from_archive(
         raw = _read_member(archive, key, "fV", 2, f"a 2-D {FLOAT_NAMES} array")
         try:
             if raw.dtype.kind == "V":
-                raw = _bfloat16_member(raw, dtype_name, key, _void_byte_order(archive, key))
+                raw = _bfloat16_member(archive, raw, dtype_name, key)
             tables.append(_table(raw, f"member {key!r}"))
         except ValueError as exc:
             raise _Refused(str(exc)) from None
     dtypes = {t.dtype.name for t in tables}
     if len(dtypes) != 1:
         raise _Refused(f"the tables {list(keys)} differ in dtype: {sorted(dtypes)}")
-    if dtype_name is not None:
-        if dtype_name != tables[0].dtype.name:
-            raise _Refused(
-                f"member 'dtype' says {dtype_name!r} but the table is {tables[0].dtype.name}"
-            )
+    if dtype_name is not None and dtype_name != tables[0].dtype.name:
+        raise _Refused(
+            f"member 'dtype' says {dtype_name!r} but the table is {tables[0].dtype.name}"
+        )
     # save() writes -1 for "no padding row", else the row normalised to [0, L).
     stored = int(_read_member(archive, "padding_idx", "iu", 0, "a 0-d integer array"))
     n_rows = tables[0].shape[0]
@@ -371,11 +338,8 @@ def _target(name: str) -> str:
 
 
 def _create_beside(target: str) -> tuple[int, str]:
-    """A new empty file in ``target``'s folder, open for writing: (descriptor, name).
-
-    Created with mode 0o666 less the umask, as ``open(target, "wb")`` creates
-    a new file (``tempfile.mkstemp`` would give 0o600).
-    """
+    """A new empty file beside ``target`` (descriptor, name), of mode 0o666 less the
+    umask as ``open(target, "wb")`` makes (``tempfile.mkstemp`` gives 0o600)."""
     folder, base = os.path.split(target)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(_TEMP_TRIES):
@@ -403,17 +367,13 @@ def _naming(exc: OSError, name: str) -> OSError:
 
 @contextlib.contextmanager
 def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
-    """A binary file whose contents become ``path`` when the block completes.
+    """A binary file whose contents replace ``path`` (``os.replace``, once on disk)
+    when the block completes.
 
-    The block writes into a temporary file in ``path``'s folder, which then
-    replaces ``path`` (``os.replace``, atomic on POSIX and Windows) after its
-    bytes reached the disk. On any error, in the block or in the write, the
-    temporary file is removed and ``path`` is left as it was; an ``OSError``
-    is raised again naming ``path``, of the same kind (``PermissionError``,
-    ...). An existing file keeps its permission bits, a new one gets 0o666
-    less the umask, as with ``open(path, "wb")``. A path that is not a
-    regular file (``/dev/null``, a pipe) is written in place, as ``open``
-    would, since it cannot be replaced.
+    On any error ``path`` is left as it was, and an ``OSError`` is raised again
+    naming ``path``. The permission bits are those ``open(path, "wb")`` would
+    give; a path that is not a regular file (``/dev/null``, a pipe) is written
+    in place.
     """
     name = _file_name(path)
     target = _target(name)
@@ -438,14 +398,9 @@ def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
     except OSError as exc:
         raise _naming(exc, name) from exc
     try:
-        try:
+        with os.fdopen(fd, "wb") as f:
             if st is not None:
                 os.chmod(temp, stat.S_IMODE(st.st_mode) & 0o777)
-            f = os.fdopen(fd, "wb")
-        except BaseException:
-            os.close(fd)
-            raise
-        with f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -459,12 +414,8 @@ def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
 
 
 def output_problem(path: PathLike, what: str) -> str | None:
-    """Why a file cannot be written at ``path``, or None if it can.
-
-    A check before long work: ``path`` must not be a directory, and a new
-    file must be creatable in its folder (tried, then removed). ``what``
-    names the path in the message (``"--save"``).
-    """
+    """Why a file cannot be written at ``path`` (``what``, as ``"--save"``), or None:
+    not a directory, and a file can be created in its folder (tried, then removed)."""
     name = _file_name(path)
     if not name:
         return f"{what}: expected a file name; got an empty path"
@@ -485,11 +436,7 @@ def output_problem(path: PathLike, what: str) -> str | None:
 
 
 def folder_problem(path: PathLike, what: str) -> str | None:
-    """Why files cannot be written into the folder ``path``, or None if they can.
-
-    A missing folder is fine if it can be created: its nearest existing
-    parent must be a folder in which a file can be created.
-    """
+    """Why files cannot be written into the folder ``path`` (created if missing), or None."""
     name = _file_name(path)
     if not name:
         return f"{what}: expected a folder; got an empty path"
@@ -505,8 +452,7 @@ def folder_problem(path: PathLike, what: str) -> str | None:
 
 
 def _creation_problem(target: str, folder: str, what: str) -> str | None:
-    """Why no file can be created beside ``target`` (in ``folder``), or None:
-    one is created and removed."""
+    """Why no file can be created beside ``target`` (in ``folder``), or None."""
     try:
         fd, temp = _create_beside(target)
     except OSError as exc:
