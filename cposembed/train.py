@@ -1,29 +1,17 @@
-"""``python -m cposembed train``: watch a position table learn order.
+"""``python -m cposembed train``: watch a position table learn order (docs/guide.md).
 
-The task: every sequence is random tokens, and at every token a tiny model
-predicts *where in the sequence it is*, as a distribution over positions.
-The targets are soft (a Gaussian of width ``sigma`` around the true position),
-so a near miss costs less than a far one, as it would for any task in which
-neighbouring positions play similar roles. The tokens carry no information
-about their position, so everything the model learns about order has to go
-into the position table, and it does: the table starts as the handbook's
-noise (adjacent positions unrelated, cosine similarity about 0) and ends up
-smooth (neighbours alike, a bright band along the diagonal of the similarity
-map).
-
-The model is NumPy around the package's own operations::
+At every token of a sequence of random tokens a tiny model predicts where in the
+sequence it is, against soft targets (a Gaussian of width ``sigma`` around the true
+position). The tokens say nothing about their position, so what the model learns
+about order goes into the position table, which goes from noise to smooth::
 
     x      = pe.add_to(E[tokens])           # token + position embeddings (B, T, d)
     logits = x @ W + b                      # linear head over positions (B, T, L)
     loss   = cross_entropy(logits, soft_targets)
 
-with the backward pass written out by hand. With ``optimizer="sgd"`` the
-position table's gradient goes through ``pe.backward``, its update through
-``pe.sgd_step`` and ``pe.zero_grad``, the token table's gradient through
-:func:`cposembed.scatter_add`: plain SGD with one learning rate. With
-``optimizer="adam"`` both tables are updated by :class:`cposembed.Adam` in a
-fused ``backward(..., optimizer=...)`` (only the rows of the batch move),
-and the head by the same rule on its dense arrays.
+with the backward written out by hand. ``optimizer="sgd"``: ``pe.backward``,
+``pe.sgd_step`` and :func:`cposembed.scatter_add` for the token table;
+``optimizer="adam"``: :class:`cposembed.Adam` fused into each table's backward.
 """
 
 from __future__ import annotations
@@ -32,7 +20,6 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -79,38 +66,31 @@ def soft_targets(n_positions: int, sigma: float) -> np.ndarray:
     return w / w.sum(axis=1, keepdims=True)
 
 
-@contextlib.contextmanager
-def _one_blas_thread() -> Iterator[None]:
-    # The matrices here are tiny; BLAS threads only fight the kernels' threads
-    # for the same cores.
+def _one_blas_thread() -> contextlib.AbstractContextManager[Any]:
+    """BLAS on one thread: the matrices are tiny, and its threads would fight the kernels'."""
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 class _Progress:
-    """A progress bar on stderr: tqdm if it is installed and stderr is a terminal,
-    else plain text (a line every 10 % when it is not a terminal)."""
+    """A progress bar on ``stream`` (stderr): on a terminal, tqdm if installed, else
+    text redrawn in place; elsewhere a line every 10 %."""
 
     def __init__(self, total: int, stream: IO[str] | None, enabled: bool) -> None:
         self.total = total
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         self._tqdm = None
-        # On a terminal the bar redraws in place; in a log, a line every 10%.
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._every = max(1, total // (50 if self._tty else 10))
         self._start = time.perf_counter()
-        if enabled and self._tty:  # tqdm redraws with carriage returns: a terminal only
-            try:
+        if enabled and self._tty:
+            with contextlib.suppress(ImportError):
                 from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
+
                 self._tqdm = tqdm(total=total, file=self.stream, desc="training", leave=True)
 
     def update(self, step: int, loss: float) -> None:
@@ -123,9 +103,8 @@ class _Progress:
             return
         if step % self._every and step != self.total:
             return
-        width = 30
-        filled = width * step // self.total
-        bar = "#" * filled + "." * (width - filled)
+        filled = 30 * step // self.total
+        bar = "#" * filled + "." * (30 - filled)
         elapsed = time.perf_counter() - self._start
         text = f"training [{bar}] {step}/{self.total} loss {loss:.3f} {elapsed:.1f}s"
         self.stream.write(f"\r{text}" if self._tty else f"{text}\n")
@@ -165,24 +144,23 @@ def train(
     max_seq_len, embed_dim : int
         Size of the position table (default: the handbook's 128 x 64).
     seed : int
-        Seeds the table (as ``LearnedPositionEmbedding(..., seed=seed)``),
-        the other parameters and the data.
+        Seeds the table (as ``LearnedPositionEmbedding(..., seed=seed)``), the rest and the data.
     lr : float, optional
         Learning rate for every parameter (default: ``DEFAULT_LR[optimizer]``,
-        5.0 for SGD, 0.01 for Adam). SGD's is large because the loss is a
-        mean over all ``batch_size * max_seq_len`` tokens, so one position row
-        only receives ``1 / max_seq_len`` of it; Adam's steps do not scale
-        with the gradient.
+        5.0 for SGD, 0.01 for Adam). SGD's is large because one position row
+        receives only ``1 / max_seq_len`` of the mean loss's gradient.
+    batch_size, vocab_size : int
+        Sequences per step, and the number of distinct random tokens.
     sigma : float, optional
         Width of the soft targets in positions (default ``max_seq_len / 16``).
     out : path, optional
-        Folder for the before/after heatmaps and similarity maps (created if
-        needed); ``None`` writes no pictures.
+        Folder for the four pictures (created if needed); ``None`` writes none.
     progress : bool
-        Show a progress bar on ``stream`` (default stderr).
+        Show a progress bar on ``stream``.
+    stream : file, optional
+        Where the progress bar goes (default stderr).
     optimizer : {"adam", "sgd"}
-        :class:`cposembed.Adam` (the default: it learns faster on this task)
-        or plain SGD.
+        :class:`cposembed.Adam` (the default: it learns faster here) or plain SGD.
 
     Returns
     -------
@@ -328,68 +306,51 @@ def write_pictures(before: np.ndarray, after: np.ndarray, out: str | os.PathLike
 MAX_SEED = 2**32 - 1
 
 
-def add_arguments(parser: Any) -> None:
-    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    parser.add_argument(
-        "--max-seq-len", type=int, default=128, help="positions in the table (default 128)"
-    )
-    parser.add_argument(
-        "--embed-dim", type=int, default=64, help="dimensions per position (default 64)"
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help=f"random seed in [0, {MAX_SEED}] (default 0)"
-    )
-    parser.add_argument(
+# The train subcommand's options, as argparse.add_argument takes them.
+_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--steps", {"type": int, "default": 300, "help": "training steps (default 300)"}),
+    (
+        "--max-seq-len",
+        {"type": int, "default": 128, "help": "positions in the table (default 128)"},
+    ),
+    ("--embed-dim", {"type": int, "default": 64, "help": "dimensions per position (default 64)"}),
+    ("--seed", {"type": int, "default": 0, "help": f"random seed in [0, {MAX_SEED}] (default 0)"}),
+    (
         "--optimizer",
-        choices=OPTIMIZERS,
-        default="adam",
-        help="cposembed.Adam (fused into the backward) or plain SGD (default adam)",
-    )
-    parser.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help="learning rate (default 0.01 for adam, 5.0 for sgd)",
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=16, help="sequences per step (default 16)"
-    )
-    parser.add_argument(
-        "--out", default=".", help="folder for the pictures (default: the current folder)"
-    )
-    parser.add_argument(
+        {
+            "choices": OPTIMIZERS,
+            "default": "adam",
+            "help": "cposembed.Adam (fused into the backward) or plain SGD (default adam)",
+        },
+    ),
+    ("--lr", {"type": float, "help": "learning rate (default 0.01 for adam, 5.0 for sgd)"}),
+    ("--batch-size", {"type": int, "default": 16, "help": "sequences per step (default 16)"}),
+    ("--out", {"default": ".", "help": "folder for the pictures (default: the current folder)"}),
+    (
         "--save",
-        default=None,
-        metavar="PATH",
-        help="also save the trained table with LearnedPositionEmbedding.save",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+        {
+            "metavar": "PATH",
+            "help": "also save the trained table with LearnedPositionEmbedding.save",
+        },
+    ),
+    ("--no-progress", {"action": "store_true", "help": "no progress bar"}),
+)
+
+
+def add_arguments(parser: Any) -> None:
+    for flag, options in _OPTIONS:
+        parser.add_argument(flag, **options)
 
 
 _NAMES = {"sgd": "SGD", "adam": "Adam"}
+_SIZES = ("steps", "max_seq_len", "embed_dim", "batch_size")
 
 
 def run(args: Any) -> int:
     """The ``train`` subcommand."""
-    for name in ("steps", "max_seq_len", "embed_dim", "batch_size"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be a positive integer", file=sys.stderr)
-            return 2
-    if not 0 <= args.seed <= MAX_SEED:
-        print(f"error: --seed must be in [0, {MAX_SEED}]; got {args.seed}", file=sys.stderr)
-        return 2
-    problem = _memory_problem(args.max_seq_len, args.embed_dim, args.batch_size)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
-    if not np.isfinite(lr) or (args.optimizer == "adam" and lr < 0):
-        print("error: --lr must be a finite number (>= 0 for adam)", file=sys.stderr)
-        return 2
     plots = plot.has_matplotlib()
-    # The output paths are checked before the training: a path that cannot
-    # be written would otherwise lose the trained table at the end.
-    problem = _output_problem(args.out if plots else None, args.save)
+    problem = _option_problem(args, lr, args.out if plots else None)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -403,18 +364,8 @@ def run(args: Any) -> int:
         f"{args.steps} steps of {args.batch_size} sequences, {_NAMES[args.optimizer]} "
         f"lr {lr:g}, seed {args.seed}"
     )
-    result = train(
-        steps=args.steps,
-        max_seq_len=args.max_seq_len,
-        embed_dim=args.embed_dim,
-        seed=args.seed,
-        lr=lr,
-        batch_size=args.batch_size,
-        out=None,
-        progress=not args.no_progress,
-        optimizer=args.optimizer,
-    )
-    before_table = result.initial_table
+    sizes = {name: getattr(args, name) for name in (*_SIZES, "seed", "optimizer")}
+    result = train(**sizes, lr=lr, progress=not args.no_progress)
     print(
         f"loss: {result.loss_first:.3f} -> {result.loss_last:.3f}; "
         f"exact position predicted for {100 * result.accuracy:.1f}% of tokens "
@@ -427,7 +378,7 @@ def run(args: Any) -> int:
     status = 0
     if plots:
         try:
-            result.pictures = write_pictures(before_table, result.pe.embeddings, args.out)
+            result.pictures = write_pictures(result.initial_table, result.pe.embeddings, args.out)
         except OSError as exc:
             print(f"error: could not write the pictures to {args.out}: {exc}", file=sys.stderr)
             status = 1  # the table is still saved
@@ -446,12 +397,9 @@ def run(args: Any) -> int:
 
 
 def _memory_problem(max_seq_len: int, embed_dim: int, batch_size: int) -> str | None:
-    """Why a run of these sizes cannot fit in this machine's memory, or None.
-
-    A step holds about five float32 arrays of (batch, T, T) (the head's
-    logits over positions, their softmax, the targets, the gradient) and the
-    tables about 12 bytes per position and dimension (the float64 draw, the
-    float32 table, the head); what the OS does not report is not checked."""
+    """Why a run of these sizes cannot fit in this machine's memory, or None: a step
+    holds about five float32 (batch, T, T) arrays (logits, softmax, targets, gradient),
+    the tables about 12 bytes per position and dimension."""
     need = 4 * 5 * batch_size * max_seq_len**2 + 12 * max_seq_len * embed_dim
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -467,21 +415,31 @@ def _memory_problem(max_seq_len: int, embed_dim: int, batch_size: int) -> str | 
 
 def _bytes(n: int) -> str:
     size = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if size < 1024 or unit == "EiB":
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024:
             return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
         size /= 1024
-    raise AssertionError("unreachable")
+    return f"{size:.1f} EiB"
 
 
-def _output_problem(out: str | None, save: str | None) -> str | None:
-    """What keeps ``train`` from writing its pictures into ``out`` and the table
-    to ``save`` (None for either: not written), or None."""
+def _option_problem(args: Any, lr: float, out: str | None) -> str | None:
+    """The first bad option, or None; the output paths (``out`` None: no pictures) are
+    checked too, as one that cannot be written would lose the trained table at the end."""
+    for name in _SIZES:
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be a positive integer"
+    if not 0 <= args.seed <= MAX_SEED:
+        return f"--seed must be in [0, {MAX_SEED}]; got {args.seed}"
+    problem = _memory_problem(args.max_seq_len, args.embed_dim, args.batch_size)
+    if problem:
+        return problem
+    if not np.isfinite(lr) or (args.optimizer == "adam" and lr < 0):
+        return "--lr must be a finite number (>= 0 for adam)"
     problems = []
     if out is not None:
         problems.append(_state.folder_problem(out, "--out"))
         if os.path.isdir(out):  # else created, empty
             problems += [_state.output_problem(os.path.join(out, n), "--out") for n in PICTURES]
-    if save is not None:
-        problems.append(_state.output_problem(save, "--save"))
+    if args.save is not None:
+        problems.append(_state.output_problem(args.save, "--save"))
     return next((p for p in problems if p), None)
