@@ -18,14 +18,6 @@ def openmp_enabled() -> bool:
     return bool(_core.openmp_enabled())
 
 
-def _build_info() -> dict[str, Any]:
-    try:
-        from ._build_info import BUILD_INFO  # written by setup.py at build time
-    except ImportError:
-        return {}
-    return dict(BUILD_INFO)
-
-
 def _openmp_runtime() -> str:
     """Path of the OpenMP runtime library loaded for the extension."""
     if not openmp_enabled():
@@ -84,7 +76,11 @@ def _threads_summary() -> str:
 
 def config() -> dict[str, Any]:
     """The facts ``show_config()`` prints, as a dict."""
-    build = _build_info()
+    try:
+        from ._build_info import BUILD_INFO  # written by setup.py at build time
+    except ImportError:
+        BUILD_INFO = {}
+    build = dict(BUILD_INFO)
     return {
         "cposembed": __version__,
         "python": sys.version.split()[0],

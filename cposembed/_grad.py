@@ -55,9 +55,8 @@ class GradientState:
 
     def kept_touched(self) -> np.ndarray | None:
         """A copy of the mask, if it describes ``grad`` (what a pickle keeps)."""
-        if self.touched_grad is not self.grad or self.touched is None:
-            return None
-        return np.array(self.touched.mask)
+        marks = self.step_marks(self.grad)
+        return None if marks is None else np.array(marks.mask)
 
     # -- backward ------------------------------------------------------------
     def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, _marks.RowMarks]:
@@ -67,15 +66,15 @@ class GradientState:
         the call has succeeded; all rows of an assigned one count as touched.
         """
         grad = self.grad
-        if grad is not None and grad is self.touched_grad and self.touched is not None:
-            return grad, self.touched
-        fresh = grad is None
         if grad is None:
-            grad = _blocks.zeros(table.shape, v.work_dtype(table.dtype))
+            return _blocks.zeros(table.shape, v.work_dtype(table.dtype)), _marks.RowMarks(
+                len(table)
+            )
+        if grad is self.touched_grad and self.touched is not None:
+            return grad, self.touched
         check_grad(grad, table)
-        touched = _marks.RowMarks(table.shape[0])
-        if not fresh:
-            touched.mark_all()
+        touched = _marks.RowMarks(len(table))
+        touched.mark_all()
         return grad, touched
 
     def keep(self, grad: np.ndarray, touched: _marks.RowMarks) -> None:
@@ -122,7 +121,7 @@ class GradientState:
             check_grad(self.grad, table, step=True)
         return self.grad
 
-    def step_marks(self, grad: np.ndarray) -> _marks.RowMarks | None:
+    def step_marks(self, grad: np.ndarray | None) -> _marks.RowMarks | None:
         """The rows a step on ``grad`` visits, as marks (None: every row)."""
         return self.touched if grad is self.touched_grad else None
 

@@ -51,7 +51,6 @@ _CORRUPT = (
     zipfile.BadZipFile,
     zlib.error,
     struct.error,
-    NotImplementedError,
     OverflowError,
     TypeError,
     MemoryError,
@@ -83,10 +82,14 @@ def _table(value: Any, what: str) -> np.ndarray:
         raise ValueError(
             f"{what} must be a 2-D {FLOAT_NAMES} array with both sizes >= 1; got {describe(value)}"
         )
-    dtype = native_dtype(value.dtype)
-    if _core.is_canonical(value, dtype, writable=True):
-        return value
-    return np.array(value, dtype=dtype, order="C", copy=True, subok=False)
+    return _kept(value, native_dtype(value.dtype))
+
+
+def _kept(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``arr`` if it has the layout the class keeps, else such a copy."""
+    if _core.is_canonical(arr, dtype, writable=True):
+        return arr
+    return np.array(arr, dtype=dtype, order="C", copy=True, subok=False)
 
 
 def check_version(version: Any, current_version: int, what: str) -> None:
@@ -142,10 +145,7 @@ def from_pickle(state: Any, current_version: int) -> State:
                 f"pickled state: grad must have the table's shape {table.shape}; "
                 f"got shape {grad.shape}"
             )
-        # Another layout becomes the dtype a backward gives.
-        grad_dtype = work_dtype(table.dtype)
-        if not _core.is_canonical(grad, grad_dtype, writable=True):
-            grad = np.array(grad, dtype=grad_dtype, order="C", copy=True, subok=False)
+        grad = _kept(grad, work_dtype(table.dtype))  # the dtype a backward gives
 
     touched = state.get("touched")
     if touched is not None:
@@ -160,11 +160,7 @@ def from_pickle(state: Any, current_version: int) -> State:
             )
         # The mask describes the gradient: none without one, and every
         # non-zero row marked, since sgd_step skips unmarked rows.
-        if grad is None:
-            touched = None
-        else:
-            touched = np.array(touched, dtype=bool, copy=True)
-            touched |= (grad != 0).any(axis=1)
+        touched = None if grad is None else touched | (grad != 0).any(axis=1)
     return State(table, grad, touched, pad)
 
 
@@ -241,13 +237,11 @@ def save_npz(
         "dtype": np.array(next(iter(tables.values())).dtype.name),
         "padding_idx": np.array(-1 if padding_idx is None else padding_idx, dtype=np.int64),
     }
-    if not isinstance(path, (str, bytes, os.PathLike)):
+    if isinstance(path, (str, bytes, os.PathLike)):
+        with atomic_write(path) as f:  # given a file object, np.savez adds no ".npz"
+            np.savez(f, **arrays)
+    else:
         np.savez(path, **arrays)
-        return
-    # np.savez appends ".npz" to a file name without it; a file object makes
-    # it write exactly the name given.
-    with atomic_write(path) as f:
-        np.savez(f, **arrays)
 
 
 def load_npz(
