@@ -11,7 +11,8 @@ about order goes into the position table, which goes from noise to smooth::
 
 with the backward written out by hand. ``optimizer="sgd"``: ``pe.backward``,
 ``pe.sgd_step`` and :func:`cposembed.scatter_add` for the token table;
-``optimizer="adam"``: :class:`cposembed.Adam` fused into each table's backward.
+``optimizer="adam"``: :class:`cposembed.Adam`, fused into the backward of the token
+and position tables, and a step on every row of the head.
 """
 
 from __future__ import annotations
@@ -175,15 +176,15 @@ def train(
     before = pe.embeddings.copy()
     dtype = pe.dtype
     token_table = (rng.standard_normal((n_tok, d)) / np.sqrt(d)).astype(dtype)
-    head_w = (rng.standard_normal((d, n_pos)) * (0.1 / np.sqrt(d))).astype(dtype)
-    head_b = np.zeros(n_pos, dtype=dtype)
+    head = np.zeros((d + 1, n_pos), dtype=dtype)  # the head's weight, then its bias
+    head[:d] = rng.standard_normal((d, n_pos)) * (0.1 / np.sqrt(d))
     sigma = max(1.0, n_pos / 16) if sigma is None else sigma
     targets = soft_targets(n_pos, sigma).astype(dtype)
     if optimizer == "adam":
         tokens_layer = LearnedPositionEmbedding.from_pretrained(token_table, dtype=dtype)
-        token_table = tokens_layer.embeddings  # the live table
-        pe_adam, tokens_adam = Adam(pe, lr), Adam(tokens_layer, lr)
-        head_adam = _DenseAdam([head_w, head_b], lr)
+        head_layer = LearnedPositionEmbedding.from_pretrained(head, dtype=dtype)
+        token_table, head = tokens_layer.embeddings, head_layer.embeddings  # the live tables
+        pe_adam, tokens_adam, head_adam = (Adam(t, lr) for t in (pe, tokens_layer, head_layer))
     bar = _Progress(steps, stream, progress)
     loss_first = loss = float("nan")
     correct = 0.0
@@ -192,16 +193,17 @@ def train(
         for step in range(1, steps + 1):
             tokens = rng.integers(0, n_tok, size=(batch, n_pos))
             x = pe.add_to(token_table[tokens])  # (B, T, d)
-            p, loss, (grad_w, grad_b, dx) = _head(x, head_w, head_b, targets)
+            p, loss, grad_head, dx = _head(x, head, targets)
             if step == 1:
                 loss_first = loss
             if optimizer == "adam":
-                # fused backward + Adam step: only the batch's rows move
+                # A fused backward and step on the tables' rows of the batch; every row of the head.
                 pe.backward(dx, optimizer=pe_adam)  # positions 0..T-1
                 tokens_layer.backward(dx, tokens, optimizer=tokens_adam)
-                head_adam.step([grad_w, grad_b])
+                head_layer.grad = grad_head
+                head_adam.step()
             else:
-                _sgd_update(pe, (token_table, head_w, head_b), (grad_w, grad_b), dx, tokens, lr)
+                _sgd_update(pe, token_table, head, grad_head, dx, tokens, lr)
             bar.update(step, loss)
             if step == steps:
                 correct = float((p.argmax(axis=2) == np.arange(n_pos)).mean())
@@ -223,34 +225,33 @@ def train(
 
 def _sgd_update(
     pe: LearnedPositionEmbedding,
-    params: tuple[np.ndarray, np.ndarray, np.ndarray],
-    head_grads: tuple[np.ndarray, np.ndarray],
+    token_table: np.ndarray,
+    head: np.ndarray,
+    grad_head: np.ndarray,
     dx: np.ndarray,
     tokens: np.ndarray,
     lr: float,
 ) -> None:
-    """Plain SGD: the position table through its own backward (positions
-    0..T-1) and sgd_step, the token table (gradient: scatter_add of ``dx``) and
-    the head (weight, bias) in place."""
+    """Plain SGD: the position table through its own backward and sgd_step, the token
+    table (gradient: scatter_add of ``dx``) and the head in place."""
     pe.zero_grad()
     pe.backward(dx)
     pe.sgd_step(lr)
-    token_table = params[0]
     grad_tokens = scatter_add(np.zeros_like(token_table), dx, tokens)
-    for param, grad in zip(params, (grad_tokens, *head_grads)):
+    for param, grad in ((token_table, grad_tokens), (head, grad_head)):
         param -= param.dtype.type(lr) * grad
 
 
 def _head(
-    x: np.ndarray, head_w: np.ndarray, head_b: np.ndarray, targets: np.ndarray
-) -> tuple[np.ndarray, float, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The head on ``x`` (B, T, d): its softmax over positions (B, T, L), the mean
-    cross-entropy with the soft ``targets`` and, by hand, the gradients of the
-    head's weight and bias and of ``x``."""
+    x: np.ndarray, head: np.ndarray, targets: np.ndarray
+) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """The head (weight rows, then a bias row) on ``x`` (B, T, d): its softmax over
+    positions (B, T, L), the mean cross-entropy with the soft ``targets`` and, by
+    hand, the gradients of the head and of ``x``."""
     batch, n_pos, d = x.shape
     n_rows = batch * n_pos
     x2 = x.reshape(n_rows, d)
-    z = x2 @ head_w + head_b  # (B*T, L)
+    z = x2 @ head[:d] + head[d]  # (B*T, L)
     z -= z.max(axis=1, keepdims=True)
     p = np.exp(z)
     sum_p = p.sum(axis=1, keepdims=True)
@@ -259,30 +260,8 @@ def _head(
     q = np.broadcast_to(targets, (batch, n_pos, n_pos)).reshape(n_rows, n_pos)
     loss = float(-(q * z).sum() / n_rows)
     dz = (p - q) / x.dtype.type(n_rows)
-    grads = (x2.T @ dz, dz.sum(axis=0), (dz @ head_w.T).reshape(batch, n_pos, d))
-    return p.reshape(batch, n_pos, -1), loss, grads
-
-
-class _DenseAdam:
-    """``torch.optim.Adam``'s rule on dense NumPy arrays (the head), as
-    :class:`cposembed.Adam` applies it to each touched row."""
-
-    def __init__(self, params: list[np.ndarray], lr: float) -> None:
-        self.params, self.lr, self.t = params, lr, 0
-        self.betas, self.eps = (0.9, 0.999), 1e-8
-        self.m = [np.zeros_like(p) for p in params]
-        self.v = [np.zeros_like(p) for p in params]
-
-    def step(self, grads: list[np.ndarray]) -> None:
-        self.t += 1
-        beta1, beta2 = self.betas
-        step_size = self.lr / (1 - beta1**self.t)
-        root_correction = (1 - beta2**self.t) ** 0.5
-        for p, g, m, v in zip(self.params, grads, self.m, self.v):
-            m += (1 - beta1) * (g - m)
-            v *= beta2
-            v += (1 - beta2) * g * g
-            p -= step_size * m / (np.sqrt(v) / root_correction + self.eps)
+    grad_head = np.vstack([x2.T @ dz, dz.sum(axis=0)])
+    return p.reshape(batch, n_pos, -1), loss, grad_head, (dz @ head[:d].T).reshape(batch, n_pos, d)
 
 
 def write_pictures(before: np.ndarray, after: np.ndarray, out: str | os.PathLike[str]) -> list[str]:
