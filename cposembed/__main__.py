@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -12,11 +13,16 @@ from . import LearnedPositionEmbedding, _state, plot, show_config
 from .train import add_arguments as add_train_arguments
 from .train import run as run_train
 
+DEMO_HEATMAP = "position_embeddings_heatmap.png"
+
 
 def demo(args: argparse.Namespace) -> int:
     """The handbook's example (its In[4]/Out[5]), on the package's class."""
-    heatmap_path = _demo_heatmap_path(args.out)
-    if heatmap_path is not None:
+    heatmap_path = None  # none without matplotlib
+    if plot.has_matplotlib():
+        heatmap_path = DEMO_HEATMAP if args.out is None else args.out
+        with contextlib.suppress(OSError):  # no current folder: the check says so
+            heatmap_path = os.path.abspath(heatmap_path)
         problem = _state.output_problem(heatmap_path, "the heatmap")
         if problem:
             print(f"error: {problem}", file=sys.stderr)
@@ -43,20 +49,6 @@ def demo(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote heatmap to {heatmap_path}")
     return 0
-
-
-DEMO_HEATMAP = "position_embeddings_heatmap.png"
-
-
-def _demo_heatmap_path(out: str | None = None) -> str | None:
-    """Where the demo writes its heatmap (``--out``, else DEMO_HEATMAP); None without matplotlib."""
-    if not plot.has_matplotlib():
-        return None
-    path = DEMO_HEATMAP if out is None else out
-    try:
-        return os.path.abspath(path)
-    except OSError:  # the current folder was removed: the check says so
-        return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 def _prog() -> str:
     """The command as it was run: ``python -m cposembed`` or the installed script's name."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    if name in ("", "-c", "__main__.py") or name.endswith(".py"):
+    if name in ("", "-c") or name.endswith(".py"):
         return "python -m cposembed"
     return name
 
@@ -122,10 +114,8 @@ def _run_script() -> int:
         # to devnull, so that the flush at exit does not raise again; exit 1.
         devnull = os.open(os.devnull, os.O_WRONLY)
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):  # not a real file: nothing to flush
                 os.dup2(devnull, stream.fileno())
-            except (OSError, ValueError):
-                pass  # not a real file (replaced by the caller): nothing to flush
         return 1
     return status
 

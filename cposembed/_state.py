@@ -407,50 +407,35 @@ def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
         raise
 
 
-def output_problem(path: PathLike, what: str) -> str | None:
-    """Why a file cannot be written at ``path`` (``what``, as ``"--save"``), or None:
-    not a directory, and a file can be created in its folder (tried, then removed)."""
+def output_problem(path: PathLike, what: str, folder: bool = False) -> str | None:
+    """Why a file cannot be written at ``path`` (``what``, as ``"--save"``), or into the
+    ``folder`` ``path`` (created if missing), or None; a file is created and removed to tell."""
     name = _file_name(path)
     if not name:
-        return f"{what}: expected a file name; got an empty path"
-    target = _target(name)
-    if os.path.isdir(target):
+        return f"{what}: expected a {'folder' if folder else 'file name'}; got an empty path"
+    target = name if folder else _target(name)
+    if not folder and os.path.isdir(target):
         return f"{what} {name!r} is a directory; expected a file name"
-    if os.path.exists(target) and not os.path.isfile(target):
+    if not folder and os.path.exists(target) and not os.path.isfile(target):
         return None  # a device or a pipe: written in place
     try:
-        folder = os.path.dirname(os.path.abspath(target))
+        parent = os.path.abspath(target)
     except OSError as exc:  # no current folder (it was removed)
         return f"{what} {name!r}: {exc.strerror or exc}"
-    if not os.path.isdir(folder):
-        if os.path.exists(folder):  # a file where the path needs a folder
-            return f"{what} {name!r}: {folder!r} is a file, not a folder"
-        return f"{what} {name!r}: the folder {folder!r} does not exist"
-    return _creation_problem(target, folder, f"{what} {name!r}")
-
-
-def folder_problem(path: PathLike, what: str) -> str | None:
-    """Why files cannot be written into the folder ``path`` (created if missing), or None."""
-    name = _file_name(path)
-    if not name:
-        return f"{what}: expected a folder; got an empty path"
-    try:
-        existing = os.path.abspath(name)
-    except OSError as exc:  # no current folder (it was removed)
-        return f"{what} {name!r}: {exc.strerror or exc}"
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{what} {name!r}: {existing!r} is a file, not a folder"
-    return _creation_problem(os.path.join(existing, "check"), existing, f"{what} {name!r}")
-
-
-def _creation_problem(target: str, folder: str, what: str) -> str | None:
-    """Why no file can be created beside ``target`` (in ``folder``), or None."""
+    if folder:  # its nearest existing folder
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        target = os.path.join(parent, "check")
+    else:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        if os.path.exists(parent):  # a file where the path needs a folder
+            return f"{what} {name!r}: {parent!r} is a file, not a folder"
+        return f"{what} {name!r}: the folder {parent!r} does not exist"
     try:
         fd, temp = _create_beside(target)
     except OSError as exc:
-        return f"{what}: cannot create a file in {folder!r} ({exc.strerror or exc})"
+        return f"{what} {name!r}: cannot create a file in {parent!r} ({exc.strerror or exc})"
     os.close(fd)
     _remove(temp)
     return None

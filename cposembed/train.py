@@ -416,7 +416,7 @@ def _option_problem(args: Any, lr: float, out: str | None) -> str | None:
         return "--lr must be a finite number (>= 0 for adam)"
     problems = []
     if out is not None:
-        problems.append(_state.folder_problem(out, "--out"))
+        problems.append(_state.output_problem(out, "--out", folder=True))
         if os.path.isdir(out):  # else created, empty
             problems += [_state.output_problem(os.path.join(out, n), "--out") for n in PICTURES]
     if args.save is not None:
