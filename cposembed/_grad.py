@@ -16,13 +16,9 @@ from . import _validation as v
 
 
 class GradientState:
-    """``grad`` (None until the first backward), the rows touched since the last
-    zero, and the row that gets no gradient (``skip_row``; -1: none).
-
-    ``touched`` (:class:`~cposembed._marks.RowMarks`) describes ``touched_grad``,
-    the array it was built for: once the user assigns another ``grad``, every row
-    counts as touched.
-    """
+    """``grad`` (None until the first backward), the rows ``touched`` since the last
+    zero (marks of ``touched_grad``: every row counts for a ``grad`` the user assigned),
+    and the row that gets no gradient (``skip_row``; -1: none)."""
 
     __slots__ = ("grad", "touched", "touched_grad", "skip_row")
 
@@ -60,11 +56,8 @@ class GradientState:
 
     # -- backward ------------------------------------------------------------
     def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, _marks.RowMarks]:
-        """The gradient a backward adds into, and the touched rows to mark.
-
-        A fresh gradient (zeros of ``work_dtype``) is kept (:meth:`keep`) only once
-        the call has succeeded; all rows of an assigned one count as touched.
-        """
+        """The gradient a backward adds into and the rows to mark; a fresh one is kept
+        (:meth:`keep`) only once the call has succeeded."""
         grad = self.grad
         if grad is None:
             return _blocks.zeros(table.shape, v.work_dtype(table.dtype)), _marks.RowMarks(

@@ -74,10 +74,7 @@ class RowState:
         """Copies of the state in row order: ``rows`` and one ``(n, d)`` array per buffer."""
         rows = self.slots.rows()
         order = np.argsort(rows, kind="stable")
-        out = {"rows": rows[order]}
-        for name, buf in self.buffers.items():
-            out[name] = buf[order]
-        return out
+        return {"rows": rows[order], **{name: buf[order] for name, buf in self.buffers.items()}}
 
     @classmethod
     def restore(cls, names: tuple[str, ...], table: np.ndarray, data: Any, what: str) -> RowState:

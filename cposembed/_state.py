@@ -1,11 +1,6 @@
-"""Checks of pickled states and saved files, and the one way the package writes a file.
-
-The kernels trust the arrays they are given, so a pickled state or a saved
-``.npz`` file is checked whole (type, dtype, shape, range) and converted to the
-layout the class keeps (native, C-contiguous, aligned, writable); a refusal is a
-``ValueError`` naming the field or the file. Files are written through
-:func:`atomic_write`, so a write that fails part way leaves the old file as it was.
-"""
+"""Checks of pickled states and saved files (whole, as the kernels trust their arrays;
+a refusal is a ``ValueError`` naming the field or the file), and :func:`atomic_write`,
+the one way the package writes a file."""
 
 from __future__ import annotations
 
@@ -39,9 +34,8 @@ from ._validation import (
 # __getstate__ existed (its __dict__).
 _STATE_KEYS = frozenset({"version", "embeddings", "grad", "touched", "padding_idx"})
 _LEGACY_STATE_KEYS = frozenset({"_embeddings", "grad"})
-# What reading a damaged zip archive or .npy member raises (zipfile, zlib,
-# numpy.lib.format): RuntimeError for a member flagged as encrypted,
-# MemoryError for a header that claims an absurd size.
+# What reading a damaged archive or member raises (zipfile, zlib, numpy.lib.format);
+# RuntimeError: a member flagged as encrypted; MemoryError: a header's absurd size.
 _CORRUPT = (
     ValueError,
     RuntimeError,
@@ -104,10 +98,8 @@ def check_version(version: Any, current_version: int, what: str) -> None:
 
 
 def from_pickle(state: Any, current_version: int) -> State:
-    """Check a state from ``__getstate__`` (or a legacy ``__dict__``); ``ValueError`` if bad.
-
-    Arrays already in the layout the class keeps are used as they are, others copied.
-    """
+    """A state from ``__getstate__`` (or a legacy ``__dict__``), checked; arrays not
+    in the layout the class keeps are copied."""
     if not isinstance(state, dict):
         raise ValueError(
             f"pickled state must be a dict; got {type(state).__name__} "
@@ -115,8 +107,7 @@ def from_pickle(state: Any, current_version: int) -> State:
         )
     keys = set(state)
     legacy = "_embeddings" in keys
-    expected = _LEGACY_STATE_KEYS if legacy else _STATE_KEYS
-    unknown = keys - expected
+    unknown = keys - (_LEGACY_STATE_KEYS if legacy else _STATE_KEYS)
     if unknown:
         raise ValueError(
             f"pickled state has unknown keys {sorted(map(str, unknown))}; expected "
@@ -199,11 +190,8 @@ def _read_member(
 def _bfloat16_member(
     archive: zipfile.ZipFile, raw: np.ndarray, dtype_name: str | None, key: str
 ) -> np.ndarray:
-    """A void member as bfloat16 (a view), where the ``dtype`` member says so.
-
-    NumPy writes bfloat16 as 2-byte void and reads ``'>V2'`` back as ``'|V2'``,
-    so the byte order is read from the member's header.
-    """
+    """A 2-byte void member as bfloat16 where the ``dtype`` member says so, in the byte
+    order of the member's header (NumPy reads ``'>V2'`` back as ``'|V2'``)."""
     if dtype_name != "bfloat16" or raw.dtype.itemsize != 2 or raw.dtype.fields is not None:
         raise _Refused(
             f"member {key!r} must be a 2-D {FLOAT_NAMES} array; got shape {raw.shape} "
@@ -361,14 +349,9 @@ def _naming(exc: OSError, name: str) -> OSError:
 
 @contextlib.contextmanager
 def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
-    """A binary file whose contents replace ``path`` (``os.replace``, once on disk)
-    when the block completes.
-
-    On any error ``path`` is left as it was, and an ``OSError`` is raised again
-    naming ``path``. The permission bits are those ``open(path, "wb")`` would
-    give; a path that is not a regular file (``/dev/null``, a pipe) is written
-    in place.
-    """
+    """A binary file whose contents replace ``path`` once the block completes; on an
+    error ``path`` is left as it was (an ``OSError`` names it). The permission bits
+    are those ``open(path, "wb")`` gives; ``/dev/null`` or a pipe is written in place."""
     name = _file_name(path)
     target = _target(name)
     try:

@@ -95,14 +95,12 @@ class _Progress:
                 self._tqdm = tqdm(total=total, file=self.stream, desc="training", leave=True)
 
     def update(self, step: int, loss: float) -> None:
-        if not self.enabled:
-            return
         if self._tqdm is not None:
             self._tqdm.update(1)
-            if step % self._every == 0 or step == self.total:
-                self._tqdm.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if not self.enabled or (step % self._every and step != self.total):
             return
-        if step % self._every and step != self.total:
+        if self._tqdm is not None:
+            self._tqdm.set_postfix(loss=f"{loss:.3f}", refresh=False)
             return
         filled = 30 * step // self.total
         bar = "#" * filled + "." * (30 - filled)
@@ -112,11 +110,9 @@ class _Progress:
         self.stream.flush()
 
     def close(self) -> None:
-        if not self.enabled:
-            return
         if self._tqdm is not None:
             self._tqdm.close()
-        elif self._tty:
+        elif self.enabled and self._tty:
             self.stream.write("\n")
             self.stream.flush()
 
@@ -245,9 +241,8 @@ def _sgd_update(
 def _head(
     x: np.ndarray, head: np.ndarray, targets: np.ndarray
 ) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
-    """The head (weight rows, then a bias row) on ``x`` (B, T, d): its softmax over
-    positions (B, T, L), the mean cross-entropy with the soft ``targets`` and, by
-    hand, the gradients of the head and of ``x``."""
+    """The head (weight rows, a bias row) on ``x`` (B, T, d): softmax over positions,
+    mean cross-entropy with ``targets``, and the gradients of the head and of ``x``."""
     batch, n_pos, d = x.shape
     n_rows = batch * n_pos
     x2 = x.reshape(n_rows, d)
@@ -376,9 +371,8 @@ def run(args: Any) -> int:
 
 
 def _memory_problem(max_seq_len: int, embed_dim: int, batch_size: int) -> str | None:
-    """Why a run of these sizes cannot fit in this machine's memory, or None: a step
-    holds about five float32 (batch, T, T) arrays (logits, softmax, targets, gradient),
-    the tables about 12 bytes per position and dimension."""
+    """Why a run of these sizes cannot fit in memory, or None: a step holds about five
+    float32 (batch, T, T) arrays, the tables about 12 bytes per position and dimension."""
     need = 4 * 5 * batch_size * max_seq_len**2 + 12 * max_seq_len * embed_dim
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
