@@ -65,7 +65,7 @@ class State(NamedTuple):
     padding_idx: int | None  # normalised to [0, L)
 
 
-def _table(value: Any, what: str) -> np.ndarray:
+def _table(value: Any, what: str, error: type[Exception] = ValueError) -> np.ndarray:
     """An ``(L, d)`` table of a table dtype, native and C-contiguous (a copy if needed)."""
     if (
         not isinstance(value, np.ndarray)
@@ -73,7 +73,7 @@ def _table(value: Any, what: str) -> np.ndarray:
         or min(value.shape) < 1
         or not is_float(native_dtype(value.dtype))
     ):
-        raise ValueError(
+        raise error(
             f"{what} must be a 2-D {FLOAT_NAMES} array with both sizes >= 1; got {describe(value)}"
         )
     return _kept(value, native_dtype(value.dtype))
@@ -86,12 +86,14 @@ def _kept(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.array(arr, dtype=dtype, order="C", copy=True, subok=False)
 
 
-def check_version(version: Any, current_version: int, what: str) -> None:
-    """``ValueError`` unless ``version`` is an integer from 1 to ``current_version``."""
+def check_version(
+    version: Any, current_version: int, what: str, error: type[Exception] = ValueError
+) -> None:
+    """``error`` unless ``version`` is an integer from 1 to ``current_version``."""
     if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
-        raise ValueError(f"{what}: version must be an integer; got {describe(version)}")
+        raise error(f"{what}: version must be an integer; got {describe(version)}")
     if not 1 <= version <= current_version:
-        raise ValueError(
+        raise error(
             f"{what} version {int(version)}; this cposembed reads versions 1 to "
             f"{current_version} (a newer one needs a newer cposembed)"
         )
@@ -119,8 +121,9 @@ def from_pickle(state: Any, current_version: int) -> State:
     if not legacy:
         check_version(state["version"], current_version, "pickled state")
 
-    what = "pickled state: embeddings"
-    table = _table(state["_embeddings"] if legacy else state["embeddings"], what)
+    table = _table(
+        state["_embeddings"] if legacy else state["embeddings"], "pickled state: embeddings"
+    )
     n_rows = table.shape[0]
     pad = padding_index(state.get("padding_idx"), n_rows, "pickled state: padding_idx")
 
@@ -270,22 +273,16 @@ def _from_archive(
     if str(found_kind) != kind:
         raise _Refused(f"kind is {str(found_kind)!r}, expected {kind!r}")
     version = int(_read_member(archive, "format_version", "iu", 0, "a 0-d integer array"))
-    try:
-        check_version(version, current_version, "format")
-    except ValueError as exc:
-        raise _Refused(str(exc)) from None
+    check_version(version, current_version, "format", _Refused)
     dtype_name = None
     if "dtype.npy" in names:
         dtype_name = str(_read_member(archive, "dtype", "U", 0, "a 0-d string array"))
     tables = []
     for key in keys:
         raw = _read_member(archive, key, "fV", 2, f"a 2-D {FLOAT_NAMES} array")
-        try:
-            if raw.dtype.kind == "V":
-                raw = _bfloat16_member(archive, raw, dtype_name, key)
-            tables.append(_table(raw, f"member {key!r}"))
-        except ValueError as exc:
-            raise _Refused(str(exc)) from None
+        if raw.dtype.kind == "V":
+            raw = _bfloat16_member(archive, raw, dtype_name, key)
+        tables.append(_table(raw, f"member {key!r}", _Refused))
     dtypes = {t.dtype.name for t in tables}
     if len(dtypes) != 1:
         raise _Refused(f"the tables {list(keys)} differ in dtype: {sorted(dtypes)}")
@@ -307,10 +304,6 @@ def _from_archive(
 # -- writing files -----------------------------------------------------------------
 # Tries at a fresh temporary name before giving up (each name has 64 random bits).
 _TEMP_TRIES = 100
-
-
-def _file_name(path: PathLike) -> str:
-    return os.fsdecode(os.fspath(path))
 
 
 def _target(name: str) -> str:
@@ -352,7 +345,7 @@ def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
     """A binary file whose contents replace ``path`` once the block completes; on an
     error ``path`` is left as it was (an ``OSError`` names it). The permission bits
     are those ``open(path, "wb")`` gives; ``/dev/null`` or a pipe is written in place."""
-    name = _file_name(path)
+    name = os.fsdecode(path)
     target = _target(name)
     try:
         st: os.stat_result | None = os.stat(target)
@@ -393,7 +386,7 @@ def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
 def output_problem(path: PathLike, what: str, folder: bool = False) -> str | None:
     """Why a file cannot be written at ``path`` (``what``, as ``"--save"``), or into the
     ``folder`` ``path`` (created if missing), or None; a file is created and removed to tell."""
-    name = _file_name(path)
+    name = os.fsdecode(path)
     if not name:
         return f"{what}: expected a {'folder' if folder else 'file name'}; got an empty path"
     target = name if folder else _target(name)
