@@ -104,8 +104,7 @@ def _prog() -> str:
 
 
 def _run_script() -> int:
-    """``main()`` for ``python -m cposembed``, ending quietly when the reader of
-    its output goes away (``python -m cposembed info | head -1``)."""
+    """``main()``, ending quietly when the reader of its output goes away (``| head -1``)."""
     try:
         status = main()
         sys.stdout.flush()  # the last output, here rather than at exit

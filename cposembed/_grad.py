@@ -127,18 +127,13 @@ class GradientState:
         return rows
 
 
-class _HoldsTable(Protocol):
-    @property
-    def embeddings(self) -> np.ndarray: ...
-
-
 class Trainable:
-    """One table an optimizer updates (read through its holder, so that a table
-    assigned later is the one stepped) and its :class:`GradientState`."""
+    """One table an optimizer updates (``holder.embeddings``, read at each use, so that a
+    table assigned later is the one stepped) and its :class:`GradientState`."""
 
     __slots__ = ("_holder", "gradient")
 
-    def __init__(self, holder: _HoldsTable, gradient: GradientState) -> None:
+    def __init__(self, holder: Any, gradient: GradientState) -> None:
         self._holder = holder
         self.gradient = gradient
 

@@ -19,12 +19,12 @@ from typing import IO, Any, NamedTuple, Union
 import numpy as np
 
 from . import _core
+from ._grad import check_grad
 from ._validation import (
     FLOAT_NAMES,
     bfloat16,
     describe,
     is_float,
-    is_real,
     native_dtype,
     padding_index,
     work_dtype,
@@ -129,16 +129,10 @@ def from_pickle(state: Any, current_version: int) -> State:
 
     grad = state.get("grad")
     if grad is not None:
-        if not isinstance(grad, np.ndarray) or not is_real(grad.dtype):
-            raise ValueError(
-                f"pickled state: grad must be None or a real-valued array of the table's "
-                f"shape {table.shape}; got {describe(grad)}"
-            )
-        if grad.shape != table.shape:
-            raise ValueError(
-                f"pickled state: grad must have the table's shape {table.shape}; "
-                f"got shape {grad.shape}"
-            )
+        try:
+            check_grad(grad, table, step=True)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"pickled state: {exc}") from None
         grad = _kept(grad, work_dtype(table.dtype))  # the dtype a backward gives
 
     touched = state.get("touched")

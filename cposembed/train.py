@@ -1,18 +1,16 @@
 """``python -m cposembed train``: watch a position table learn order (docs/guide.md).
 
-At every token of a sequence of random tokens a tiny model predicts where in the
-sequence it is, against soft targets (a Gaussian of width ``sigma`` around the true
-position). The tokens say nothing about their position, so what the model learns
-about order goes into the position table, which goes from noise to smooth::
+At every token of random sequences a tiny model predicts the token's position, against
+Gaussian soft targets of width ``sigma``; as the tokens say nothing about position,
+what the model learns about order goes into the position table::
 
     x      = pe.add_to(E[tokens])           # token + position embeddings (B, T, d)
     logits = x @ W + b                      # linear head over positions (B, T, L)
     loss   = cross_entropy(logits, soft_targets)
 
-with the backward written out by hand. ``optimizer="sgd"``: ``pe.backward``,
-``pe.sgd_step`` and :func:`cposembed.scatter_add` for the token table;
-``optimizer="adam"``: :class:`cposembed.Adam`, fused into the backward of the token
-and position tables, and a step on every row of the head.
+The backward is written out by hand. SGD goes through ``pe.backward``, ``pe.sgd_step``
+and :func:`cposembed.scatter_add`; :class:`cposembed.Adam` is fused into the tables'
+backward and steps every row of the head.
 """
 
 from __future__ import annotations
@@ -264,8 +262,7 @@ def write_pictures(before: np.ndarray, after: np.ndarray, out: str | os.PathLike
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(os.fspath(out), name) for name in PICTURES]
     n_pos, d = after.shape
-    # One colour scale for both heatmaps (and for both similarity maps), so
-    # that before and after compare by eye.
+    # One colour scale for before and after, to compare by eye.
     lim = float(max(np.abs(before).max(), np.abs(after).max())) or 1.0
     plot.heatmap(
         before, paths[0], title=f"Before training: random ({n_pos} x {d})", vmin=-lim, vmax=lim
