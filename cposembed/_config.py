@@ -72,11 +72,9 @@ def _threads_summary() -> str:
 
 def config() -> dict[str, Any]:
     """The facts ``show_config()`` prints, as a dict."""
-    try:
-        from ._build_info import BUILD_INFO  # written by setup.py at build time
-    except ImportError:
-        BUILD_INFO = {}
-    build = dict(BUILD_INFO)
+    build: dict[str, Any] = {}
+    with contextlib.suppress(ImportError):
+        from ._build_info import BUILD_INFO as build  # written by setup.py at build time
     return {
         "cposembed": __version__,
         "python": sys.version.split()[0],

@@ -1,8 +1,5 @@
-"""The gradient of one table: the array, the rows it touched, the row it skips.
-
-Each layer keeps one :class:`GradientState` per table, and the optimizers read
-them: which gradient a backward adds into and which rows a step visits.
-"""
+"""The gradient of one table (a layer keeps one :class:`GradientState` per table):
+the array, the rows it touched, the row it skips; and the rule of a step."""
 
 from __future__ import annotations
 
@@ -58,15 +55,13 @@ class GradientState:
     def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, _marks.RowMarks]:
         """The gradient a backward adds into and the rows to mark; a fresh one is kept
         (:meth:`keep`) only once the call has succeeded."""
-        grad = self.grad
+        grad, n_rows = self.grad, table.shape[0]
         if grad is None:
-            return _blocks.zeros(table.shape, v.work_dtype(table.dtype)), _marks.RowMarks(
-                len(table)
-            )
+            return _blocks.zeros(table.shape, v.work_dtype(table.dtype)), _marks.RowMarks(n_rows)
         if grad is self.touched_grad and self.touched is not None:
             return grad, self.touched
         check_grad(grad, table)
-        touched = _marks.RowMarks(len(table))
+        touched = _marks.RowMarks(n_rows)
         touched.mark_all()
         return grad, touched
 
@@ -159,8 +154,7 @@ def fused_backward_of(optimizer: Any) -> Callable[..., None]:
 
 
 def check_grad(grad: Any, table: np.ndarray, step: bool = False) -> None:
-    """A gradient of the table's shape: any real ndarray for a step; a writable float
-    one (of any float dtype) for a backward to accumulate into."""
+    """A gradient of the table's shape: real for a step; float and writable for a backward."""
     kind = "real-valued" if step else v.FLOAT_NAMES
     if not isinstance(grad, np.ndarray) or not (
         v.is_real(grad.dtype) if step else v.is_float(v.native_dtype(grad.dtype))

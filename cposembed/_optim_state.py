@@ -110,8 +110,7 @@ class RowState:
 
 
 def check_saved(state: Any, optimizer: str, hyper_keys: tuple[str, ...]) -> None:
-    """The frame of a :meth:`~cposembed.optim.Optimizer.state_dict` of an
-    ``optimizer`` (its class name) with these hyper-parameter keys."""
+    """The frame of a ``state_dict()`` of ``optimizer`` (a class name) with these keys."""
     what = "optimizer state"
     keys = ("version", "optimizer", "hyperparameters", "step", "state")
     if not isinstance(state, dict) or set(state) != set(keys):

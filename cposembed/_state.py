@@ -14,7 +14,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Iterator
-from typing import IO, Any, NamedTuple, Union
+from typing import IO, Any, Literal, NamedTuple, Union
 
 import numpy as np
 
@@ -121,9 +121,8 @@ def from_pickle(state: Any, current_version: int) -> State:
     if not legacy:
         check_version(state["version"], current_version, "pickled state")
 
-    table = _table(
-        state["_embeddings"] if legacy else state["embeddings"], "pickled state: embeddings"
-    )
+    what = "pickled state: embeddings"
+    table = _table(state["_embeddings"] if legacy else state["embeddings"], what)
     n_rows = table.shape[0]
     pad = padding_index(state.get("padding_idx"), n_rows, "pickled state: padding_idx")
 
@@ -137,11 +136,8 @@ def from_pickle(state: Any, current_version: int) -> State:
 
     touched = state.get("touched")
     if touched is not None:
-        if (
-            not isinstance(touched, np.ndarray)
-            or touched.dtype != np.bool_
-            or touched.shape != (n_rows,)
-        ):
+        is_bool = isinstance(touched, np.ndarray) and touched.dtype == np.bool_
+        if not is_bool or touched.shape != (n_rows,):
             raise ValueError(
                 f"pickled state: touched must be None or a bool array of shape ({n_rows},) "
                 f"(one flag per table row); got {describe(touched)}"
@@ -159,8 +155,7 @@ class _Refused(Exception):
 def _read_member(
     archive: zipfile.ZipFile, key: str, kinds: str, ndim: int, what: str
 ) -> np.ndarray:
-    """Member ``key``, of a dtype kind in ``kinds`` and with ``ndim`` dimensions,
-    checked from its header first so that NumPy never allocates what a damaged one claims."""
+    """Member ``key`` (dtype kind in ``kinds``, ``ndim`` axes), its header checked first."""
     info = archive.getinfo(key + ".npy")
     with archive.open(info) as fp:
         version = np.lib.format.read_magic(fp)
@@ -201,9 +196,8 @@ def _bfloat16_member(
         (length,) = struct.unpack(size_format, fp.read(struct.calcsize(size_format)))
         header = ast.literal_eval(fp.read(length).decode("latin1"))
     descr = str(header.get("descr")) if isinstance(header, dict) else ""
-    return raw.view(
-        bfloat16().newbyteorder(">" if descr[:1] == ">" else "<" if descr[:1] == "<" else "=")
-    )
+    order: Literal["<", ">", "="] = ">" if descr[:1] == ">" else "<" if descr[:1] == "<" else "="
+    return raw.view(bfloat16().newbyteorder(order))
 
 
 def save_npz(
@@ -213,8 +207,7 @@ def save_npz(
     tables: dict[str, np.ndarray],
     padding_idx: int | None,
 ) -> None:
-    """Write a class's ``save()`` archive: ``kind``, ``version``, the ``tables``
-    (of one dtype, whose name is stored too) and ``padding_idx`` (-1 for None)."""
+    """Write a class's ``save()`` archive (the tables' dtype name too; -1: no padding row)."""
     arrays: dict[str, Any] = {
         "kind": np.array(kind),
         "format_version": np.array(version, dtype=np.int64),
@@ -232,9 +225,8 @@ def save_npz(
 def load_npz(
     path: PathOrFile, kind: str, current_version: int, keys: tuple[str, ...]
 ) -> tuple[list[np.ndarray], int | None, str]:
-    """The tables ``keys`` (in order, checked, of one dtype), ``padding_idx`` and the
-    file's name for messages, from what :func:`save_npz` wrote; any damage is a
-    ``ValueError`` naming the file."""
+    """The checked tables ``keys``, ``padding_idx`` and the file's name from what
+    :func:`save_npz` wrote; any damage is a ``ValueError`` naming the file."""
     f: IO[bytes]
     with contextlib.ExitStack() as stack:
         if isinstance(path, (str, bytes, os.PathLike)):
@@ -301,14 +293,12 @@ _TEMP_TRIES = 100
 
 
 def _target(name: str) -> str:
-    # A symbolic link is written through, as open() writes through it: the
-    # file it points to is replaced, the link stays.
+    # A symbolic link is written through, as open() does: the link stays.
     return os.path.realpath(name) if os.path.islink(name) else name
 
 
 def _create_beside(target: str) -> tuple[int, str]:
-    """A new empty file beside ``target`` (descriptor, name), of mode 0o666 less the
-    umask as ``open(target, "wb")`` makes (``tempfile.mkstemp`` gives 0o600)."""
+    """A new empty file beside ``target`` (descriptor, name), mode 0o666 less the umask."""
     folder, base = os.path.split(target)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(_TEMP_TRIES):
@@ -329,8 +319,7 @@ def _naming(exc: OSError, name: str) -> OSError:
     """``exc`` as the same kind of OSError, with the file the caller asked for."""
     if exc.errno is None:
         return OSError(f"cannot write {name!r}: {exc}")
-    # OSError(errno, strerror, filename) picks the subclass for the errno
-    # (PermissionError, ...) and prints as "[Errno 28] No space left on device: 'name'".
+    # OSError(errno, strerror, filename) picks the subclass (PermissionError, ...).
     return OSError(exc.errno, exc.strerror, name)
 
 

@@ -226,8 +226,7 @@ def _sgd_update(
     tokens: np.ndarray,
     lr: float,
 ) -> None:
-    """Plain SGD: the position table through its own backward and sgd_step, the token
-    table (gradient: scatter_add of ``dx``) and the head in place."""
+    """Plain SGD: ``pe`` through its backward and sgd_step, the token table and the head."""
     pe.zero_grad()
     pe.backward(dx)
     pe.sgd_step(lr)
@@ -277,40 +276,35 @@ def write_pictures(before: np.ndarray, after: np.ndarray, out: str | os.PathLike
 MAX_SEED = 2**32 - 1
 
 
-# The train subcommand's options, as argparse.add_argument takes them.
-_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("--steps", {"type": int, "default": 300, "help": "training steps (default 300)"}),
-    (
-        "--max-seq-len",
-        {"type": int, "default": 128, "help": "positions in the table (default 128)"},
-    ),
-    ("--embed-dim", {"type": int, "default": 64, "help": "dimensions per position (default 64)"}),
-    ("--seed", {"type": int, "default": 0, "help": f"random seed in [0, {MAX_SEED}] (default 0)"}),
-    (
-        "--optimizer",
-        {
-            "choices": OPTIMIZERS,
-            "default": "adam",
-            "help": "cposembed.Adam (fused into the backward) or plain SGD (default adam)",
-        },
-    ),
-    ("--lr", {"type": float, "help": "learning rate (default 0.01 for adam, 5.0 for sgd)"}),
-    ("--batch-size", {"type": int, "default": 16, "help": "sequences per step (default 16)"}),
-    ("--out", {"default": ".", "help": "folder for the pictures (default: the current folder)"}),
-    (
-        "--save",
-        {
-            "metavar": "PATH",
-            "help": "also save the trained table with LearnedPositionEmbedding.save",
-        },
-    ),
-    ("--no-progress", {"action": "store_true", "help": "no progress bar"}),
-)
-
-
 def add_arguments(parser: Any) -> None:
-    for flag, options in _OPTIONS:
-        parser.add_argument(flag, **options)
+    for flag, default, text in (
+        ("--steps", 300, "training steps"),
+        ("--max-seq-len", 128, "positions in the table"),
+        ("--embed-dim", 64, "dimensions per position"),
+        ("--seed", 0, f"random seed in [0, {MAX_SEED}]"),
+    ):
+        parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adam",
+        help="cposembed.Adam (fused into the backward) or plain SGD (default adam)",
+    )
+    parser.add_argument(
+        "--lr", type=float, help="learning rate (default 0.01 for adam, 5.0 for sgd)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="sequences per step (default 16)"
+    )
+    parser.add_argument(
+        "--out", default=".", help="folder for the pictures (default: the current folder)"
+    )
+    parser.add_argument(
+        "--save",
+        metavar="PATH",
+        help="also save the trained table with LearnedPositionEmbedding.save",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 _NAMES = {"sgd": "SGD", "adam": "Adam"}
@@ -393,8 +387,7 @@ def _bytes(n: int) -> str:
 
 
 def _option_problem(args: Any, lr: float, out: str | None) -> str | None:
-    """The first bad option, or None; the output paths (``out`` None: no pictures) are
-    checked too, as one that cannot be written would lose the trained table at the end."""
+    """The first bad option or output path (``out`` None: no pictures), before any work."""
     for name in _SIZES:
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be a positive integer"
