@@ -4,6 +4,7 @@ the array, the rows it touched, the row it skips; and the rule of a step."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,10 +32,9 @@ class GradientState:
 
     def set_padding(self, padding_idx: int | None, table: np.ndarray) -> None:
         """A new skip row (in ``[0, L)``, or None), its gradient row zeroed and unmarked."""
-        grad = self.grad
-        if padding_idx is not None and grad is not None:
-            check_grad(grad, table)  # before anything changes
-            grad[padding_idx] = 0
+        if padding_idx is not None and self.grad is not None:
+            check_grad(self.grad, table)  # before anything changes
+            self.grad[padding_idx] = 0
         self.skip_row = -1 if padding_idx is None else padding_idx
         if padding_idx is not None and self.touched is not None:
             self.touched.unmark(padding_idx)
@@ -122,19 +122,17 @@ class GradientState:
         return rows
 
 
+@dataclass(frozen=True, slots=True)
 class Trainable:
     """One table an optimizer updates (``holder.embeddings``, read at each use, so that a
     table assigned later is the one stepped) and its :class:`GradientState`."""
 
-    __slots__ = ("_holder", "gradient")
-
-    def __init__(self, holder: Any, gradient: GradientState) -> None:
-        self._holder = holder
-        self.gradient = gradient
+    holder: Any
+    gradient: GradientState
 
     @property
     def table(self) -> np.ndarray:
-        return self._holder.embeddings
+        return self.holder.embeddings
 
 
 class FusedOptimizer(Protocol):

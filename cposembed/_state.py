@@ -30,8 +30,7 @@ from ._validation import (
     work_dtype,
 )
 
-# The keys __getstate__ writes, and those of an instance pickled before
-# __getstate__ existed (its __dict__).
+# The keys __getstate__ writes; those of an instance pickled before it existed (its __dict__).
 _STATE_KEYS = frozenset({"version", "embeddings", "grad", "touched", "padding_idx"})
 _LEGACY_STATE_KEYS = frozenset({"_embeddings", "grad"})
 # What reading a damaged archive or member raises (zipfile, zlib, numpy.lib.format);
