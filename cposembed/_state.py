@@ -141,8 +141,7 @@ def from_pickle(state: Any, current_version: int) -> State:
                 f"pickled state: touched must be None or a bool array of shape ({n_rows},) "
                 f"(one flag per table row); got {describe(touched)}"
             )
-        # The mask describes the gradient: none without one, and every
-        # non-zero row marked, since sgd_step skips unmarked rows.
+        # No mask without a gradient; its non-zero rows marked, as sgd_step skips the others.
         touched = None if grad is None else touched | (grad != 0).any(axis=1)
     return State(table, grad, touched, pad)
 
