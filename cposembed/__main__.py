@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -12,11 +13,16 @@ from . import LearnedPositionEmbedding, _state, plot, show_config
 from .train import add_arguments as add_train_arguments
 from .train import run as run_train
 
+DEMO_HEATMAP = "position_embeddings_heatmap.png"
+
 
 def demo(args: argparse.Namespace) -> int:
     """The handbook's example (its In[4]/Out[5]), on the package's class."""
-    heatmap_path = _demo_heatmap_path(args.out)
-    if heatmap_path is not None:
+    heatmap_path = None  # none without matplotlib
+    if plot.has_matplotlib():
+        heatmap_path = DEMO_HEATMAP if args.out is None else args.out
+        with contextlib.suppress(OSError):  # no current folder: the check says so
+            heatmap_path = os.path.abspath(heatmap_path)
         problem = _state.output_problem(heatmap_path, "the heatmap")
         if problem:
             print(f"error: {problem}", file=sys.stderr)
@@ -45,31 +51,10 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_HEATMAP = "position_embeddings_heatmap.png"
-
-
-def _demo_heatmap_path(out: str | None = None) -> str | None:
-    """Where the demo writes its heatmap (``--out``, else DEMO_HEATMAP in the
-    current folder); None without matplotlib (an optional extra)."""
-    if not plot.has_matplotlib():
-        return None
-    path = DEMO_HEATMAP if out is None else out
-    try:
-        return os.path.abspath(path)
-    except OSError:  # the current folder was removed: the check says so
-        return path
-
-
-def info(args: argparse.Namespace) -> int:
-    show_config()
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        # argparse's REMAINDER does not capture options ("--quick") that come
-        # first, so the bench's own parser gets its arguments directly.
+        # The bench's own parser gets its arguments (argparse's REMAINDER misses "--quick").
         from .bench import main as bench_main
 
         return int(bench_main(argv[1:]) or 0)
@@ -85,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_demo.set_defaults(func=demo)
     p_info = sub.add_parser("info", help="show_config(): version, OpenMP, threads, flags")
-    p_info.set_defaults(func=info)
+    p_info.set_defaults(func=lambda args: show_config())
     # Listed for the help only: "bench" is dispatched above, before parsing.
     sub.add_parser(
         "bench",
@@ -104,41 +89,32 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # The subcommand's own usage, with its options, rather than the top level's.
-        own = {"demo": p_demo, "info": p_info, "train": p_train}.get(args.command, parser)
-        own.error(f"unrecognized arguments: {' '.join(unknown)}")
+        sub.choices.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
-        # argparse's convention for a missing argument: usage and error on
-        # stderr, exit status 2 (parser.error raises SystemExit(2)).
         parser.error("a subcommand is required: demo, info, bench or train")
     return int(args.func(args) or 0)
 
 
 def _prog() -> str:
-    """The command as it was run: ``python -m cposembed``, or the installed
-    ``cposembed`` script's name."""
+    """The command as it was run: ``python -m cposembed`` or the installed script's name."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    if name in ("", "-c", "__main__.py") or name.endswith(".py"):
+    if name in ("", "-c") or name.endswith(".py"):
         return "python -m cposembed"
     return name
 
 
 def _run_script() -> int:
-    """``main()`` for ``python -m cposembed``, ending quietly when the reader of
-    its output goes away (``python -m cposembed info | head -1``)."""
+    """``main()``, ending quietly when the reader of its output goes away (``| head -1``)."""
     try:
         status = main()
         sys.stdout.flush()  # the last output, here rather than at exit
     except BrokenPipeError:
-        # The Python docs' recipe (signal module, "Note on SIGPIPE"): point
-        # stdout at devnull, so the interpreter's flush at exit does not raise
-        # again, and exit 1. The same for stderr, where the progress goes and
-        # which may be the same pipe.
+        # The signal module's "Note on SIGPIPE": stdout and stderr (the progress)
+        # to devnull, so that the flush at exit does not raise again; exit 1.
         devnull = os.open(os.devnull, os.O_WRONLY)
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):  # not a real file: nothing to flush
                 os.dup2(devnull, stream.fileno())
-            except (OSError, ValueError):
-                pass  # not a real file (replaced by the caller): nothing to flush
         return 1
     return status
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
@@ -18,36 +19,23 @@ def openmp_enabled() -> bool:
     return bool(_core.openmp_enabled())
 
 
-def _build_info() -> dict[str, Any]:
-    try:
-        from ._build_info import BUILD_INFO  # written by setup.py at build time
-    except ImportError:
-        return {}
-    return dict(BUILD_INFO)
-
-
 def _openmp_runtime() -> str:
     """Path of the OpenMP runtime library loaded for the extension."""
     if not openmp_enabled():
         return "none (serial build)"
-    try:
+    with contextlib.suppress(ImportError):
         from threadpoolctl import threadpool_info
-    except ImportError:
-        pass
-    else:
+
         libs = [i for i in threadpool_info() if i.get("user_api") == "openmp"]
         if libs:
             return ", ".join(
                 " ".join(filter(None, (i.get("prefix"), i.get("version"), f"({i['filepath']})")))
                 for i in libs
             )
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                if any(n in line for n in ("libgomp", "libomp", "libiomp")):
-                    return line.split()[-1]
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            if any(n in line for n in ("libgomp", "libomp", "libiomp")):
+                return line.split()[-1]
     return "unknown"
 
 
@@ -84,7 +72,9 @@ def _threads_summary() -> str:
 
 def config() -> dict[str, Any]:
     """The facts ``show_config()`` prints, as a dict."""
-    build = _build_info()
+    build: dict[str, Any] = {}
+    with contextlib.suppress(ImportError):
+        from ._build_info import BUILD_INFO as build  # written by setup.py at build time
     return {
         "cposembed": __version__,
         "python": sys.version.split()[0],

@@ -1,6 +1,5 @@
-"""The optimizers' parts that are not the step: per-row state, the checks of
-hyper-parameters and saved states (worded as ``torch.optim`` words them), and
-the distinct rows of a fused backward's call."""
+"""The optimizers' per-row state, the checks of hyper-parameters and saved states
+(worded as ``torch.optim`` words them), and the distinct rows of a fused backward."""
 
 from __future__ import annotations
 
@@ -19,9 +18,6 @@ STATE_VERSION = 1
 def state_dtype(table_dtype: np.dtype) -> np.dtype:
     """The dtype of an optimizer's state (and of its arithmetic) for a table dtype.
 
-    float64 tables keep float64 state; every other table dtype (float32,
-    float16, bfloat16) keeps float32, the dtype of its gradient.
-
     Parameters
     ----------
     table_dtype : numpy.dtype
@@ -30,7 +26,7 @@ def state_dtype(table_dtype: np.dtype) -> np.dtype:
     Returns
     -------
     numpy.dtype
-        ``float64`` for a float64 table, else ``float32``.
+        ``float64`` for a float64 table, else ``float32`` (the dtype of its gradient).
     """
     return v.work_dtype(table_dtype)
 
@@ -63,11 +59,9 @@ def check_betas(pair: Any) -> tuple[float, float]:
 
 # -- per-row state -----------------------------------------------------------------
 class RowState:
-    """The state of one table: a zeroed ``(L, d)`` array per buffer (``buffers``;
-    fresh memory that faults in as it fills, ``_blocks.zeros(growing=True)``) and
-    where each row's state is in them (``slots``, a :class:`~cposembed._marks.RowSlots`:
-    rows get the buffers' rows 0, 1, 2, ... in the order they are first stepped,
-    so new rows' state costs pages in sequence, not a page per row)."""
+    """The state of one table: a zeroed ``(L, d)`` array per buffer (``buffers``) and
+    each row's place in them (``slots``, :class:`~cposembed._marks.RowSlots`: rows
+    take the buffers' rows 0, 1, 2, ... in the order they are first stepped)."""
 
     def __init__(self, names: tuple[str, ...], shape: tuple[int, int], dtype: np.dtype) -> None:
         self.names = names
@@ -80,58 +74,43 @@ class RowState:
         """Copies of the state in row order: ``rows`` and one ``(n, d)`` array per buffer."""
         rows = self.slots.rows()
         order = np.argsort(rows, kind="stable")
-        out = {"rows": rows[order]}
-        for name, buf in self.buffers.items():
-            out[name] = buf[order]
-        return out
+        return {"rows": rows[order], **{name: buf[order] for name, buf in self.buffers.items()}}
 
     @classmethod
     def restore(cls, names: tuple[str, ...], table: np.ndarray, data: Any, what: str) -> RowState:
         """The state of ``table`` from a state dict's ``data``, checked whole first."""
-        dtype = state_dtype(table.dtype)
-        checked = _checked_rows(data, names, table.shape, dtype, what)
-        state = cls(names, table.shape, dtype)
-        rows = checked["rows"]
+        dt = state_dtype(table.dtype)
+        keys = {"rows", *names}
+        if not isinstance(data, dict) or set(data) != keys:
+            raise ValueError(
+                f"{what} must be a dict with the keys {sorted(keys)}; got {v.describe(data)}"
+            )
+        rows = data["rows"]
+        if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
+            raise ValueError(f"{what}['rows'] must be a 1-D integer array; got {v.describe(rows)}")
+        rows = rows.astype(np.int64)
+        n_rows, d = table.shape
+        if rows.size and (rows[0] < 0 or rows[-1] >= n_rows or not np.all(rows[1:] > rows[:-1])):
+            raise ValueError(
+                f"{what}['rows'] must be sorted, distinct rows in [0, {n_rows}) of the table"
+            )
+        for name in names:
+            buf = data[name]
+            if not isinstance(buf, np.ndarray) or buf.dtype != dt or buf.shape != (rows.size, d):
+                raise ValueError(
+                    f"{what}[{name!r}] must be a {dt} array of shape "
+                    f"({rows.size}, {d}); got {v.describe(buf)}"
+                )
+        state = cls(names, table.shape, dt)
         if names:
             for name in names:
-                state.buffers[name][: rows.size] = checked[name]
+                state.buffers[name][: rows.size] = data[name]
             state.slots = _marks.RowSlots(table.shape[0], rows)
         return state
 
 
-def _checked_rows(
-    data: Any, names: tuple[str, ...], shape: tuple[int, int], dt: np.dtype, what: str
-) -> dict[str, np.ndarray]:
-    """The per-row state of one table from a state dict, checked and copied."""
-    keys = {"rows", *names}
-    if not isinstance(data, dict) or set(data) != keys:
-        raise ValueError(
-            f"{what} must be a dict with the keys {sorted(keys)}; got {v.describe(data)}"
-        )
-    rows = data["rows"]
-    if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
-        raise ValueError(f"{what}['rows'] must be a 1-D integer array; got {v.describe(rows)}")
-    rows = rows.astype(np.int64)
-    n_rows, d = shape
-    if rows.size and (rows[0] < 0 or rows[-1] >= n_rows or not bool(np.all(rows[1:] > rows[:-1]))):
-        raise ValueError(
-            f"{what}['rows'] must be sorted, distinct rows in [0, {n_rows}) of the table"
-        )
-    out = {"rows": rows}
-    for name in names:
-        buf = data[name]
-        if not isinstance(buf, np.ndarray) or buf.dtype != dt or buf.shape != (rows.size, d):
-            raise ValueError(
-                f"{what}[{name!r}] must be a {dt} array of shape "
-                f"({rows.size}, {d}); got {v.describe(buf)}"
-            )
-        out[name] = np.array(buf, dtype=dt, order="C", copy=True)
-    return out
-
-
 def check_saved(state: Any, optimizer: str, hyper_keys: tuple[str, ...]) -> None:
-    """The frame of a :meth:`~cposembed.optim.Optimizer.state_dict` of an
-    ``optimizer`` (its class name) with these hyper-parameter keys."""
+    """The frame of a ``state_dict()`` of ``optimizer`` (a class name) with these keys."""
     what = "optimizer state"
     keys = ("version", "optimizer", "hyperparameters", "step", "state")
     if not isinstance(state, dict) or set(state) != set(keys):
@@ -160,10 +139,8 @@ def check_saved(state: Any, optimizer: str, hyper_keys: tuple[str, ...]) -> None
 def call_rows(
     pos: np.ndarray | None, off: int, lead: tuple[int, ...], n_rows: int
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """The distinct rows a backward of rows shaped ``lead`` adds into, and the
-    positions into a compact scratch of them (None: ``arange(T)`` over the last
-    axis, for ``positions=None``, whose rows ``off .. off + T - 1`` are distinct).
-    ``pos`` holds rows in ``[0, n_rows)``, as ``_routes.row_positions`` gives them."""
+    """The distinct rows a backward of rows shaped ``lead`` adds into, and the positions
+    into a compact scratch of them (None for ``pos=None``: rows ``off .. off + T - 1``)."""
     if int(np.prod(lead)) == 0:
         return np.empty(0, dtype=np.int64), np.zeros(lead, dtype=np.int64)
     if pos is None:

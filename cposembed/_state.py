@@ -1,19 +1,6 @@
-"""Checks for what pickle and ``load()`` hand back, before it becomes an instance;
-and the one way the package writes a file (``save()``, the command line's files).
-
-A pickled state and a saved ``.npz`` file are bytes from outside: the
-kernels trust the table, the gradient and the touched-rows mask they are
-given (``sgd_step`` writes the rows the mask names), so everything read here
-is checked (type, dtype, shape, range) and converted to the layout the class
-keeps: native byte order, C-contiguous, aligned, writable. Every refusal is a
-``ValueError`` that names the field (or the file) and says what was expected
-and what came.
-
-Files are written through :func:`atomic_write`: into a temporary file beside
-the target that replaces it only once it is complete, so a write that fails
-part way (a full disk, a quota, an interrupt) leaves the previous file as it
-was. :func:`output_problem` checks a path before long work that ends in a write.
-"""
+"""Checks of pickled states and saved files (whole, as the kernels trust their arrays;
+a refusal is a ``ValueError`` naming the field or the file), and :func:`atomic_write`,
+the one way the package writes a file."""
 
 from __future__ import annotations
 
@@ -32,24 +19,22 @@ from typing import IO, Any, Literal, NamedTuple, Union
 import numpy as np
 
 from . import _core
+from ._grad import check_grad
 from ._validation import (
     FLOAT_NAMES,
     bfloat16,
     describe,
     is_float,
-    is_real,
     native_dtype,
     padding_index,
     work_dtype,
 )
 
-# The keys __getstate__ writes, and those of an instance pickled before
-# __getstate__ existed (its __dict__).
+# The keys __getstate__ writes; those of an instance pickled before it existed (its __dict__).
 _STATE_KEYS = frozenset({"version", "embeddings", "grad", "touched", "padding_idx"})
 _LEGACY_STATE_KEYS = frozenset({"_embeddings", "grad"})
-# What reading a damaged zip archive or .npy member raises (zipfile, zlib,
-# numpy.lib.format): RuntimeError for a member flagged as encrypted,
-# MemoryError for a header that claims an absurd size.
+# What reading a damaged archive or member raises (zipfile, zlib, numpy.lib.format);
+# RuntimeError: a member flagged as encrypted; MemoryError: a header's absurd size.
 _CORRUPT = (
     ValueError,
     RuntimeError,
@@ -59,7 +44,6 @@ _CORRUPT = (
     zipfile.BadZipFile,
     zlib.error,
     struct.error,
-    NotImplementedError,
     OverflowError,
     TypeError,
     MemoryError,
@@ -80,41 +64,43 @@ class State(NamedTuple):
     padding_idx: int | None  # normalised to [0, L)
 
 
-def _table(value: Any, what: str) -> np.ndarray:
-    """An ``(L, d)`` table of a table dtype, native and C-contiguous (a copy if
-    needed)."""
+def _table(value: Any, what: str, error: type[Exception] = ValueError) -> np.ndarray:
+    """An ``(L, d)`` table of a table dtype, native and C-contiguous (a copy if needed)."""
     if (
         not isinstance(value, np.ndarray)
         or value.ndim != 2
         or min(value.shape) < 1
         or not is_float(native_dtype(value.dtype))
     ):
-        raise ValueError(
+        raise error(
             f"{what} must be a 2-D {FLOAT_NAMES} array with both sizes >= 1; got {describe(value)}"
         )
-    dtype = native_dtype(value.dtype)
-    if _core.is_canonical(value, dtype, writable=True):
-        return value
-    return np.array(value, dtype=dtype, order="C", copy=True, subok=False)
+    return _kept(value, native_dtype(value.dtype))
 
 
-def check_version(version: Any, current_version: int, what: str) -> None:
-    """``ValueError`` unless ``version`` is an integer from 1 to ``current_version``."""
+def _kept(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``arr`` if it has the layout the class keeps, else such a copy."""
+    if _core.is_canonical(arr, dtype, writable=True):
+        return arr
+    return np.array(arr, dtype=dtype, order="C", copy=True, subok=False)
+
+
+def check_version(
+    version: Any, current_version: int, what: str, error: type[Exception] = ValueError
+) -> None:
+    """``error`` unless ``version`` is an integer from 1 to ``current_version``."""
     if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
-        raise ValueError(f"{what}: version must be an integer; got {describe(version)}")
+        raise error(f"{what}: version must be an integer; got {describe(version)}")
     if not 1 <= version <= current_version:
-        raise ValueError(
+        raise error(
             f"{what} version {int(version)}; this cposembed reads versions 1 to "
             f"{current_version} (a newer one needs a newer cposembed)"
         )
 
 
 def from_pickle(state: Any, current_version: int) -> State:
-    """Check a state from ``__getstate__`` (or a legacy ``__dict__``); ``ValueError`` if bad.
-
-    The arrays of the result share no memory with the state unless they
-    already had the layout the class keeps (as freshly unpickled arrays do).
-    """
+    """A state from ``__getstate__`` (or a legacy ``__dict__``), checked; arrays not
+    in the layout the class keeps are copied."""
     if not isinstance(state, dict):
         raise ValueError(
             f"pickled state must be a dict; got {type(state).__name__} "
@@ -122,8 +108,7 @@ def from_pickle(state: Any, current_version: int) -> State:
         )
     keys = set(state)
     legacy = "_embeddings" in keys
-    expected = _LEGACY_STATE_KEYS if legacy else _STATE_KEYS
-    unknown = keys - expected
+    unknown = keys - (_LEGACY_STATE_KEYS if legacy else _STATE_KEYS)
     if unknown:
         raise ValueError(
             f"pickled state has unknown keys {sorted(map(str, unknown))}; expected "
@@ -142,42 +127,22 @@ def from_pickle(state: Any, current_version: int) -> State:
 
     grad = state.get("grad")
     if grad is not None:
-        if not isinstance(grad, np.ndarray) or not is_real(grad.dtype):
-            raise ValueError(
-                f"pickled state: grad must be None or a real-valued array of the table's "
-                f"shape {table.shape}; got {describe(grad)}"
-            )
-        if grad.shape != table.shape:
-            raise ValueError(
-                f"pickled state: grad must have the table's shape {table.shape}; "
-                f"got shape {grad.shape}"
-            )
-        # A gradient in another layout becomes one in the dtype a backward
-        # gives (float32 for a float16 or bfloat16 table).
-        grad_dtype = work_dtype(table.dtype)
-        if not _core.is_canonical(grad, grad_dtype, writable=True):
-            grad = np.array(grad, dtype=grad_dtype, order="C", copy=True, subok=False)
+        try:
+            check_grad(grad, table, step=True)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"pickled state: {exc}") from None
+        grad = _kept(grad, work_dtype(table.dtype))  # the dtype a backward gives
 
     touched = state.get("touched")
     if touched is not None:
-        if (
-            not isinstance(touched, np.ndarray)
-            or touched.dtype != np.bool_
-            or touched.shape != (n_rows,)
-        ):
+        is_bool = isinstance(touched, np.ndarray) and touched.dtype == np.bool_
+        if not is_bool or touched.shape != (n_rows,):
             raise ValueError(
                 f"pickled state: touched must be None or a bool array of shape ({n_rows},) "
                 f"(one flag per table row); got {describe(touched)}"
             )
-        # A mask says which rows of *this* gradient are non-zero: without a
-        # gradient there is nothing it could describe, and a row it leaves out
-        # that holds gradient would be skipped by sgd_step, so such rows are
-        # marked too.
-        if grad is None:
-            touched = None
-        else:
-            touched = np.array(touched, dtype=bool, copy=True)
-            touched |= (grad != 0).any(axis=1)
+        # No mask without a gradient; its non-zero rows marked, as sgd_step skips the others.
+        touched = None if grad is None else touched | (grad != 0).any(axis=1)
     return State(table, grad, touched, pad)
 
 
@@ -188,11 +153,7 @@ class _Refused(Exception):
 def _read_member(
     archive: zipfile.ZipFile, key: str, kinds: str, ndim: int, what: str
 ) -> np.ndarray:
-    """Member ``key``, of a dtype kind in ``kinds`` and with ``ndim`` dimensions.
-
-    Checked from its header before NumPy reads it, so a damaged header cannot
-    make NumPy allocate what it claims.
-    """
+    """Member ``key`` (dtype kind in ``kinds``, ``ndim`` axes), its header checked first."""
     info = archive.getinfo(key + ".npy")
     with archive.open(info) as fp:
         version = np.lib.format.read_magic(fp)
@@ -216,35 +177,24 @@ def _read_member(
     return arr
 
 
-def _void_byte_order(archive: zipfile.ZipFile, key: str) -> Literal["<", ">", "="]:
-    """The byte order of a void member as its header wrote it (``"<"``, ``">"``, or
-    ``"="`` for ``"|"``): NumPy reads ``'>V2'`` (a big-endian bfloat16) back as
-    ``'|V2'``."""
-    with archive.open(key + ".npy") as fp:
-        major, _ = np.lib.format.read_magic(fp)
-        size_format = "<H" if major == 1 else "<I"
-        (length,) = struct.unpack(size_format, fp.read(struct.calcsize(size_format)))
-        header = ast.literal_eval(fp.read(length).decode("latin1"))
-    descr = header.get("descr") if isinstance(header, dict) else None
-    if isinstance(descr, str) and descr.startswith("<"):
-        return "<"
-    if isinstance(descr, str) and descr.startswith(">"):
-        return ">"
-    return "="
-
-
 def _bfloat16_member(
-    raw: np.ndarray, dtype_name: str | None, key: str, order: Literal["<", ">", "="]
+    archive: zipfile.ZipFile, raw: np.ndarray, dtype_name: str | None, key: str
 ) -> np.ndarray:
-    """A void table member as read: NumPy writes bfloat16 as 2-byte void (``|V2``,
-    or ``>V2`` from a big-endian array), which is bfloat16 in that byte order again
-    (a view) when the ``dtype`` member says so."""
+    """A 2-byte void member as bfloat16 where the ``dtype`` member says so, in the byte
+    order of the member's header (NumPy reads ``'>V2'`` back as ``'|V2'``)."""
     if dtype_name != "bfloat16" or raw.dtype.itemsize != 2 or raw.dtype.fields is not None:
         raise _Refused(
             f"member {key!r} must be a 2-D {FLOAT_NAMES} array; got shape {raw.shape} "
             f"and dtype {raw.dtype} (2-byte void is bfloat16 only where the member "
             f"'dtype' says 'bfloat16'; it says {dtype_name!r})"
         )
+    with archive.open(key + ".npy") as fp:
+        major, _ = np.lib.format.read_magic(fp)
+        size_format = "<H" if major == 1 else "<I"
+        (length,) = struct.unpack(size_format, fp.read(struct.calcsize(size_format)))
+        header = ast.literal_eval(fp.read(length).decode("latin1"))
+    descr = str(header.get("descr")) if isinstance(header, dict) else ""
+    order: Literal["<", ">", "="] = ">" if descr[:1] == ">" else "<" if descr[:1] == "<" else "="
     return raw.view(bfloat16().newbyteorder(order))
 
 
@@ -255,12 +205,7 @@ def save_npz(
     tables: dict[str, np.ndarray],
     padding_idx: int | None,
 ) -> None:
-    """Write a class's ``save()`` archive: ``kind``, ``version``, the ``tables``
-    (of one dtype, whose name is stored too) and ``padding_idx`` (-1 for None).
-
-    A file name is written exactly (no ``.npz`` appended) through
-    :func:`atomic_write`; an open binary file is written as it is.
-    """
+    """Write a class's ``save()`` archive (the tables' dtype name too; -1: no padding row)."""
     arrays: dict[str, Any] = {
         "kind": np.array(kind),
         "format_version": np.array(version, dtype=np.int64),
@@ -268,26 +213,18 @@ def save_npz(
         "dtype": np.array(next(iter(tables.values())).dtype.name),
         "padding_idx": np.array(-1 if padding_idx is None else padding_idx, dtype=np.int64),
     }
-    if not isinstance(path, (str, bytes, os.PathLike)):
+    if isinstance(path, (str, bytes, os.PathLike)):
+        with atomic_write(path) as f:  # given a file object, np.savez adds no ".npz"
+            np.savez(f, **arrays)
+    else:
         np.savez(path, **arrays)
-        return
-    # np.savez appends ".npz" to a file name without it; a file object makes
-    # it write exactly the name given.
-    with atomic_write(path) as f:
-        np.savez(f, **arrays)
 
 
 def load_npz(
     path: PathOrFile, kind: str, current_version: int, keys: tuple[str, ...]
 ) -> tuple[list[np.ndarray], int | None, str]:
-    """The tables ``keys`` (in that order) and ``padding_idx`` of what :func:`save_npz`
-    wrote, from a file name or an open binary file, and the file's name for messages.
-
-    Returns the tables native and C-contiguous, all of one dtype (the ``dtype``
-    member's, when present); ``padding_idx`` is a row of the first table. A
-    missing file raises ``FileNotFoundError``; any damage ``ValueError``
-    naming the file.
-    """
+    """The checked tables ``keys``, ``padding_idx`` and the file's name from what
+    :func:`save_npz` wrote; any damage is a ``ValueError`` naming the file."""
     f: IO[bytes]
     with contextlib.ExitStack() as stack:
         if isinstance(path, (str, bytes, os.PathLike)):
@@ -320,30 +257,23 @@ def _from_archive(
     if str(found_kind) != kind:
         raise _Refused(f"kind is {str(found_kind)!r}, expected {kind!r}")
     version = int(_read_member(archive, "format_version", "iu", 0, "a 0-d integer array"))
-    try:
-        check_version(version, current_version, "format")
-    except ValueError as exc:
-        raise _Refused(str(exc)) from None
+    check_version(version, current_version, "format", _Refused)
     dtype_name = None
     if "dtype.npy" in names:
         dtype_name = str(_read_member(archive, "dtype", "U", 0, "a 0-d string array"))
     tables = []
     for key in keys:
         raw = _read_member(archive, key, "fV", 2, f"a 2-D {FLOAT_NAMES} array")
-        try:
-            if raw.dtype.kind == "V":
-                raw = _bfloat16_member(raw, dtype_name, key, _void_byte_order(archive, key))
-            tables.append(_table(raw, f"member {key!r}"))
-        except ValueError as exc:
-            raise _Refused(str(exc)) from None
+        if raw.dtype.kind == "V":
+            raw = _bfloat16_member(archive, raw, dtype_name, key)
+        tables.append(_table(raw, f"member {key!r}", _Refused))
     dtypes = {t.dtype.name for t in tables}
     if len(dtypes) != 1:
         raise _Refused(f"the tables {list(keys)} differ in dtype: {sorted(dtypes)}")
-    if dtype_name is not None:
-        if dtype_name != tables[0].dtype.name:
-            raise _Refused(
-                f"member 'dtype' says {dtype_name!r} but the table is {tables[0].dtype.name}"
-            )
+    if dtype_name is not None and dtype_name != tables[0].dtype.name:
+        raise _Refused(
+            f"member 'dtype' says {dtype_name!r} but the table is {tables[0].dtype.name}"
+        )
     # save() writes -1 for "no padding row", else the row normalised to [0, L).
     stored = int(_read_member(archive, "padding_idx", "iu", 0, "a 0-d integer array"))
     n_rows = tables[0].shape[0]
@@ -360,22 +290,13 @@ def _from_archive(
 _TEMP_TRIES = 100
 
 
-def _file_name(path: PathLike) -> str:
-    return os.fsdecode(os.fspath(path))
-
-
 def _target(name: str) -> str:
-    # A symbolic link is written through, as open() writes through it: the
-    # file it points to is replaced, the link stays.
+    # A symbolic link is written through, as open() does: the link stays.
     return os.path.realpath(name) if os.path.islink(name) else name
 
 
 def _create_beside(target: str) -> tuple[int, str]:
-    """A new empty file in ``target``'s folder, open for writing: (descriptor, name).
-
-    Created with mode 0o666 less the umask, as ``open(target, "wb")`` creates
-    a new file (``tempfile.mkstemp`` would give 0o600).
-    """
+    """A new empty file beside ``target`` (descriptor, name), mode 0o666 less the umask."""
     folder, base = os.path.split(target)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(_TEMP_TRIES):
@@ -396,26 +317,16 @@ def _naming(exc: OSError, name: str) -> OSError:
     """``exc`` as the same kind of OSError, with the file the caller asked for."""
     if exc.errno is None:
         return OSError(f"cannot write {name!r}: {exc}")
-    # OSError(errno, strerror, filename) picks the subclass for the errno
-    # (PermissionError, ...) and prints as "[Errno 28] No space left on device: 'name'".
+    # OSError(errno, strerror, filename) picks the subclass (PermissionError, ...).
     return OSError(exc.errno, exc.strerror, name)
 
 
 @contextlib.contextmanager
 def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
-    """A binary file whose contents become ``path`` when the block completes.
-
-    The block writes into a temporary file in ``path``'s folder, which then
-    replaces ``path`` (``os.replace``, atomic on POSIX and Windows) after its
-    bytes reached the disk. On any error, in the block or in the write, the
-    temporary file is removed and ``path`` is left as it was; an ``OSError``
-    is raised again naming ``path``, of the same kind (``PermissionError``,
-    ...). An existing file keeps its permission bits, a new one gets 0o666
-    less the umask, as with ``open(path, "wb")``. A path that is not a
-    regular file (``/dev/null``, a pipe) is written in place, as ``open``
-    would, since it cannot be replaced.
-    """
-    name = _file_name(path)
+    """A binary file whose contents replace ``path`` once the block completes; on an
+    error ``path`` is left as it was (an ``OSError`` names it). The permission bits
+    are those ``open(path, "wb")`` gives; ``/dev/null`` or a pipe is written in place."""
+    name = os.fsdecode(path)
     target = _target(name)
     try:
         st: os.stat_result | None = os.stat(target)
@@ -438,14 +349,9 @@ def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
     except OSError as exc:
         raise _naming(exc, name) from exc
     try:
-        try:
+        with os.fdopen(fd, "wb") as f:
             if st is not None:
                 os.chmod(temp, stat.S_IMODE(st.st_mode) & 0o777)
-            f = os.fdopen(fd, "wb")
-        except BaseException:
-            os.close(fd)
-            raise
-        with f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -458,59 +364,35 @@ def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
         raise
 
 
-def output_problem(path: PathLike, what: str) -> str | None:
-    """Why a file cannot be written at ``path``, or None if it can.
-
-    A check before long work: ``path`` must not be a directory, and a new
-    file must be creatable in its folder (tried, then removed). ``what``
-    names the path in the message (``"--save"``).
-    """
-    name = _file_name(path)
+def output_problem(path: PathLike, what: str, folder: bool = False) -> str | None:
+    """Why a file cannot be written at ``path`` (``what``, as ``"--save"``), or into the
+    ``folder`` ``path`` (created if missing), or None; a file is created and removed to tell."""
+    name = os.fsdecode(path)
     if not name:
-        return f"{what}: expected a file name; got an empty path"
-    target = _target(name)
-    if os.path.isdir(target):
+        return f"{what}: expected a {'folder' if folder else 'file name'}; got an empty path"
+    target = name if folder else _target(name)
+    if not folder and os.path.isdir(target):
         return f"{what} {name!r} is a directory; expected a file name"
-    if os.path.exists(target) and not os.path.isfile(target):
+    if not folder and os.path.exists(target) and not os.path.isfile(target):
         return None  # a device or a pipe: written in place
     try:
-        folder = os.path.dirname(os.path.abspath(target))
+        parent = os.path.abspath(target)
     except OSError as exc:  # no current folder (it was removed)
         return f"{what} {name!r}: {exc.strerror or exc}"
-    if not os.path.isdir(folder):
-        if os.path.exists(folder):  # a file where the path needs a folder
-            return f"{what} {name!r}: {folder!r} is a file, not a folder"
-        return f"{what} {name!r}: the folder {folder!r} does not exist"
-    return _creation_problem(target, folder, f"{what} {name!r}")
-
-
-def folder_problem(path: PathLike, what: str) -> str | None:
-    """Why files cannot be written into the folder ``path``, or None if they can.
-
-    A missing folder is fine if it can be created: its nearest existing
-    parent must be a folder in which a file can be created.
-    """
-    name = _file_name(path)
-    if not name:
-        return f"{what}: expected a folder; got an empty path"
-    try:
-        existing = os.path.abspath(name)
-    except OSError as exc:  # no current folder (it was removed)
-        return f"{what} {name!r}: {exc.strerror or exc}"
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{what} {name!r}: {existing!r} is a file, not a folder"
-    return _creation_problem(os.path.join(existing, "check"), existing, f"{what} {name!r}")
-
-
-def _creation_problem(target: str, folder: str, what: str) -> str | None:
-    """Why no file can be created beside ``target`` (in ``folder``), or None:
-    one is created and removed."""
+    if folder:  # its nearest existing folder
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        target = os.path.join(parent, "check")
+    else:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        if os.path.exists(parent):  # a file where the path needs a folder
+            return f"{what} {name!r}: {parent!r} is a file, not a folder"
+        return f"{what} {name!r}: the folder {parent!r} does not exist"
     try:
         fd, temp = _create_beside(target)
     except OSError as exc:
-        return f"{what}: cannot create a file in {folder!r} ({exc.strerror or exc})"
+        return f"{what} {name!r}: cannot create a file in {parent!r} ({exc.strerror or exc})"
     os.close(fd)
     _remove(temp)
     return None

@@ -1,29 +1,16 @@
-"""``python -m cposembed train``: watch a position table learn order.
+"""``python -m cposembed train``: watch a position table learn order (docs/guide.md).
 
-The task: every sequence is random tokens, and at every token a tiny model
-predicts *where in the sequence it is*, as a distribution over positions.
-The targets are soft (a Gaussian of width ``sigma`` around the true position),
-so a near miss costs less than a far one, as it would for any task in which
-neighbouring positions play similar roles. The tokens carry no information
-about their position, so everything the model learns about order has to go
-into the position table, and it does: the table starts as the handbook's
-noise (adjacent positions unrelated, cosine similarity about 0) and ends up
-smooth (neighbours alike, a bright band along the diagonal of the similarity
-map).
-
-The model is NumPy around the package's own operations::
+At every token of random sequences a tiny model predicts the token's position, against
+Gaussian soft targets of width ``sigma``; as the tokens say nothing about position,
+what the model learns about order goes into the position table::
 
     x      = pe.add_to(E[tokens])           # token + position embeddings (B, T, d)
     logits = x @ W + b                      # linear head over positions (B, T, L)
     loss   = cross_entropy(logits, soft_targets)
 
-with the backward pass written out by hand. With ``optimizer="sgd"`` the
-position table's gradient goes through ``pe.backward``, its update through
-``pe.sgd_step`` and ``pe.zero_grad``, the token table's gradient through
-:func:`cposembed.scatter_add`: plain SGD with one learning rate. With
-``optimizer="adam"`` both tables are updated by :class:`cposembed.Adam` in a
-fused ``backward(..., optimizer=...)`` (only the rows of the batch move),
-and the head by the same rule on its dense arrays.
+The backward is written out by hand. SGD goes through ``pe.backward``, ``pe.sgd_step``
+and :func:`cposembed.scatter_add`; :class:`cposembed.Adam` is fused into the tables'
+backward and steps every row of the head.
 """
 
 from __future__ import annotations
@@ -32,7 +19,6 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -79,64 +65,52 @@ def soft_targets(n_positions: int, sigma: float) -> np.ndarray:
     return w / w.sum(axis=1, keepdims=True)
 
 
-@contextlib.contextmanager
-def _one_blas_thread() -> Iterator[None]:
-    # The matrices here are tiny; BLAS threads only fight the kernels' threads
-    # for the same cores.
+def _one_blas_thread() -> contextlib.AbstractContextManager[Any]:
+    """BLAS on one thread: the matrices are tiny, and its threads would fight the kernels'."""
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 class _Progress:
-    """A progress bar on stderr: tqdm if it is installed and stderr is a terminal,
-    else plain text (a line every 10 % when it is not a terminal)."""
+    """A progress bar on ``stream`` (stderr): on a terminal, tqdm if installed, else
+    text redrawn in place; elsewhere a line every 10 %."""
 
     def __init__(self, total: int, stream: IO[str] | None, enabled: bool) -> None:
         self.total = total
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         self._tqdm = None
-        # On a terminal the bar redraws in place; in a log, a line every 10%.
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._every = max(1, total // (50 if self._tty else 10))
         self._start = time.perf_counter()
-        if enabled and self._tty:  # tqdm redraws with carriage returns: a terminal only
-            try:
+        if enabled and self._tty:
+            with contextlib.suppress(ImportError):
                 from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
+
                 self._tqdm = tqdm(total=total, file=self.stream, desc="training", leave=True)
 
     def update(self, step: int, loss: float) -> None:
-        if not self.enabled:
-            return
         if self._tqdm is not None:
             self._tqdm.update(1)
-            if step % self._every == 0 or step == self.total:
-                self._tqdm.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if not self.enabled or (step % self._every and step != self.total):
             return
-        if step % self._every and step != self.total:
+        if self._tqdm is not None:
+            self._tqdm.set_postfix(loss=f"{loss:.3f}", refresh=False)
             return
-        width = 30
-        filled = width * step // self.total
-        bar = "#" * filled + "." * (width - filled)
+        filled = 30 * step // self.total
+        bar = "#" * filled + "." * (30 - filled)
         elapsed = time.perf_counter() - self._start
         text = f"training [{bar}] {step}/{self.total} loss {loss:.3f} {elapsed:.1f}s"
         self.stream.write(f"\r{text}" if self._tty else f"{text}\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if not self.enabled:
-            return
         if self._tqdm is not None:
             self._tqdm.close()
-        elif self._tty:
+        elif self.enabled and self._tty:
             self.stream.write("\n")
             self.stream.flush()
 
@@ -165,24 +139,23 @@ def train(
     max_seq_len, embed_dim : int
         Size of the position table (default: the handbook's 128 x 64).
     seed : int
-        Seeds the table (as ``LearnedPositionEmbedding(..., seed=seed)``),
-        the other parameters and the data.
+        Seeds the table (as ``LearnedPositionEmbedding(..., seed=seed)``), the rest and the data.
     lr : float, optional
         Learning rate for every parameter (default: ``DEFAULT_LR[optimizer]``,
-        5.0 for SGD, 0.01 for Adam). SGD's is large because the loss is a
-        mean over all ``batch_size * max_seq_len`` tokens, so one position row
-        only receives ``1 / max_seq_len`` of it; Adam's steps do not scale
-        with the gradient.
+        5.0 for SGD, 0.01 for Adam). SGD's is large because one position row
+        receives only ``1 / max_seq_len`` of the mean loss's gradient.
+    batch_size, vocab_size : int
+        Sequences per step, and the number of distinct random tokens.
     sigma : float, optional
         Width of the soft targets in positions (default ``max_seq_len / 16``).
     out : path, optional
-        Folder for the before/after heatmaps and similarity maps (created if
-        needed); ``None`` writes no pictures.
+        Folder for the four pictures (created if needed); ``None`` writes none.
     progress : bool
-        Show a progress bar on ``stream`` (default stderr).
+        Show a progress bar on ``stream``.
+    stream : file, optional
+        Where the progress bar goes (default stderr).
     optimizer : {"adam", "sgd"}
-        :class:`cposembed.Adam` (the default: it learns faster on this task)
-        or plain SGD.
+        :class:`cposembed.Adam` (the default: it learns faster here) or plain SGD.
 
     Returns
     -------
@@ -197,15 +170,15 @@ def train(
     before = pe.embeddings.copy()
     dtype = pe.dtype
     token_table = (rng.standard_normal((n_tok, d)) / np.sqrt(d)).astype(dtype)
-    head_w = (rng.standard_normal((d, n_pos)) * (0.1 / np.sqrt(d))).astype(dtype)
-    head_b = np.zeros(n_pos, dtype=dtype)
+    head = np.zeros((d + 1, n_pos), dtype=dtype)  # the head's weight, then its bias
+    head[:d] = rng.standard_normal((d, n_pos)) * (0.1 / np.sqrt(d))
     sigma = max(1.0, n_pos / 16) if sigma is None else sigma
     targets = soft_targets(n_pos, sigma).astype(dtype)
     if optimizer == "adam":
         tokens_layer = LearnedPositionEmbedding.from_pretrained(token_table, dtype=dtype)
-        token_table = tokens_layer.embeddings  # the live table
-        pe_adam, tokens_adam = Adam(pe, lr), Adam(tokens_layer, lr)
-        head_adam = _DenseAdam([head_w, head_b], lr)
+        head_layer = LearnedPositionEmbedding.from_pretrained(head, dtype=dtype)
+        token_table, head = tokens_layer.embeddings, head_layer.embeddings  # the live tables
+        pe_adam, tokens_adam, head_adam = (Adam(t, lr) for t in (pe, tokens_layer, head_layer))
     bar = _Progress(steps, stream, progress)
     loss_first = loss = float("nan")
     correct = 0.0
@@ -214,16 +187,17 @@ def train(
         for step in range(1, steps + 1):
             tokens = rng.integers(0, n_tok, size=(batch, n_pos))
             x = pe.add_to(token_table[tokens])  # (B, T, d)
-            p, loss, (grad_w, grad_b, dx) = _head(x, head_w, head_b, targets)
+            p, loss, grad_head, dx = _head(x, head, targets)
             if step == 1:
                 loss_first = loss
             if optimizer == "adam":
-                # fused backward + Adam step: only the batch's rows move
+                # A fused backward and step on the tables' rows of the batch; every row of the head.
                 pe.backward(dx, optimizer=pe_adam)  # positions 0..T-1
                 tokens_layer.backward(dx, tokens, optimizer=tokens_adam)
-                head_adam.step([grad_w, grad_b])
+                head_layer.grad = grad_head
+                head_adam.step()
             else:
-                _sgd_update(pe, (token_table, head_w, head_b), (grad_w, grad_b), dx, tokens, lr)
+                _sgd_update(pe, token_table, head, grad_head, dx, tokens, lr)
             bar.update(step, loss)
             if step == steps:
                 correct = float((p.argmax(axis=2) == np.arange(n_pos)).mean())
@@ -245,34 +219,31 @@ def train(
 
 def _sgd_update(
     pe: LearnedPositionEmbedding,
-    params: tuple[np.ndarray, np.ndarray, np.ndarray],
-    head_grads: tuple[np.ndarray, np.ndarray],
+    token_table: np.ndarray,
+    head: np.ndarray,
+    grad_head: np.ndarray,
     dx: np.ndarray,
     tokens: np.ndarray,
     lr: float,
 ) -> None:
-    """Plain SGD: the position table through its own backward (positions
-    0..T-1) and sgd_step, the token table (gradient: scatter_add of ``dx``) and
-    the head (weight, bias) in place."""
+    """Plain SGD: ``pe`` through its backward and sgd_step, the token table and the head."""
     pe.zero_grad()
     pe.backward(dx)
     pe.sgd_step(lr)
-    token_table = params[0]
     grad_tokens = scatter_add(np.zeros_like(token_table), dx, tokens)
-    for param, grad in zip(params, (grad_tokens, *head_grads)):
+    for param, grad in ((token_table, grad_tokens), (head, grad_head)):
         param -= param.dtype.type(lr) * grad
 
 
 def _head(
-    x: np.ndarray, head_w: np.ndarray, head_b: np.ndarray, targets: np.ndarray
-) -> tuple[np.ndarray, float, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The head on ``x`` (B, T, d): its softmax over positions (B, T, L), the mean
-    cross-entropy with the soft ``targets`` and, by hand, the gradients of the
-    head's weight and bias and of ``x``."""
+    x: np.ndarray, head: np.ndarray, targets: np.ndarray
+) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """The head (weight rows, a bias row) on ``x`` (B, T, d): softmax over positions,
+    mean cross-entropy with ``targets``, and the gradients of the head and of ``x``."""
     batch, n_pos, d = x.shape
     n_rows = batch * n_pos
     x2 = x.reshape(n_rows, d)
-    z = x2 @ head_w + head_b  # (B*T, L)
+    z = x2 @ head[:d] + head[d]  # (B*T, L)
     z -= z.max(axis=1, keepdims=True)
     p = np.exp(z)
     sum_p = p.sum(axis=1, keepdims=True)
@@ -281,30 +252,8 @@ def _head(
     q = np.broadcast_to(targets, (batch, n_pos, n_pos)).reshape(n_rows, n_pos)
     loss = float(-(q * z).sum() / n_rows)
     dz = (p - q) / x.dtype.type(n_rows)
-    grads = (x2.T @ dz, dz.sum(axis=0), (dz @ head_w.T).reshape(batch, n_pos, d))
-    return p.reshape(batch, n_pos, -1), loss, grads
-
-
-class _DenseAdam:
-    """``torch.optim.Adam``'s rule on dense NumPy arrays (the head), as
-    :class:`cposembed.Adam` applies it to each touched row."""
-
-    def __init__(self, params: list[np.ndarray], lr: float) -> None:
-        self.params, self.lr, self.t = params, lr, 0
-        self.betas, self.eps = (0.9, 0.999), 1e-8
-        self.m = [np.zeros_like(p) for p in params]
-        self.v = [np.zeros_like(p) for p in params]
-
-    def step(self, grads: list[np.ndarray]) -> None:
-        self.t += 1
-        beta1, beta2 = self.betas
-        step_size = self.lr / (1 - beta1**self.t)
-        root_correction = (1 - beta2**self.t) ** 0.5
-        for p, g, m, v in zip(self.params, grads, self.m, self.v):
-            m += (1 - beta1) * (g - m)
-            v *= beta2
-            v += (1 - beta2) * g * g
-            p -= step_size * m / (np.sqrt(v) / root_correction + self.eps)
+    grad_head = np.vstack([x2.T @ dz, dz.sum(axis=0)])
+    return p.reshape(batch, n_pos, -1), loss, grad_head, (dz @ head[:d].T).reshape(batch, n_pos, d)
 
 
 def write_pictures(before: np.ndarray, after: np.ndarray, out: str | os.PathLike[str]) -> list[str]:
@@ -312,8 +261,7 @@ def write_pictures(before: np.ndarray, after: np.ndarray, out: str | os.PathLike
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(os.fspath(out), name) for name in PICTURES]
     n_pos, d = after.shape
-    # One colour scale for both heatmaps (and for both similarity maps), so
-    # that before and after compare by eye.
+    # One colour scale for before and after, to compare by eye.
     lim = float(max(np.abs(before).max(), np.abs(after).max())) or 1.0
     plot.heatmap(
         before, paths[0], title=f"Before training: random ({n_pos} x {d})", vmin=-lim, vmax=lim
@@ -329,16 +277,13 @@ MAX_SEED = 2**32 - 1
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    parser.add_argument(
-        "--max-seq-len", type=int, default=128, help="positions in the table (default 128)"
-    )
-    parser.add_argument(
-        "--embed-dim", type=int, default=64, help="dimensions per position (default 64)"
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help=f"random seed in [0, {MAX_SEED}] (default 0)"
-    )
+    for flag, default, text in (
+        ("--steps", 300, "training steps"),
+        ("--max-seq-len", 128, "positions in the table"),
+        ("--embed-dim", 64, "dimensions per position"),
+        ("--seed", 0, f"random seed in [0, {MAX_SEED}]"),
+    ):
+        parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
@@ -346,10 +291,7 @@ def add_arguments(parser: Any) -> None:
         help="cposembed.Adam (fused into the backward) or plain SGD (default adam)",
     )
     parser.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help="learning rate (default 0.01 for adam, 5.0 for sgd)",
+        "--lr", type=float, help="learning rate (default 0.01 for adam, 5.0 for sgd)"
     )
     parser.add_argument(
         "--batch-size", type=int, default=16, help="sequences per step (default 16)"
@@ -359,7 +301,6 @@ def add_arguments(parser: Any) -> None:
     )
     parser.add_argument(
         "--save",
-        default=None,
         metavar="PATH",
         help="also save the trained table with LearnedPositionEmbedding.save",
     )
@@ -367,29 +308,14 @@ def add_arguments(parser: Any) -> None:
 
 
 _NAMES = {"sgd": "SGD", "adam": "Adam"}
+_SIZES = ("steps", "max_seq_len", "embed_dim", "batch_size")
 
 
 def run(args: Any) -> int:
     """The ``train`` subcommand."""
-    for name in ("steps", "max_seq_len", "embed_dim", "batch_size"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be a positive integer", file=sys.stderr)
-            return 2
-    if not 0 <= args.seed <= MAX_SEED:
-        print(f"error: --seed must be in [0, {MAX_SEED}]; got {args.seed}", file=sys.stderr)
-        return 2
-    problem = _memory_problem(args.max_seq_len, args.embed_dim, args.batch_size)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
-    if not np.isfinite(lr) or (args.optimizer == "adam" and lr < 0):
-        print("error: --lr must be a finite number (>= 0 for adam)", file=sys.stderr)
-        return 2
     plots = plot.has_matplotlib()
-    # The output paths are checked before the training: a path that cannot
-    # be written would otherwise lose the trained table at the end.
-    problem = _output_problem(args.out if plots else None, args.save)
+    problem = _option_problem(args, lr, args.out if plots else None)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -403,18 +329,8 @@ def run(args: Any) -> int:
         f"{args.steps} steps of {args.batch_size} sequences, {_NAMES[args.optimizer]} "
         f"lr {lr:g}, seed {args.seed}"
     )
-    result = train(
-        steps=args.steps,
-        max_seq_len=args.max_seq_len,
-        embed_dim=args.embed_dim,
-        seed=args.seed,
-        lr=lr,
-        batch_size=args.batch_size,
-        out=None,
-        progress=not args.no_progress,
-        optimizer=args.optimizer,
-    )
-    before_table = result.initial_table
+    sizes = {name: getattr(args, name) for name in (*_SIZES, "seed", "optimizer")}
+    result = train(**sizes, lr=lr, progress=not args.no_progress)
     print(
         f"loss: {result.loss_first:.3f} -> {result.loss_last:.3f}; "
         f"exact position predicted for {100 * result.accuracy:.1f}% of tokens "
@@ -427,7 +343,7 @@ def run(args: Any) -> int:
     status = 0
     if plots:
         try:
-            result.pictures = write_pictures(before_table, result.pe.embeddings, args.out)
+            result.pictures = write_pictures(result.initial_table, result.pe.embeddings, args.out)
         except OSError as exc:
             print(f"error: could not write the pictures to {args.out}: {exc}", file=sys.stderr)
             status = 1  # the table is still saved
@@ -446,12 +362,8 @@ def run(args: Any) -> int:
 
 
 def _memory_problem(max_seq_len: int, embed_dim: int, batch_size: int) -> str | None:
-    """Why a run of these sizes cannot fit in this machine's memory, or None.
-
-    A step holds about five float32 arrays of (batch, T, T) (the head's
-    logits over positions, their softmax, the targets, the gradient) and the
-    tables about 12 bytes per position and dimension (the float64 draw, the
-    float32 table, the head); what the OS does not report is not checked."""
+    """Why a run of these sizes cannot fit in memory, or None: a step holds about five
+    float32 (batch, T, T) arrays, the tables about 12 bytes per position and dimension."""
     need = 4 * 5 * batch_size * max_seq_len**2 + 12 * max_seq_len * embed_dim
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -467,21 +379,30 @@ def _memory_problem(max_seq_len: int, embed_dim: int, batch_size: int) -> str | 
 
 def _bytes(n: int) -> str:
     size = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if size < 1024 or unit == "EiB":
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024:
             return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
         size /= 1024
-    raise AssertionError("unreachable")
+    return f"{size:.1f} EiB"
 
 
-def _output_problem(out: str | None, save: str | None) -> str | None:
-    """What keeps ``train`` from writing its pictures into ``out`` and the table
-    to ``save`` (None for either: not written), or None."""
+def _option_problem(args: Any, lr: float, out: str | None) -> str | None:
+    """The first bad option or output path (``out`` None: no pictures), before any work."""
+    for name in _SIZES:
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be a positive integer"
+    if not 0 <= args.seed <= MAX_SEED:
+        return f"--seed must be in [0, {MAX_SEED}]; got {args.seed}"
+    problem = _memory_problem(args.max_seq_len, args.embed_dim, args.batch_size)
+    if problem:
+        return problem
+    if not np.isfinite(lr) or (args.optimizer == "adam" and lr < 0):
+        return "--lr must be a finite number (>= 0 for adam)"
     problems = []
     if out is not None:
-        problems.append(_state.folder_problem(out, "--out"))
+        problems.append(_state.output_problem(out, "--out", folder=True))
         if os.path.isdir(out):  # else created, empty
             problems += [_state.output_problem(os.path.join(out, n), "--out") for n in PICTURES]
-    if save is not None:
-        problems.append(_state.output_problem(save, "--save"))
+    if args.save is not None:
+        problems.append(_state.output_problem(args.save, "--save"))
     return next((p for p in problems if p), None)
