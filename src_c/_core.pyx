@@ -1,21 +1,12 @@
 # cposembed._core: one checked C entry per operation.
 #
-# lookup, add, scatter_add, embed, embed_backward and sgd_step each take the
-# caller's objects as they are, check them (dtypes, layout, shapes, overlap,
-# position ranges, threads) with a few C comparisons, and either run the
-# kernel or refuse: return None with nothing written. The Python layer
-# (cposembed/functional.py and layer.py; the classes' sgd_step) normalises
-# refused arguments (other layouts and dtypes, NumPy's other index forms) or
-# raises the worded error, then calls the same entry again: there is no other
-# way to a kernel.
-#
-# Accepted as they are ("canonical"): exact ndarrays, C-contiguous and
-# aligned, in native byte order, float16/bfloat16/float32/float64 tables;
-# positions as read by _index.pxi;
-# outputs that share no memory with what the call reads (except `out is
-# tokens`, the in-place add, where each element reads only itself first).
-# Positions are always copied into a buffer the call owns before anything is
-# written, so an output may share memory with them.
+# Each entry checks the caller's objects with a few C comparisons and runs the
+# kernel, or returns None with nothing written; cposembed._routes then normalises
+# the arguments (or raises the worded error) and calls the same entry again.
+# Accepted ("canonical"): exact, C-contiguous, aligned, native-order ndarrays of
+# a dtype with kernels; positions as _index.pxi reads them (always copied into
+# memory the call owns); outputs that share no memory with what the call reads
+# (except the in-place add, `out is tokens`).
 
 cimport cython
 cimport numpy as cnp
@@ -48,12 +39,9 @@ import sys
 
 import numpy as np
 
-# NumPy's bfloat16 is ml_dtypes', a dtype registered when ml_dtypes is
-# imported (its type number is known only then). Importing ml_dtypes takes
-# ten times as long as importing NumPy, so it is imported here only when a
-# bfloat16 is asked for (bfloat16()); an array of a user-defined dtype that
-# arrives while ml_dtypes is loaded looks it up too (no bfloat16 array can
-# exist before ml_dtypes is imported).
+# NumPy's bfloat16 is ml_dtypes', whose type number is known once it is imported:
+# on the first bfloat16(), or when an array of a user-defined dtype arrives while
+# ml_dtypes is loaded (no bfloat16 array exists before).
 cdef object _BFLOAT16 = None
 cdef int _NPY_BFLOAT16 = -1
 
@@ -116,9 +104,7 @@ cdef extern from "Python.h":
 
 
 cdef inline PyThreadState* _release_gil(Py_ssize_t work) noexcept:
-    # Kernels run without the GIL, except small work: releasing and taking
-    # it back costs about as much as a tiny call itself (other Python
-    # threads wait those few microseconds at most). Pair with _take_gil.
+    # Small work keeps the GIL: releasing it costs about a tiny call. Pair with _take_gil.
     return PyEval_SaveThread() if work >= _SERIAL_BELOW else NULL
 
 
@@ -129,15 +115,10 @@ cdef inline void _take_gil(PyThreadState* state) noexcept:
 
 # ---- the kernels of each dtype -------------------------------------------------
 #
-# Each entry describes its kernel call in a KernelCall and hands it to
-# _run_kernel, the one place that maps dtypes to the kernels' row primitives
-# (_rows.h, generated from _rows.h.tp for every element type). A dtype is
-# added here, in _type_code, and in the template's TYPES.
-#
-# A kernel call cannot fail: whatever it needs was allocated before, with
-# the GIL held, by _scratch_or_raise, which raises the MemoryError there.
-# So the kernels are noexcept nogil, and their hot paths neither check for
-# an error nor take the GIL back to raise one.
+# Each entry fills a KernelCall for _run_kernel, the one place that maps dtypes to
+# the row primitives (_rows.h; a dtype is added in _type_code and the template's
+# TYPES). A kernel call cannot fail: its memory was taken before, with the GIL, by
+# _scratch_or_raise, so the kernels are noexcept nogil.
 
 cdef enum Kernel:
     K_LOOKUP
@@ -150,15 +131,10 @@ cdef enum Kernel:
 
 
 cdef struct KernelCall:
-    # One kernel call, its operands named as in the kernels' signatures
-    # (_kernels.pxi); each kernel reads only the fields it takes. The arrays'
-    # data are untyped here: _run_kernel gives them the dtype.
-    #   out: written: the output (lookup, add, embed), grad (scatter-add),
-    #     the table (SGD), gtok (the pair); out2: gpos (the pair)
-    #   src: read: the table (lookup), tokens (add, embed), g (the
-    #     scatter-adds), grad (SGD); table: the position table (add, embed)
-    #   src_type: src's dtype where it may differ from the table's (the
-    #     scatter-adds' g, SGD's grad); -1: the table's
+    # One kernel call; each kernel reads the fields it takes (_kernels.pxi).
+    #   out (written): the output, grad, the SGD table or gtok; out2: gpos
+    #   src (read): the lookup's table, tokens, g or SGD's grad; table: the position table
+    #   src_type: src's dtype where it may differ from the table's; -1: the table's
     Kernel kernel
     void* out
     void* out2
@@ -178,10 +154,8 @@ cdef struct KernelCall:
     double lr            # the SGD step, rounded to the compute type by the row primitive
     int64_t* scratch
     int src_type
-    # The sparse plan (_marks.pxd): `out` (and `out2`) is a compact copy of
-    # rows compact_rows[:L] (compact_rows2[:L] of out2) of the table
-    # compact_of (compact_of2), gathered before the kernel and written back
-    # after it; NULL: `out` is the table itself.
+    # The sparse plan: `out` (`out2`) is a compact copy of rows compact_rows[:L] of
+    # compact_of (compact_of2), gathered before and written back after; NULL: none.
     void* compact_of
     const int64_t* compact_rows
     void* compact_of2
@@ -377,11 +351,9 @@ cdef cnp.ndarray _new_output(int nd, cnp.npy_intp* dims, cnp.ndarray like):
     return _block_array(nd, dims, typenum, nbytes)
 
 
-# The offset rule, its one home: with explicit positions the offset is 0;
-# with positions=None the rows are offset + arange(T), so 0 <= offset <= L - T
-# (any offset >= 0 when T == 0: no row is read). `offset` must be an integer
-# (_is_integer); the routes make other integers Python ints first and word
-# the error from the code returned (_routes.check_offset).
+# The offset rule, its one home: 0 with explicit positions; with positions=None
+# the rows are offset + arange(T), 0 <= offset <= L - T (any offset >= 0 if T == 0).
+# _routes.check_offset words the error from the code returned.
 cdef enum:
     _OFFSET_OK = 0
     _OFFSET_NOT_INT = 1
@@ -427,12 +399,9 @@ def offset_rule(offset, bint with_positions, Py_ssize_t T, Py_ssize_t n_rows):
 cdef int _positions_for(object positions, object offset, Py_ssize_t L,
                         const cnp.npy_intp* lead, int n_lead, Index* ix,
                         Py_ssize_t* m) except -1:
-    """Positions for rows laid out as lead[:n_lead]: row i takes
-    ix.rows[i % m]. `positions=None`: offset + arange(T) over the last lead
-    axis; else positions whose shape, without leading 1s, equals the
-    trailing axes of the lead shape (anything else that broadcasts is
-    materialised by the Python layer). 1; 0: refused, nothing held;
-    MemoryError as _read_index."""
+    """Positions for rows laid out as lead[:n_lead] (row i takes ix.rows[i % m]):
+    offset + arange(T) for None, else positions whose shape without leading 1s
+    equals the lead's trailing axes. 1; 0: refused, nothing held; MemoryError."""
     cdef Py_ssize_t T, start
     cdef int k, core
     ix.rows = NULL
@@ -581,14 +550,10 @@ cdef object _lookup_entry(object table, object positions, object out, object num
 
 @cython.auto_pickle(False)  # the subclass pickles its checked state itself
 cdef class TableCall:
-    """Base of :class:`cposembed.LearnedPositionEmbedding`: its ``pe(positions)``.
-
-    The call is the lookup entry itself on ``self._embeddings``, with no
-    Python frame in between: a tiny call costs about what NumPy's
-    ``table[i]`` does. Arguments the entry refuses go to
-    ``self._lookup_normalised(positions, out)``, the normalising route of
-    :func:`cposembed.lookup`. (No fields here: the subclass keeps its state
-    in ``__slots__``, whose reads Python specialises.)
+    """Base of :class:`cposembed.LearnedPositionEmbedding`: ``pe(positions)`` is the
+    lookup entry on ``self._embeddings`` with no Python frame between; refused
+    arguments go to ``self._lookup_normalised(positions, out)``. (No fields: the
+    subclass keeps its state in ``__slots__``.)
     """
 
     @cython.embedsignature(False)  # docs/api.rst gives it, without `self`
@@ -745,17 +710,13 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     """``grad[positions[i]] += grad_output[i]`` in np.add.at's order, in place;
     returns grad, or None if refused.
 
-    grad: a canonical writable (L, d) table; grad_output: a canonical array of
-    shape (..., d) of any dtype with kernels, not overlapping grad (each add as
-    np.add.at's: in float64 if either dtype is, else in float32, rounded to
-    grad's dtype); positions and offset as for add. touched: None or a
-    RowMarks of L rows, in which the rows that received a contribution are
-    marked. skip_row: a row in [0, L) that gets no gradient (zeroed after
-    the sum, and unmarked: padding_idx, whose row is zero before every
-    call), or -1. plan: a ScatterPlan (PLAN_AUTO: chosen per call; the
-    others force one, for tests). A table far larger than the call is summed
-    in a compact copy of the rows it touches (cposembed._marks), at the cost of
-    the call, not the table.
+    grad: a canonical writable (L, d) table; grad_output: a canonical (..., d) array
+    of any dtype with kernels, not overlapping grad (each add as np.add.at's);
+    positions and offset as for add. touched: None or a RowMarks of L rows, marked
+    where a row received a contribution; skip_row: a row that gets no gradient
+    (padding: zeroed after the sum, unmarked), or -1; plan: a ScatterPlan
+    (PLAN_AUTO: chosen per call). A table far larger than the call is summed in a
+    compact copy of the rows it touches.
     """
     cdef int typenum = _rows_type(grad, grad_output, True)
     if typenum < 0:
@@ -817,16 +778,10 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
 
 
 def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=None):
-    """``table[r] -= lr * grad[r]`` on the rows r that ``touched`` marks
-    (every row if None), except skip_row, computed in the gradient's dtype (lr
-    rounded once to it) and rounded once to the table's; True, or None if
-    refused.
-
-    table: a canonical writable (L, d) table; grad: a canonical array of the same
-    shape, disjoint from it, of the table's dtype, or float32 for a float16 or
-    bfloat16 table (the master gradient); touched: None or a RowMarks of L
-    rows (the step then costs its marked rows); skip_row: a row in [0, L),
-    or -1.
+    """``table[r] -= lr * grad[r]`` on the rows ``touched`` marks (every row if None)
+    but skip_row (-1: none), in the gradient's dtype, rounded once to the table's;
+    True, or None if refused. grad: canonical, the table's shape, disjoint from it,
+    of its dtype (float32 for a half table).
     """
     cdef int typenum = _table_type(table)
     cdef bint half = typenum == NPY_HALF or typenum == _NPY_BFLOAT16
@@ -954,19 +909,13 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
 def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids, positions,
                    offset, num_threads, token_touched=None, position_touched=None,
                    Py_ssize_t token_skip_row=-1):
-    """Both gradients of embed from one pass over grad_output, in place:
-    ``grad_token_table[token_ids[i]] += grad_output[i]`` and the same for the
-    positions, each bitwise np.add.at; returns True, or None if refused.
+    """Both gradients of embed from one pass over grad_output, in place, each
+    bitwise np.add.at; True, or None if refused.
 
-    The two tables: canonical, writable, one dtype and embed_dim, not
-    overlapping each other (either table alone goes through scatter_add);
-    grad_output: a canonical
-    array of shape token_ids.shape + (d,) of any dtype with kernels (each add
-    as scatter_add's), overlapping neither; token_ids and positions as for embed.
-    token_touched / position_touched:
-    None or two RowMarks of V / L rows in which the rows that received a
-    contribution are marked; token_skip_row: a token row that
-    gets no gradient (padding_idx, zeroed after the sum), or -1.
+    The two tables: canonical, writable, one dtype and embed_dim, disjoint;
+    grad_output: as scatter_add's, of shape token_ids.shape + (d,), overlapping
+    neither; token_ids and positions as for embed; token_touched /
+    position_touched and token_skip_row as scatter_add's touched and skip_row.
     """
     cdef int typenum = _pair_type(grad_token_table, grad_position_table)
     if typenum < 0 or not _is_canonical(grad_output, _source_type(grad_output)):
@@ -1018,8 +967,7 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
             c.ids = ids.rows
             c.V = V
             c.L = L
-            # Tables far larger than the call: compact copies of their
-            # touched rows (the sparse plan, as scatter_add's).
+            # Tables far larger than the call: the sparse plan, as scatter_add's.
             if _compact_pays(V, ids.n, rb):
                 _compact(&tok, ids.rows, ids.n, V, rb, False, "the sparse plan")
                 _sum_compact(&tok, cnp.PyArray_DATA(gt), &c.out, &c.ids, &c.V, &c.compact_of,
@@ -1049,11 +997,9 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
 
 
 def distinct_rows(rows, Py_ssize_t n_rows):
-    """``(uniq, slots, first)`` of a canonical int64 array of rows in [0,
-    n_rows): the distinct rows in order of first appearance, shaped as
-    `rows` the index of each entry's row in `uniq` (``uniq[slots] ==
-    rows``), and the flat index where each of `uniq` first appears, in time
-    proportional to the rows, not the table (_distinct); None if refused."""
+    """``(uniq, slots, first)`` of a canonical int64 array of rows in [0, n_rows): the
+    distinct rows in order of first appearance, ``uniq[slots] == rows``, and where
+    each first appears (_distinct); None if refused."""
     if not _is_canonical(rows, cnp.NPY_INT64) or n_rows < 0:
         return None
     cdef cnp.ndarray r = <cnp.ndarray>rows
@@ -1078,8 +1024,7 @@ def distinct_rows(rows, Py_ssize_t n_rows):
 
 cdef bint _state_ok(object buf, int typenum, Py_ssize_t L, Py_ssize_t d,
                     cnp.ndarray table) noexcept:
-    # None, or a canonical writable (L, d) array of dtype typenum disjoint from the
-    # table.
+    # None, or a canonical writable (L, d) array of dtype typenum disjoint from table.
     if buf is None:
         return True
     if not _is_canonical(buf, typenum):
@@ -1095,9 +1040,7 @@ cdef bint _state_ok(object buf, int typenum, Py_ssize_t L, Py_ssize_t d,
 
 
 cdef bint _read_hyper(object hyper, cpe_opt_hyper* h) noexcept:
-    # hyper: a dict with a value for every field of cpe_opt_hyper (kind, l2,
-    # decoupled, momentum_on, nesterov, neg_lr, weight_decay, momentum, damp1,
-    # decay, w1, beta2, omb2, bc2_sqrt, eps, neg_step); False if it is not.
+    # hyper: a dict with a value for every field of cpe_opt_hyper; False if not.
     if type(hyper) is not dict:
         return False
     try:
@@ -1109,12 +1052,8 @@ cdef bint _read_hyper(object hyper, cpe_opt_hyper* h) noexcept:
 
 cdef bint _opt_target(OptJob* job, const cpe_opt_hyper* h, object table, object state1,
                       object state2, object slots, Py_ssize_t skip_row) noexcept:
-    # Fills the table and state of `job` (zeroed first) for a step with
-    # hyper-parameters h: table a canonical writable (L, d) table; state1,
-    # state2 None or canonical writable (L, d) arrays of the state's dtype (the
-    # table's for float64, else float32), disjoint from the table and each
-    # other, as the kind of step needs them; slots None or a RowSlots of L
-    # rows; skip_row in [-1, L). False: refused.
+    # `job` (zeroed first) for a step of h on a canonical writable table, with state
+    # arrays as optimizer_step takes them; False: refused.
     memset(job, 0, sizeof(OptJob))
     cdef int typenum = _table_type(table)
     if typenum < 0:
@@ -1155,9 +1094,8 @@ cdef bint _disjoint_from_target(cnp.ndarray a, object table, object state1,
 
 
 cdef int64_t* _take_slots(object slots, Py_ssize_t n, size_t* capacity) except? NULL:
-    # Scratch of the slots of n rows in `slots` (a RowSlots, or None: NULL),
-    # with room for them reserved (MemoryError before anything changes).
-    # _give_slots assigns them.
+    # Scratch for the slots of n rows in `slots` (None: NULL), room reserved;
+    # MemoryError before anything changes. _give_slots assigns them.
     if slots is None or not n:
         return NULL
     (<RowSlots>slots)._reserve(n)
@@ -1165,8 +1103,7 @@ cdef int64_t* _take_slots(object slots, Py_ssize_t n, size_t* capacity) except? 
 
 
 cdef void _give_slots(object slots, OptJob* job, Py_ssize_t n, int64_t* buf) noexcept:
-    # The slots of job.rows[:n] into `buf` (from _take_slots), new ones made
-    # for rows without state, and the job pointed at them.
+    # The slots of job.rows[:n] into `buf` (new ones for rows without state).
     if buf != NULL:
         job.fresh_from = (<RowSlots>slots)._assign(job.rows, n, job.skip_row, buf)
         job.slots = buf
@@ -1174,22 +1111,16 @@ cdef void _give_slots(object slots, OptJob* job, Py_ssize_t n, int64_t* buf) noe
 
 def optimizer_step(table, grad, rows, bint compact, state1, state2, slots, hyper,
                    Py_ssize_t skip_row, num_threads=None):
-    """One optimizer step on the distinct table rows `rows` but skip_row
-    (cpe_opt_T of _rows.h.tp); True, or None if refused.
+    """One optimizer step on the distinct rows `rows` but skip_row (cpe_opt_T of
+    _rows.h.tp); True, or None if refused.
 
-    table: a canonical writable (L, d) table. The state's dtype K is float64
-    for a float64 table, else float32. grad: a canonical K array of d columns,
-    disjoint from the table: row i is the gradient of rows[i] if compact, else
-    grad is (L, d) and row r is row r's. rows: a canonical 1-D int64 array of
-    distinct rows in [0, L) (repeated rows would race). state1, state2: None
-    or canonical writable (L, d) K arrays, disjoint from the table and grad (SGD's
-    momentum buffer; Adam's two moments). slots: None (row r's state is
-    row r) or a RowSlots of L rows: row r's state is row slots.slot_of(r);
-    a row without a slot gets the next one and is fresh (SGD's momentum
-    starts at its gradient). hyper: a dict of (kind, l2, decoupled, momentum_on, nesterov,
-    neg_lr, weight_decay, momentum, damp1, decay, w1, beta2, omb2,
-    bc2_sqrt, eps, neg_step), as cpe_opt_hyper. skip_row: a row in [0, L)
-    never updated, or -1.
+    table: a canonical writable (L, d) table; K, the state's dtype: float64 for a
+    float64 table, else float32. grad: a canonical K array of d columns, disjoint
+    from the table, row i for rows[i] if compact, else (L, d). rows: canonical
+    1-D int64, distinct, in [0, L). state1, state2: None or canonical writable
+    (L, d) K arrays disjoint from the table and grad. slots: None (row r's state
+    is row r) or a RowSlots of L rows (a row without a slot gets the next one and
+    is fresh). hyper: a dict of cpe_opt_hyper's fields. skip_row: -1 or a row.
     """
     cdef cpe_opt_hyper h
     cdef OptJob job
@@ -1236,19 +1167,14 @@ def optimizer_step(table, grad, rows, bint compact, state1, state2, slots, hyper
 
 def fused_embed_step(token_step, position_step, grad_output, token_ids, positions, offset,
                      hyper, num_threads=None):
-    """The layer's backward and an optimizer step on the rows it touches, in
-    one pass (FusedStep): no gradient table; True, or None if refused.
+    """The layer's backward and an optimizer step on the rows it touches, in one
+    pass (FusedStep), with no gradient table; True, or None if refused.
 
-    token_step / position_step: (table, state1, state2, slots, skip_row), as
-    optimizer_step takes them, for the token table (V, d) and the position
-    table (L, d), one dtype; no table or state array of one shares memory
-    with the other's, and each has its own slots. grad_output, token_ids, positions, offset: as
-    embed_backward takes them; grad_output disjoint from both tables and their
-    state (the step writes rows while other rows are still being read).
-    hyper: as optimizer_step's. Each distinct row of the call is summed into
-    a scratch row of the state's dtype by the thread that owns it, in input
-    order (as embed_backward sums it), and updated once all its
-    contributions are in; rows without state get slots in `slots`.
+    token_step / position_step: (table, state1, state2, slots, skip_row) as
+    optimizer_step takes them, one dtype, sharing no memory or slots;
+    grad_output, token_ids, positions, offset as embed_backward's, grad_output
+    disjoint from both tables and their state; hyper as optimizer_step's. Each
+    distinct row is summed in input order by the thread that owns it, then updated.
     """
     cdef cpe_opt_hyper h
     cdef FusedStep fs
@@ -1308,14 +1234,12 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
             return None
         if not (N and d and m):
             return True
-        # The distinct rows: the call's ids and positions become the slots
-        # of compact scratch rows (in place, in their owned buffers).
+        # The call's ids and positions become slots of compact scratch rows, in place.
         _compact(&tok, ids.rows, N, V, rb, True, "the fused step")
         _compact(&pos, ix.rows, m, L, rb, True, "the fused step")
         k = tok.k
-        # Rows with one contribution are updated from the gradient row
-        # itself (FusedStep) when its dtype is the state's; the others,
-        # listed for the step after the sums, from their scratch rows.
+        # Rows with one contribution are updated from the gradient row itself when
+        # its dtype is the state's; the others, listed, from their scratch rows.
         lists = <int64_t*>_scratch_or_raise(k * (sizeof(int64_t) + 1), &lists_capacity,
                                             "the fused step's row lists")
         single = <uint8_t*>(lists + k)
@@ -1354,9 +1278,7 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
         if nbytes:
             c.scratch = <int64_t*>_scratch_or_raise(nbytes, &capacity,
                                                     "the backward pass's scratch")
-        # The state slots of every distinct row (fs.tok.n counts only the
-        # token rows updated after the sums), last: nothing can fail once
-        # they are given.
+        # The state slots of every distinct row, last: nothing can fail after.
         try:
             tok_slots = _take_slots(token_step[3], k, &tok_slots_capacity)
             pos_slots = _take_slots(position_step[3], pos.k, &pos_slots_capacity)
