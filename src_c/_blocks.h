@@ -1,41 +1,14 @@
-/* cposembed's one allocator: every block of memory the package hands out and
-   keeps (large outputs, the calls' scratch, zeroed tables: gradients and
-   optimizer state as NumPy arrays), and the one policy for keeping freed
-   blocks (docs/architecture.md, "Memory"). The PyTorch bridge's outputs and
-   gradients are torch's own memory (cposembed/_torch_arrays.py), kept within
-   the same limits; from here it uses cpe_zero_memory and cpe_advise_huge.
-
-   Two kinds of block:
-   - CPE_DENSE (outputs, scratch): written whole by the call that takes it.
-     A fresh one of 4 MiB or more is 2 MiB-aligned and advised for huge
-     pages (Linux): fewer page faults and TLB misses on a buffer the kernel
-     streams through.
-   - CPE_ZEROED (tables that are touched sparsely: a few hundred rows of a
-     table of millions per step): handed out zeroed. A fresh one of 64 KiB or
-     more is anonymous memory from mmap, zero until written and advised
-     against huge pages, so that touching a row faults in its 4 KiB page,
-     not 2 MiB around it, whatever the transparent huge pages mode.
-   - CPE_GROWING (the optimizers' state, written from its first row on as
-     rows get state): as CPE_ZEROED, but advised for huge pages, so that it
-     faults in 2 MiB at a time as it grows.
-
-   Keeping: a freed dense block of CPE_KEEP_MIN bytes or more is kept for a
-   later dense request (at most CPE_KEEP_SLOTS blocks and cpe_keep_limit
-   bytes in all). When the slots or the bytes are full, it takes the place of
-   kept blocks smaller than itself (released, smallest first), or is released
-   if only larger ones would make room: what a miss costs grows with the
-   size. A request takes the smallest kept block that fits without wasting
-   more than half. Zeroed and growing blocks are never kept: a gradient or optimizer
-   state lives as long as its layer, and fresh memory costs only the pages
-   written, where a kept block would have to be zeroed whole.
-
-   The kept list is guarded by a lock that requests and releases only ever
-   try, never wait for: one that finds it taken (another thread is in here)
-   goes to the OS instead (clear_pool, for tests and
-   CPOSEMBED_REUSE_OUTPUTS=0, tries again until it gets it). So requests and
-   releases on any thread, with or without the GIL, are safe, and a fork at
-   any moment leaves the child nothing to wait for (a child forked while the
-   lock was held forgets the kept list: cpe_blocks_after_fork). */
+/* cposembed's one allocator and its one policy for keeping freed blocks
+   (docs/architecture.md, "Memory", describes both):
+   - CPE_DENSE (outputs, scratch), written whole; fresh ones of 4 MiB or more are
+     2 MiB-aligned and advised for huge pages. Freed ones are kept for later dense
+     requests within CPE_KEEP_SLOTS blocks and cpe_keep_limit bytes.
+   - CPE_ZEROED (sparsely touched gradients): mmap'd zero pages advised against huge
+     pages; CPE_GROWING (optimizer state, filled from its first row): the same,
+     advised for huge pages. Neither is kept.
+   The kept list's lock is only ever tried, never waited for (a thread that finds it
+   taken goes to the OS; only clear_pool retries), so any thread may take or free
+   a block, and a child forked while it was held forgets the list. */
 
 #ifndef CPE_BLOCKS_H
 #define CPE_BLOCKS_H
@@ -93,8 +66,7 @@ static void cpe_release(cpe_Mem m) {
     free(m.ptr);
 }
 
-/* Fresh memory of the kind (zeroed unless CPE_DENSE); m.ptr NULL when there is
-   none. */
+/* Fresh memory of the kind (zeroed unless CPE_DENSE); m.ptr NULL if there is none. */
 static cpe_Mem cpe_fresh(size_t nbytes, int kind) {
     cpe_Mem m = {NULL, nbytes, 0, kind};
     if (kind != CPE_DENSE) {
@@ -223,13 +195,9 @@ static void cpe_blocks_init(void) {
 #endif
 }
 
-/* Zeroes `nbytes` at `p`, memory another allocator gave (the PyTorch
-   bridge's gradients, torch's own memory so that torch can resize them).
-   `lazily` (Linux): the whole pages inside are given back with
-   MADV_DONTNEED, which makes private anonymous memory (malloc's and mmap's)
-   read as zero pages until written, and advised against huge pages, so a
-   write to a row faults in its 4 KiB page only; the unaligned edges are
-   memset. Otherwise, or if the advice fails, all of it is memset. */
+/* Zeroes `nbytes` at `p` (the PyTorch bridge's gradients, torch's memory). `lazily`
+   (Linux): whole pages go back with MADV_DONTNEED (zero until written) and are
+   advised against huge pages, the edges memset; else, or if that fails, memset. */
 static void cpe_zero_memory(void *p, size_t nbytes, int lazily) {
 #if defined(__linux__) && defined(MADV_DONTNEED)
     if (lazily && nbytes >= CPE_ZERO_MMAP_MIN) {
@@ -251,9 +219,8 @@ static void cpe_zero_memory(void *p, size_t nbytes, int lazily) {
     memset(p, 0, nbytes);
 }
 
-/* Advises the 2 MiB-aligned interior of `nbytes` at `p` (memory another
-   allocator gave, not yet written: the PyTorch bridge's large outputs) for
-   huge pages, as fresh dense blocks are (Linux; nothing elsewhere). */
+/* Advises the 2 MiB-aligned interior of `nbytes` at `p` (the PyTorch bridge's large
+   outputs) for huge pages, as fresh dense blocks are (Linux only). */
 static void cpe_advise_huge(void *p, size_t nbytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     size_t huge = (size_t)2 << 20, start = (size_t)p;

@@ -1,21 +1,11 @@
 # Positions into a buffer the call owns: the one reader of integer positions.
 #
-# Every entry reads its positions once, here, with the GIL held: each value
-# is converted to int64, wrapped into [0, L) and range-checked in the same
-# pass, into a private buffer. The kernels read only that buffer, so neither
-# another thread writing the caller's array nor an output that shares memory
-# with it can change a row number after it was checked. The routes read
-# positions here too (_core.index_rows), after NumPy's other index forms
-# were made integer arrays.
-#
-# Read here: a Python int, a NumPy integer scalar, an ndarray of any
-# native-order integer dtype (any shape, strides and alignment, 0-d too), and
-# (nested) lists of Python ints and NumPy integer scalars. For anything else,
-# and any value out of range, _read_index returns 0 and holds nothing; the
-# route then normalises the argument or raises the worded error. A buffer
-# that cannot be allocated is a MemoryError, raised where the allocation
-# failed (the readers are `except -1`): a route could only retry what cannot
-# succeed.
+# Each value is converted to int64, range-checked and wrapped into [0, L) in one
+# pass, with the GIL held, into a private buffer that the kernels alone read: no
+# other thread or overlapping output can change a row after its check. Read: Python
+# ints, exact NumPy integer scalars, native-order integer ndarrays (any shape and
+# strides) and nested lists of ints. Anything else, or a value out of range: 0,
+# nothing held (the route takes over). A failed allocation raises MemoryError.
 
 from libc.stdint cimport int8_t, int16_t, int32_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy

@@ -1,20 +1,10 @@
-# cposembed._marks: the rows a call touches, at a cost that grows with the
-# call, not the table.
+# cposembed._marks: the rows a call touches, at a cost that grows with the call.
 #
-# RowMarks: the rows of a table that a gradient has received since it was
-# last zeroed: a mask with one flag per table row, for the test "is this row
-# marked", and the list of the marked rows, so that zeroing them, stepping
-# them or listing them costs the marked rows only. The mask is allocated
-# zeroed (calloc: untouched pages of a table of millions of rows cost
-# nothing) and written only at marked rows.
-#
-# RowSlots: where an optimizer keeps each row's state (below).
-#
-# _distinct: the distinct rows of a call and, for each of its positions,
-# the slot of its row among them, in O(positions): a hash table for a table
-# far larger than the call, a direct map of the table's rows otherwise.
-#
-# The constants and inline rules the entries share are in _marks.pxd.
+# RowMarks: the rows a gradient received since its last zero, as a mask (calloc'd:
+# untouched pages cost nothing) and a list, so that zeroing, stepping or listing
+# them costs the marked rows only. RowSlots: where an optimizer keeps each row's
+# state. _distinct: a call's distinct rows and each position's slot among them,
+# in O(positions). The rules the entries share are in _marks.pxd.
 
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t, uint64_t
