@@ -1022,21 +1022,9 @@ def distinct_rows(rows, Py_ssize_t n_rows):
     return uniq[:k].copy(), slots, first[:k].copy()
 
 
-cdef bint _state_ok(object buf, int typenum, Py_ssize_t L, Py_ssize_t d,
-                    cnp.ndarray table) noexcept:
-    # None, or a canonical writable (L, d) array of dtype typenum disjoint from table.
-    if buf is None:
-        return True
-    if not _is_canonical(buf, typenum):
-        return False
-    cdef cnp.ndarray b = <cnp.ndarray>buf
-    return (
-        cnp.PyArray_ISWRITEABLE(b)
-        and cnp.PyArray_NDIM(b) == 2
-        and cnp.PyArray_DIMS(b)[0] == L
-        and cnp.PyArray_DIMS(b)[1] == d
-        and _disjoint(b, table)
-    )
+cdef bint _state_ok(object buf, int typenum, cnp.ndarray table) noexcept:
+    # None, or a canonical writable array of the table's shape, disjoint from it.
+    return buf is None or _writable_out(buf, typenum, 2, cnp.PyArray_DIMS(table), table)
 
 
 cdef bint _read_hyper(object hyper, cpe_opt_hyper* h) noexcept:
@@ -1063,8 +1051,8 @@ cdef bint _opt_target(OptJob* job, const cpe_opt_hyper* h, object table, object 
     cdef Py_ssize_t L = cnp.PyArray_DIMS(t)[0], d = cnp.PyArray_DIMS(t)[1]
     if (
         not cnp.PyArray_ISWRITEABLE(t)
-        or not _state_ok(state1, ktype, L, d, t)
-        or not _state_ok(state2, ktype, L, d, t)
+        or not _state_ok(state1, ktype, t)
+        or not _state_ok(state2, ktype, t)
         or (state1 is not None and state2 is not None
             and not _disjoint(<cnp.ndarray>state1, <cnp.ndarray>state2))
         or not (slots is None or (type(slots) is RowSlots and (<RowSlots>slots).n_rows == L))
