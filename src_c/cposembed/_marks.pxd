@@ -44,6 +44,7 @@ cdef class RowMarks:
 
     cdef int _reserve(self, Py_ssize_t extra) except -1
     cdef void _mark(self, const int64_t* rows, Py_ssize_t m, Py_ssize_t skip_row) noexcept
+    cdef int _mark_array(self, rows) except -1
 
 
 @cython.final

@@ -122,7 +122,6 @@ cdef class RowMarks:
 
     def __cinit__(self, Py_ssize_t n_rows, mask=None):
         cdef cnp.npy_intp dims = n_rows
-        cdef Py_ssize_t r
         if n_rows < 0:
             raise ValueError(f"n_rows must be >= 0; got {n_rows}")
         self.n_rows = n_rows
@@ -132,12 +131,7 @@ cdef class RowMarks:
             given = np.asarray(mask, dtype=bool)
             if given.shape != (n_rows,):
                 raise ValueError(f"mask must have shape ({n_rows},); got {given.shape}")
-            listed = np.flatnonzero(given)
-            self._reserve(listed.size)
-            for r in listed:
-                self.flags[r] = 1
-                self.marked[self.n] = r
-                self.n += 1
+            self._mark_array(np.flatnonzero(given))
         arr.flags.writeable = False
         # A view of the read-only array: NumPy refuses to make it writable
         # again (the array itself, owning its data, would allow it).
@@ -173,6 +167,13 @@ cdef class RowMarks:
                 self.marked[self.n] = r
                 self.n += 1
 
+    cdef int _mark_array(self, rows) except -1:
+        # Marks `rows`, an array of integers in [0, n_rows).
+        cdef cnp.ndarray r = np.ascontiguousarray(rows, dtype=np.int64)
+        self._reserve(r.size)
+        self._mark(<const int64_t*>cnp.PyArray_DATA(r), r.size, -1)
+        return 0
+
     def __len__(self):
         return self.n
 
@@ -187,13 +188,7 @@ cdef class RowMarks:
 
     def mark_all(self):
         """Mark every row."""
-        self._reserve(self.n_rows - self.n)
-        cdef Py_ssize_t r
-        for r in range(self.n_rows):
-            if not self.flags[r]:
-                self.flags[r] = 1
-                self.marked[self.n] = r
-                self.n += 1
+        self._mark_array(np.arange(self.n_rows))
 
     def unmark(self, Py_ssize_t row):
         """Unmark one row (in [0, n_rows))."""
@@ -250,16 +245,11 @@ cdef class RowMarks:
 cdef class RowSlots:
     """RowSlots(n_rows, rows=None)
 
-    Where an optimizer keeps the state of each row of a table of ``n_rows``
-    rows that has state: row ``r``'s state is row :meth:`slot_of` ``(r)``
-    of the state arrays. Rows get slots 0, 1, 2, ... in the order they are
-    first stepped, so the state of rows stepped for the first time lands in
-    the next rows of the state arrays, pages that are already resident or
-    come in one after the other, however scattered the rows are in the
-    table. A hash table (open addressing, multiply-shift as _distinct's,
-    kept at most half full) maps a row to its slot; its size grows with the
-    rows that have state, not the table. ``rows``: rows that start with
-    state, given slots in their order (a restored state)."""
+    Where an optimizer keeps each row's state: row ``r``'s is row :meth:`slot_of`
+    ``(r)`` of the state arrays. Rows get slots 0, 1, 2, ... in the order they are
+    first stepped, so new state fills the arrays in order, however scattered the
+    rows; a hash table (open addressing, at most half full) maps a row to its slot.
+    ``rows``: rows that start with state, given slots in their order."""
 
     def __cinit__(self, Py_ssize_t n_rows, rows=None):
         cdef cnp.ndarray given
