@@ -1,7 +1,5 @@
-# cposembed._blocks: the Python face of the allocator in _blocks.h, the one
-# module that includes it: the blocks behind large outputs and zeroed
-# tables, the entries' scratch (cimported by _core through _blocks.pxd), and
-# the switches the tests and CPOSEMBED_REUSE_OUTPUTS use.
+# cposembed._blocks: the one module that includes _blocks.h: arrays over its
+# blocks, the entries' scratch (cimported by _core) and the allocator's switches.
 
 cimport numpy as cnp
 from cpython.buffer cimport PyBuffer_FillInfo
@@ -41,10 +39,8 @@ POOL_MIN_BYTES = _POOL_BYTES
 
 
 cdef class _Block:
-    """Owner of one block; exposes `used` bytes of it as a writable buffer. The
-    block goes back to the allocator when the last array (or view) using its
-    memory is gone: the ndarray's base is the _Block, whose __dealloc__ runs
-    exactly then."""
+    """Owner of one block, `used` bytes of it a writable buffer; the block goes back
+    when the last array over it is gone (the ndarray's base is the _Block)."""
     cdef cpe_Mem mem
     cdef size_t used
     cdef readonly bint reused
@@ -61,8 +57,7 @@ cdef class _Block:
 
 
 cdef _Block _new_block(Py_ssize_t nbytes, int kind=CPE_DENSE):
-    """A _Block of at least `nbytes` (> 0) bytes of the kind: a dense one kept
-    or fresh, a zeroed or growing one fresh."""
+    """A _Block of at least `nbytes` (> 0) bytes of the kind (only dense ones are kept)."""
     cdef _Block b = _Block.__new__(_Block)
     cdef int reused = 0
     with nogil:
@@ -92,17 +87,14 @@ def block(Py_ssize_t nbytes):
     return _new_block(nbytes)
 
 
-# Zeroed tables at least this large are the allocator's (fresh memory: pages
-# that fault in only where written); smaller ones are np.zeros.
+# Zeroed tables at least this large are the allocator's; smaller ones np.zeros.
 ZEROED_MIN_BYTES = 1 << 22
 
 
 def zeros(shape, dtype, bint growing=False):
-    """``np.zeros(shape, dtype)`` for a table made once and kept: at
-    ``ZEROED_MIN_BYTES`` or more, fresh memory whose pages fault in only where
-    written, 4 KiB at a time for a table touched sparsely (a gradient), 2 MiB at
-    a time if ``growing`` (an optimizer's state, written from its first row
-    on)."""
+    """``np.zeros(shape, dtype)`` for a table kept long: from ``ZEROED_MIN_BYTES`` on,
+    fresh pages that fault in where written, 4 KiB at a time (a gradient) or 2 MiB
+    if ``growing`` (an optimizer's state)."""
     dt = np.dtype(dtype)
     nbytes = dt.itemsize
     for n in shape:
@@ -117,19 +109,15 @@ KEEP_SLOTS = CPE_KEEP_SLOTS
 
 
 def zero_memory(size_t address, size_t nbytes, bint lazily):
-    """Zero ``nbytes`` at ``address``: memory of another allocator that the
-    caller owns and nothing else uses (the PyTorch bridge's gradients, torch's
-    memory). ``lazily``: on Linux, its whole pages read as zero until written
-    and then fault in 4 KiB at a time (for memory that is not resident, or a
-    table written sparsely); else memset whole."""
+    """Zero ``nbytes`` at ``address``, memory the caller owns (cpe_zero_memory;
+    ``lazily``: whole pages zero until written, on Linux)."""
     with nogil:
         cpe_zero_memory(<void*>address, nbytes, lazily)
 
 
 def advise_huge(size_t address, size_t nbytes):
-    """Ask for huge pages on the 2 MiB-aligned part of ``nbytes`` (4 MiB or
-    more) at ``address``, memory the caller owns and has not written yet, as
-    fresh dense blocks have them (Linux)."""
+    """Huge pages for the 2 MiB-aligned part of ``nbytes`` at ``address``, memory the
+    caller owns and has not written (Linux)."""
     cpe_advise_huge(<void*>address, nbytes)
 
 
@@ -149,8 +137,7 @@ def set_pool(bint enabled=True, limit_bytes=None):
         clear_pool()
 
 
-# What clear_pool calls after releasing the blocks: the release of memory
-# kept elsewhere under the same policy (the PyTorch bridge's storages).
+# Called by clear_pool after the blocks go: memory kept elsewhere (torch's storages).
 _clear_hooks = []
 
 
@@ -167,24 +154,19 @@ def clear_pool():
         hook()
 
 
-# The entries' scratch (the buffer of a call's positions, the scatter-adds'
-# counts and lists, the SGD step's rows): blocks of this many bytes and more
-# are the allocator's dense blocks, kept between calls. Given back to glibc,
-# blocks of a few hundred KiB are returned to the OS and faulted in again by
-# the next call of the same size.
+# Scratch of this many bytes and more is the allocator's dense blocks, kept between
+# calls (glibc would return blocks of a few hundred KiB to the OS each time).
 cdef enum:
     _SCRATCH_KEPT = 65536
 
 
-# Requests of scratch that fail on purpose, after _scratch_spared more
-# succeed (fail_scratch): how the tests reach every entry's MemoryError.
+# Scratch requests that fail on purpose (fail_scratch), for the tests.
 cdef Py_ssize_t _scratch_failures = 0
 cdef Py_ssize_t _scratch_spared = 0
 
 
 cdef void* _scratch_take(size_t nbytes, size_t* capacity) noexcept:
-    """At least `nbytes` (> 0) of scratch, its size in `capacity`; NULL if
-    out of memory. Give it back with _scratch_give."""
+    """At least `nbytes` (> 0) of scratch, its size in `capacity`; NULL if none."""
     global _scratch_failures, _scratch_spared
     cdef cpe_Mem m
     cdef int reused
@@ -218,10 +200,8 @@ cdef void _scratch_give(void* p, size_t capacity) noexcept:
 
 
 cdef void* _scratch_or_raise(size_t nbytes, size_t* capacity, str what) except NULL:
-    """_scratch_take, or MemoryError("cannot allocate <what>"). Every entry
-    takes its scratch this way, with the GIL held and before its kernel
-    starts: the kernels never allocate, so they stay noexcept nogil and
-    nothing on their hot paths checks for an error or takes the GIL."""
+    """_scratch_take, or MemoryError("cannot allocate <what>"): how every entry takes
+    its scratch, with the GIL, before its kernel starts (kernels never allocate)."""
     cdef void* p = _scratch_take(nbytes, capacity)
     if p == NULL:
         raise MemoryError(f"cannot allocate {what}")
@@ -229,9 +209,8 @@ cdef void* _scratch_or_raise(size_t nbytes, size_t* capacity, str what) except N
 
 
 def fail_scratch(Py_ssize_t n, Py_ssize_t after=0):
-    """Make `n` requests of scratch fail, as if out of memory, once `after`
-    more have succeeded (tests); n=0 ends it. Returns how many failures were
-    still to come."""
+    """Make `n` scratch requests fail once `after` more have succeeded (tests; n=0
+    ends it); returns the failures still to come."""
     global _scratch_failures, _scratch_spared
     cdef Py_ssize_t pending = _scratch_failures
     _scratch_failures = max(0, n)
