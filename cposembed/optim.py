@@ -31,13 +31,10 @@ __all__ = ["SGD", "Adam", "AdamW", "Optimizer", "state_dtype"]
 
 # The C step's hyper-parameters (cpe_opt_hyper) at values that change nothing.
 _KERNEL_UNUSED: dict[str, Any] = {
-    "kind": 0,
-    "l2": False,
     "decoupled": False,
     "momentum_on": False,
     "nesterov": False,
     "neg_lr": 0.0,
-    "weight_decay": 0.0,
     "momentum": 0.0,
     "damp1": 0.0,
     "decay": 1.0,
@@ -65,10 +62,8 @@ class Optimizer:
     _hyper: dict[str, Any]
 
     def __init__(self, layer: Any) -> None:
-        self._layer = layer
-        self._tables = _tables_of(layer, type(self).__name__)
+        self._bind(layer)
         self._step = 0
-        self._scratch: dict[str, np.ndarray] = {}
         names = self._names_for(self._hyper)
         self._states = {
             name: RowState(names, t.table.shape, state_dtype(t.table.dtype))
@@ -202,6 +197,18 @@ class Optimizer:
         }
         return hyper, step, checked
 
+    def _bind(self, layer: Any) -> None:
+        """Keep ``layer``, its tables and an empty scratch."""
+        tables = getattr(layer, "trainable_tables", None)
+        if not callable(tables):
+            raise TypeError(
+                f"{type(self).__name__} optimizes a LearnedPositionEmbedding or a "
+                f"TokenPositionEmbedding; got {v.describe(layer)}"
+            )
+        self._layer = layer
+        self._tables: dict[str, Trainable] = tables()
+        self._scratch: dict[str, np.ndarray] = {}
+
     def _names_for(self, hyper: dict[str, Any]) -> tuple[str, ...]:
         """The per-row buffers kept with these hyper-parameters."""
         return self._buffer_names
@@ -216,9 +223,7 @@ class Optimizer:
                 f"not a pickled {type(self).__name__} (expected the keys layer, state); "
                 f"got {v.describe(state)}"
             )
-        self._layer = state["layer"]
-        self._tables = _tables_of(self._layer, type(self).__name__)
-        self._scratch = {}
+        self._bind(state["layer"])
         self._hyper, self._step, self._states = self._checked(state["state"])
 
     def __repr__(self) -> str:
@@ -328,19 +333,7 @@ class Optimizer:
         )
         if done is None:
             self._step -= 1
-            return False
-        return True
-
-
-def _tables_of(layer: Any, who: str) -> dict[str, Trainable]:
-    tables = getattr(layer, "trainable_tables", None)
-    if not callable(tables):
-        raise TypeError(
-            f"{who} optimizes a LearnedPositionEmbedding or a TokenPositionEmbedding; "
-            f"got {v.describe(layer)}"
-        )
-    found: dict[str, Trainable] = tables()
-    return found
+        return done is not None
 
 
 class SGD(Optimizer):
