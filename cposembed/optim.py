@@ -9,6 +9,7 @@ stay as they are, as in ``torch.optim.SparseAdam``. See docs/architecture.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -44,6 +45,15 @@ _KERNEL_UNUSED: dict[str, Any] = {
     "bc2_sqrt": 1.0,
     "eps": 0.0,
     "neg_step": 0.0,
+}
+
+# Each hyper-parameter's check, worded as torch.optim words it (SGD checks its other two).
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "lr": lambda x: at_least_zero(x, "lr", "Invalid learning rate"),
+    "momentum": lambda x: at_least_zero(x, "momentum", "Invalid momentum value"),
+    "eps": lambda x: at_least_zero(x, "eps", "Invalid epsilon value"),
+    "weight_decay": lambda x: at_least_zero(x, "weight_decay", "Invalid weight_decay value"),
+    "betas": check_betas,
 }
 
 
@@ -88,7 +98,7 @@ class Optimizer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._hyper["lr"] = at_least_zero(value, "lr", "Invalid learning rate")
+        self._hyper["lr"] = _CHECKS["lr"](value)
 
     @property
     def hyperparameters(self) -> dict[str, Any]:
@@ -119,10 +129,7 @@ class Optimizer:
             work.append((name, t.gradient.step_rows(grad, t.table.shape[0]), grad))
         self._step += 1
         for name, rows, grad in work:
-            # A gradient the entry refuses (an assigned one) goes as a copy of its rows.
-            if not self._apply(name, rows, grad, False, -1, strict=False):
-                dt = self._states[name].dtype
-                self._apply(name, rows, np.array(grad[rows], dtype=dt, order="C"), True, -1)
+            self._apply(name, rows, grad, False, -1)
 
     def fused_backward(self, layer: Any, grad_output: Any, *inputs: Any, offset: Any = 0) -> None:
         """``layer.backward(grad_output, *inputs, offset=offset, optimizer=self)``: one step."""
@@ -233,31 +240,29 @@ class Optimizer:
     # -- the update ------------------------------------------------------------------
     @classmethod
     def _check_hyper(cls, **hyper: Any) -> dict[str, Any]:
-        raise NotImplementedError
+        """``hyper`` checked, in ``_hyper_keys`` order."""
+        return {k: _CHECKS[k](hyper[k]) if k in _CHECKS else hyper[k] for k in cls._hyper_keys}
 
     def _kernel_hyper(self) -> dict[str, Any]:
         """This step's hyper-parameters as the C step takes them."""
         raise NotImplementedError
 
     def _apply(
-        self,
-        name: str,
-        rows: np.ndarray,
-        grad: np.ndarray,
-        compact: bool,
-        skip_row: int,
-        strict: bool = True,
+        self, name: str, rows: np.ndarray, grad: np.ndarray, compact: bool, skip_row: int
     ) -> bool:
         """Update table ``name`` on ``rows`` (but ``skip_row``) from ``grad`` (of
-        the rows if ``compact``); False if the entry refused it and not ``strict``."""
-        table, state1, state2, slots, skip = self._target_of(name, skip_row)
+        the rows if ``compact``); True."""
+        table, state1, state2, slots, _ = self._target_of(name, skip_row)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        done = _core.optimizer_step(
-            table, grad, rows, compact, state1, state2, slots, self._kernel_hyper(), skip
-        )
-        if done is None and strict:  # the optimizer's own arrays: the entry takes them all
-            raise RuntimeError("the optimizer step's kernel refused its arguments")
-        return done is not None
+        args = (state1, state2, slots, self._kernel_hyper(), skip_row)
+        if _core.optimizer_step(table, grad, rows, compact, *args):
+            return True
+        if not compact:
+            # A full gradient the entry refuses (an assigned one) goes as a copy of its rows.
+            grad = np.array(grad[rows], dtype=self._states[name].dtype, order="C")
+            if _core.optimizer_step(table, grad, rows, True, *args):
+                return True
+        raise RuntimeError("the optimizer step's kernel refused its arguments")
 
     def _target_of(self, name: str, skip_row: int) -> tuple[Any, ...]:
         """Table ``name``, its two state arrays (or None), RowSlots and skip row."""
@@ -399,26 +404,16 @@ class SGD(Optimizer):
 
     @classmethod
     def _check_hyper(cls, **hyper: Any) -> dict[str, Any]:
-        lr = at_least_zero(hyper["lr"], "lr", "Invalid learning rate")
-        momentum = at_least_zero(hyper["momentum"], "momentum", "Invalid momentum value")
-        dampening = real(hyper["dampening"], "dampening")
-        if not math.isfinite(dampening):
+        h = super()._check_hyper(**hyper)
+        h["dampening"] = real(hyper["dampening"], "dampening")
+        if not math.isfinite(h["dampening"]):
             raise ValueError(f"Invalid dampening value: {hyper['dampening']}")
-        weight_decay = at_least_zero(
-            hyper["weight_decay"], "weight_decay", "Invalid weight_decay value"
-        )
-        nesterov = hyper["nesterov"]
-        if not isinstance(nesterov, (bool, np.bool_)):
-            raise TypeError(f"nesterov must be a bool; got {v.describe(nesterov)}")
-        if nesterov and (momentum <= 0 or dampening != 0):
+        if not isinstance(hyper["nesterov"], (bool, np.bool_)):
+            raise TypeError(f"nesterov must be a bool; got {v.describe(hyper['nesterov'])}")
+        h["nesterov"] = bool(hyper["nesterov"])
+        if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        return {
-            "lr": lr,
-            "momentum": momentum,
-            "dampening": dampening,
-            "weight_decay": weight_decay,
-            "nesterov": bool(nesterov),
-        }
+        return h
 
     _buffer_names = ("momentum_buffer",)
 
@@ -492,16 +487,6 @@ class Adam(Optimizer):
     ) -> None:
         self._hyper = self._check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(layer)
-
-    @classmethod
-    def _check_hyper(cls, **hyper: Any) -> dict[str, Any]:
-        lr = at_least_zero(hyper["lr"], "lr", "Invalid learning rate")
-        eps = at_least_zero(hyper["eps"], "eps", "Invalid epsilon value")
-        pair = check_betas(hyper["betas"])
-        weight_decay = at_least_zero(
-            hyper["weight_decay"], "weight_decay", "Invalid weight_decay value"
-        )
-        return {"lr": lr, "betas": pair, "eps": eps, "weight_decay": weight_decay}
 
     def _kernel_hyper(self) -> dict[str, Any]:
         # torch.optim.Adam's scalars, in Python floats as it computes them.
