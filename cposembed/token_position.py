@@ -85,12 +85,10 @@ class TokenPositionEmbedding(_Layer):
         d = v.check_int(embed_dim, "embed_dim", min_value=1)
         dt = v.table_dtype(dtype)
         positions, tokens = draw_tables(seed, d, n_rows, n_tokens)
-        token_layer = LearnedPositionEmbedding.from_pretrained(
-            tokens, dtype=dt, padding_idx=padding_idx
-        )
-        if token_layer.padding_idx is not None:
-            token_layer.embeddings[token_layer.padding_idx] = 0
-        self._set_tables(token_layer, LearnedPositionEmbedding.from_pretrained(positions, dtype=dt))
+        built = self.from_pretrained(tokens, positions, dtype=dt, padding_idx=padding_idx)
+        if built.padding_idx is not None:
+            built.token_embeddings[built.padding_idx] = 0
+        self._set_tables(built._tokens, built._positions)
 
     def _set_tables(
         self, tokens: LearnedPositionEmbedding, positions: LearnedPositionEmbedding
@@ -310,11 +308,10 @@ class TokenPositionEmbedding(_Layer):
         tokens.__setstate__(state["tokens"])
         positions = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)
         positions.__setstate__(state["positions"])
-        if positions.padding_idx is not None or tokens.embed_dim != positions.embed_dim:
+        same = tokens.embed_dim == positions.embed_dim and tokens.dtype == positions.dtype
+        if positions.padding_idx is not None or not same:
             raise ValueError(
                 "pickled TokenPositionEmbedding state: the position table has a "
-                "padding_idx or another embed_dim than the token table"
+                "padding_idx, or another embed_dim or dtype than the token table"
             )
-        if tokens.dtype != positions.dtype:
-            raise ValueError("pickled TokenPositionEmbedding state: the tables differ in dtype")
         self._set_tables(tokens, positions)
