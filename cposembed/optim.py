@@ -1,10 +1,5 @@
-"""Lazy optimizers for the embedding tables: SGD, Adam and AdamW on the touched rows.
-
-Each optimizer updates the tables of one layer, per step only the rows that
-got gradient (since ``zero_grad()``, or of a fused ``layer.backward(...,
-optimizer=opt)`` call), each by PyTorch's rule; the other rows and their state
-stay as they are, as in ``torch.optim.SparseAdam``. See docs/architecture.md.
-"""
+"""Lazy optimizers for the embedding tables: SGD, Adam and AdamW on the touched rows,
+each by PyTorch's rule; the other rows and their state stay as they are."""
 
 from __future__ import annotations
 
