@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copyreg
 import sys
-from typing import Any, ClassVar, overload
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar, overload
 
 import numpy as np
 
@@ -18,6 +19,8 @@ SAVE_FORMAT_VERSION = 1
 _PICKLE_VERSION = 1
 
 __all__ = ["LearnedPositionEmbedding"]
+
+_L = TypeVar("_L", bound="_Layer")
 
 
 def _values_of(table: Any) -> np.ndarray:
@@ -59,8 +62,10 @@ class _Layer:
     __slots__ = ()
     _tables: dict[str, _grad.Trainable]
     padding_idx: int | None
-    #: The ``kind`` written by :meth:`save`, and the sizes :meth:`__repr__` shows.
+    from_pretrained: ClassVar[Callable[..., Any]]
+    #: The ``kind`` and tables :meth:`save` writes, and the sizes :meth:`__repr__` shows.
     _SAVE_KIND: ClassVar[str]
+    _TABLE_NAMES: ClassVar[tuple[str, ...]]
     _SIZES: ClassVar[tuple[str, ...]]
 
     def zero_grad(self) -> None:
@@ -115,6 +120,35 @@ class _Layer:
         tables = {name: t.table for name, t in self._tables.items()}
         _state.save_npz(path, self._SAVE_KIND, SAVE_FORMAT_VERSION, tables, self.padding_idx)
 
+    @classmethod
+    def load(cls: type[_L], path: PathOrFile) -> _L:
+        """Read back what :meth:`save` wrote.
+
+        Parameters
+        ----------
+        path : str, path-like or binary file
+            Exactly this file name, or an open binary file.
+
+        Returns
+        -------
+        LearnedPositionEmbedding or TokenPositionEmbedding
+            Of the class ``load`` is called on.
+
+        Raises
+        ------
+        ValueError
+            The file is not one :meth:`save` wrote, or is damaged or truncated.
+        FileNotFoundError
+            No file at ``path``.
+        """
+        tables, pad, name = _state.load_npz(
+            path, cls._SAVE_KIND, SAVE_FORMAT_VERSION, cls._TABLE_NAMES
+        )
+        if len({t.shape[1] for t in tables}) != 1:
+            raise ValueError(f"{name}: the tables differ in embed_dim")
+        layer: _L = cls.from_pretrained(*tables, dtype=tables[0].dtype, padding_idx=pad)
+        return layer
+
     def __repr__(self) -> str:
         args = [f"{name}={getattr(self, name)}" for name in (*self._SIZES, "dtype")]
         if self.padding_idx is not None:
@@ -162,6 +196,7 @@ class LearnedPositionEmbedding(_core.TableCall, _Layer):
     __slots__ = ("_embeddings", "_grad", "_tables", "__dict__", "__weakref__")
     __signature__ = _CallSignature()
     _SAVE_KIND = "cposembed.LearnedPositionEmbedding"
+    _TABLE_NAMES = ("embeddings",)
     _SIZES = ("max_seq_len", "embed_dim")
 
     def __init__(
@@ -407,22 +442,6 @@ class LearnedPositionEmbedding(_core.TableCall, _Layer):
         if pad is not None:
             table[pad] = old[pad]
         return type(self).from_pretrained(table, dtype=self.dtype, padding_idx=pad)
-
-    @classmethod
-    def load(cls, path: PathOrFile) -> LearnedPositionEmbedding:
-        """Read back what :meth:`save` wrote (exactly ``path``, or an open binary file).
-
-        Raises
-        ------
-        ValueError
-            The file is not one :meth:`save` wrote, or is damaged or truncated.
-        FileNotFoundError
-            No file at ``path``.
-        """
-        (table,), pad, _ = _state.load_npz(
-            path, cls._SAVE_KIND, SAVE_FORMAT_VERSION, ("embeddings",)
-        )
-        return cls.from_pretrained(table, dtype=table.dtype, padding_idx=pad)
 
     # -- pickle --------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

@@ -8,8 +8,7 @@ import numpy as np
 
 from . import _grad, _routes, _state
 from . import _validation as v
-from ._state import PathOrFile
-from .embedding import SAVE_FORMAT_VERSION, LearnedPositionEmbedding, _Layer, draw_tables
+from .embedding import LearnedPositionEmbedding, _Layer, draw_tables
 from .layer import embed
 
 _PICKLE_VERSION = 1
@@ -68,6 +67,7 @@ class TokenPositionEmbedding(_Layer):
     """
 
     _SAVE_KIND = "cposembed.TokenPositionEmbedding"
+    _TABLE_NAMES = ("token_embeddings", "position_embeddings")
     _SIZES = ("vocab_size", "max_seq_len", "embed_dim")
 
     def __init__(
@@ -262,31 +262,6 @@ class TokenPositionEmbedding(_Layer):
         token_state.keep(token_grad, token_touched)
         position_state.keep(position_grad, position_touched)
         return token_grad, position_grad
-
-    @classmethod
-    def load(cls, path: PathOrFile) -> TokenPositionEmbedding:
-        """Read back what :meth:`save` wrote (exactly ``path``, or an open binary file).
-
-        Parameters
-        ----------
-        path : str, path-like or binary file
-
-        Returns
-        -------
-        TokenPositionEmbedding
-
-        Raises
-        ------
-        ValueError
-            The file is not one :meth:`save` wrote, or is damaged or truncated.
-        """
-        tables, pad, name = _state.load_npz(
-            path, cls._SAVE_KIND, SAVE_FORMAT_VERSION, ("token_embeddings", "position_embeddings")
-        )
-        tokens, positions = tables  # of one dtype
-        if tokens.shape[1] != positions.shape[1]:
-            raise ValueError(f"{name}: the two tables differ in embed_dim")
-        return cls.from_pretrained(tokens, positions, dtype=tokens.dtype, padding_idx=pad)
 
     def __getstate__(self) -> dict[str, Any]:
         return {
