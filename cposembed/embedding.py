@@ -258,7 +258,6 @@ class LearnedPositionEmbedding(_core.TableCall, _Layer):
         self._init_state(pad)
         return self
 
-    # -- the table ---------------------------------------------------------
     @property
     def embeddings(self) -> np.ndarray:
         """The live table ``(L, d)``, C-contiguous and writable; assigning copies in."""
@@ -313,7 +312,6 @@ class LearnedPositionEmbedding(_core.TableCall, _Layer):
         """The table's dtype: the constructor's ``dtype`` (``float32`` by default)."""
         return self._embeddings.dtype
 
-    # -- forward -----------------------------------------------------------
     # pe(positions) is TableCall.__call__; this takes what its entry refused.
     def _lookup_normalised(self, positions: Any, out: np.ndarray | None) -> np.ndarray:
         return _routes.lookup(self._embeddings, positions, out=out, num_threads=None)
@@ -344,7 +342,6 @@ class LearnedPositionEmbedding(_core.TableCall, _Layer):
         """
         return add_positions(token_embeddings, self._embeddings, positions, offset=offset, out=out)
 
-    # -- backward ----------------------------------------------------------
     @overload
     def backward(
         self, grad_output: Any, positions: Any = None, *, offset: int = 0, optimizer: None = None
@@ -443,14 +440,12 @@ class LearnedPositionEmbedding(_core.TableCall, _Layer):
             table[pad] = old[pad]
         return type(self).from_pretrained(table, dtype=self.dtype, padding_idx=pad)
 
-    # -- pickle --------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        state = self._grad
         return {
             "version": _PICKLE_VERSION,
             "embeddings": self._embeddings,
-            "grad": state.grad,
-            "touched": state.kept_touched(),
+            "grad": self._grad.grad,
+            "touched": self._grad.kept_touched(),
             "padding_idx": self.padding_idx,
         }
 

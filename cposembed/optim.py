@@ -75,7 +75,6 @@ class Optimizer:
             for name, t in self._tables.items()
         }
 
-    # -- public face ----------------------------------------------------------
     @property
     def layer(self) -> Any:
         """The layer whose tables this optimizer updates."""
@@ -215,7 +214,6 @@ class Optimizer:
         """The per-row buffers kept with these hyper-parameters."""
         return self._buffer_names
 
-    # -- pickle: the layer and state_dict() ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         return {"layer": self._layer, "state": self.state_dict()}
 
@@ -232,7 +230,6 @@ class Optimizer:
         args = ", ".join(f"{k}={val!r}" for k, val in self._hyper.items())
         return f"{type(self).__name__}({self._layer!r}, {args})"
 
-    # -- the update ------------------------------------------------------------------
     @classmethod
     def _check_hyper(cls, **hyper: Any) -> dict[str, Any]:
         """``hyper`` checked, in ``_hyper_keys`` order."""
@@ -266,7 +263,6 @@ class Optimizer:
         slots = state.slots if state.names else None
         return self._tables[name].table, buffers[0], buffers[1], slots, skip_row
 
-    # -- fused backward --------------------------------------------------------------
     def _scratch_rows(self, name: str, n: int, d: int) -> np.ndarray:
         """``n`` zeroed rows of scratch for table ``name``, kept between calls."""
         kept = self._scratch.get(name, np.zeros((0, d), dtype=self._states[name].dtype))

@@ -138,7 +138,6 @@ class TokenPositionEmbedding(_Layer):
         self._set_tables(tokens, positions)
         return self
 
-    # -- the tables ----------------------------------------------------------
     token_embeddings = _part_property("_tokens", "embeddings", "The live token table ``(V, d)``.")
     position_embeddings = _part_property(
         "_positions", "embeddings", "The live position table ``(L, d)``."
@@ -156,7 +155,6 @@ class TokenPositionEmbedding(_Layer):
     embed_dim = _part_property("_tokens", "embed_dim", "Embedding dimension ``d``.", False)
     dtype = _part_property("_tokens", "dtype", "Dtype of both tables.", False)
 
-    # -- forward and backward -------------------------------------------------
     def __call__(
         self,
         token_ids: Any,
