@@ -241,10 +241,9 @@ class TokenPositionEmbedding(_Layer):
             fused = _grad.fused_backward_of(optimizer)
             fused(self, grad_output, token_ids, positions, offset=offset)
             return None
-        tokens, position_table = self._tables.values()
-        token_state, position_state = tokens.gradient, position_table.gradient
-        token_grad, token_touched = token_state.to_accumulate(tokens.table)
-        position_grad, position_touched = position_state.to_accumulate(position_table.table)
+        tokens, positions_of = self._tables.values()
+        token_grad, token_touched = tokens.gradient.to_accumulate(tokens.table)
+        position_grad, position_touched = positions_of.gradient.to_accumulate(positions_of.table)
         _routes.embed_backward(
             token_grad,
             position_grad,
@@ -255,10 +254,10 @@ class TokenPositionEmbedding(_Layer):
             num_threads=None,
             token_touched=token_touched,
             position_touched=position_touched,
-            token_skip_row=token_state.skip_row,
+            token_skip_row=tokens.gradient.skip_row,
         )
-        token_state.keep(token_grad, token_touched)
-        position_state.keep(position_grad, position_touched)
+        tokens.gradient.keep(token_grad, token_touched)
+        positions_of.gradient.keep(position_grad, position_touched)
         return token_grad, position_grad
 
     def __getstate__(self) -> dict[str, Any]:
