@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copyreg
 import sys
-from typing import Any, overload
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar, overload
 
 import numpy as np
 
@@ -13,13 +14,13 @@ from . import _validation as v
 from ._state import PathOrFile
 from .functional import add_positions
 
-# Version of the .npz layout written by save(); load() refuses newer ones.
+# Versions of the .npz layout save() writes and of the pickled state; newer ones are refused.
 SAVE_FORMAT_VERSION = 1
-_SAVE_KIND = "cposembed.LearnedPositionEmbedding"
-# Version of the pickled state (see __getstate__).
 _PICKLE_VERSION = 1
 
 __all__ = ["LearnedPositionEmbedding"]
+
+_L = TypeVar("_L", bound="_Layer")
 
 
 def _values_of(table: Any) -> np.ndarray:
@@ -55,7 +56,107 @@ class _CallSignature:
         return sig.replace(parameters=list(sig.parameters.values())[1:])
 
 
-class LearnedPositionEmbedding(_core.TableCall):
+class _Layer:
+    """What both layers share: gradients, SGD, saving and repr over ``_tables``."""
+
+    __slots__ = ()
+    _tables: dict[str, _grad.Trainable]
+    padding_idx: int | None
+    from_pretrained: ClassVar[Callable[..., Any]]
+    #: The ``kind`` and tables :meth:`save` writes, and the sizes :meth:`__repr__` shows.
+    _SAVE_KIND: ClassVar[str]
+    _TABLE_NAMES: ClassVar[tuple[str, ...]]
+    _SIZES: ClassVar[tuple[str, ...]]
+
+    def zero_grad(self) -> None:
+        """Reset the accumulated gradients to zeros (keeping their buffers)."""
+        for t in self._tables.values():
+            t.gradient.zero()
+
+    def trainable_tables(self) -> dict[str, _grad.Trainable]:
+        """The tables an optimizer updates, by name, with their gradient state."""
+        return dict(self._tables)
+
+    def sgd_step(self, lr: float) -> None:
+        """One SGD step (no momentum), ``table -= lr * grad``, on each table's touched rows.
+
+        Bitwise NumPy's ``pe.embeddings -= float(lr) * pe.grad``; a float16 or
+        bfloat16 table computes in float32 and rounds once. Only rows touched
+        since :meth:`zero_grad` are visited (all rows for an assigned
+        gradient); a table whose gradient is ``None`` does not move. The
+        gradients are not reset.
+
+        Parameters
+        ----------
+        lr : float
+            Learning rate: any finite real number (negative values ascend).
+
+        Raises
+        ------
+        TypeError
+            ``lr`` is not a real number, or a gradient is not a numeric array.
+        ValueError
+            ``lr`` is NaN or infinite, or a gradient has the wrong shape.
+            Every gradient is checked before any table moves.
+        """
+        step = v.learning_rate(lr)
+        work = [(t, t.gradient.for_step(t.table)) for t in self._tables.values()]
+        for t, grad in work:
+            if grad is not None:
+                _grad.sgd_step(t.table, t.gradient, grad, step)
+
+    def save(self, path: PathOrFile) -> None:
+        """Write the tables and their settings to ``path`` as an ``.npz`` archive.
+
+        The tables bitwise, their dtype, ``padding_idx`` and a format version;
+        not the gradients (pickle keeps them).
+
+        Parameters
+        ----------
+        path : str, path-like or binary file
+            Exactly this file name (no suffix added), written atomically, or
+            an open binary file.
+        """
+        tables = {name: t.table for name, t in self._tables.items()}
+        _state.save_npz(path, self._SAVE_KIND, SAVE_FORMAT_VERSION, tables, self.padding_idx)
+
+    @classmethod
+    def load(cls: type[_L], path: PathOrFile) -> _L:
+        """Read back what :meth:`save` wrote.
+
+        Parameters
+        ----------
+        path : str, path-like or binary file
+            Exactly this file name, or an open binary file.
+
+        Returns
+        -------
+        LearnedPositionEmbedding or TokenPositionEmbedding
+            Of the class ``load`` is called on.
+
+        Raises
+        ------
+        ValueError
+            The file is not one :meth:`save` wrote, or is damaged or truncated.
+        FileNotFoundError
+            No file at ``path``.
+        """
+        tables, pad, name = _state.load_npz(
+            path, cls._SAVE_KIND, SAVE_FORMAT_VERSION, cls._TABLE_NAMES
+        )
+        if len({t.shape[1] for t in tables}) != 1:
+            raise ValueError(f"{name}: the tables differ in embed_dim")
+        layer: _L = cls.from_pretrained(*tables, dtype=tables[0].dtype, padding_idx=pad)
+        return layer
+
+    def __repr__(self) -> str:
+        args = [f"{name}={getattr(self, name)}" for name in (*self._SIZES, "dtype")]
+        if self.padding_idx is not None:
+            args.append(f"padding_idx={self.padding_idx}")
+        return f"{type(self).__name__}({', '.join(args)})"
+
+
+class LearnedPositionEmbedding(_core.TableCall, _Layer):
     """Learned position embedding table with C-accelerated lookup, add and backward.
 
     A drop-in for the handbook's NumPy class (:mod:`cposembed.reference`):
@@ -94,6 +195,9 @@ class LearnedPositionEmbedding(_core.TableCall):
     # Slots read faster than an instance __dict__ on a class with a C base.
     __slots__ = ("_embeddings", "_grad", "_tables", "__dict__", "__weakref__")
     __signature__ = _CallSignature()
+    _SAVE_KIND = "cposembed.LearnedPositionEmbedding"
+    _TABLE_NAMES = ("embeddings",)
+    _SIZES = ("max_seq_len", "embed_dim")
 
     def __init__(
         self,
@@ -154,7 +258,6 @@ class LearnedPositionEmbedding(_core.TableCall):
         self._init_state(pad)
         return self
 
-    # -- the table ---------------------------------------------------------
     @property
     def embeddings(self) -> np.ndarray:
         """The live table ``(L, d)``, C-contiguous and writable; assigning copies in."""
@@ -209,7 +312,6 @@ class LearnedPositionEmbedding(_core.TableCall):
         """The table's dtype: the constructor's ``dtype`` (``float32`` by default)."""
         return self._embeddings.dtype
 
-    # -- forward -----------------------------------------------------------
     # pe(positions) is TableCall.__call__; this takes what its entry refused.
     def _lookup_normalised(self, positions: Any, out: np.ndarray | None) -> np.ndarray:
         return _routes.lookup(self._embeddings, positions, out=out, num_threads=None)
@@ -240,7 +342,6 @@ class LearnedPositionEmbedding(_core.TableCall):
         """
         return add_positions(token_embeddings, self._embeddings, positions, offset=offset, out=out)
 
-    # -- backward ----------------------------------------------------------
     @overload
     def backward(
         self, grad_output: Any, positions: Any = None, *, offset: int = 0, optimizer: None = None
@@ -298,41 +399,6 @@ class LearnedPositionEmbedding(_core.TableCall):
             return None
         return self._grad.accumulate(self._embeddings, grad_output, positions, offset)
 
-    def zero_grad(self) -> None:
-        """Reset the accumulated gradient to zeros (keeping its buffer)."""
-        self._grad.zero()
-
-    def trainable_tables(self) -> dict[str, _grad.Trainable]:
-        """``{"embeddings": ...}``: the table an optimizer updates, with its gradient state."""
-        return dict(self._tables)
-
-    # -- learning ------------------------------------------------------------
-    def sgd_step(self, lr: float) -> None:
-        """One SGD step (no momentum), ``embeddings -= lr * grad``, on the touched rows.
-
-        Bitwise NumPy's ``pe.embeddings -= float(lr) * pe.grad``; a float16 or
-        bfloat16 table computes in float32 and rounds once. Only rows touched
-        since :meth:`zero_grad` are visited (all rows for an assigned
-        :attr:`grad`); nothing happens while ``grad is None``. The gradient is
-        not reset.
-
-        Parameters
-        ----------
-        lr : float
-            Learning rate: any finite real number (negative values ascend).
-
-        Raises
-        ------
-        TypeError
-            ``lr`` is not a real number, or :attr:`grad` is not a numeric array.
-        ValueError
-            ``lr`` is NaN or infinite, or :attr:`grad` has the wrong shape.
-        """
-        step = v.learning_rate(lr)
-        grad = self._grad.for_step(self._embeddings)
-        if grad is not None:
-            _grad.sgd_step(self._embeddings, self._grad, grad, step)
-
     def resized(self, new_max_len: int, method: str = "linear") -> LearnedPositionEmbedding:
         """A new instance whose table has ``new_max_len`` rows (for longer or shorter contexts).
 
@@ -374,44 +440,12 @@ class LearnedPositionEmbedding(_core.TableCall):
             table[pad] = old[pad]
         return type(self).from_pretrained(table, dtype=self.dtype, padding_idx=pad)
 
-    # -- saving --------------------------------------------------------------
-    def save(self, path: PathOrFile) -> None:
-        """Write the table and its settings to ``path`` as an ``.npz`` archive.
-
-        Writes exactly ``path`` (no suffix added), atomically, or into an open
-        binary file: the table bitwise, its dtype, ``padding_idx`` and a format
-        version; not the gradient (pickle keeps it).
-        """
-        _state.save_npz(
-            path,
-            _SAVE_KIND,
-            SAVE_FORMAT_VERSION,
-            {"embeddings": self._embeddings},
-            self.padding_idx,
-        )
-
-    @classmethod
-    def load(cls, path: PathOrFile) -> LearnedPositionEmbedding:
-        """Read back what :meth:`save` wrote (exactly ``path``, or an open binary file).
-
-        Raises
-        ------
-        ValueError
-            The file is not one :meth:`save` wrote, or is damaged or truncated.
-        FileNotFoundError
-            No file at ``path``.
-        """
-        (table,), pad, _ = _state.load_npz(path, _SAVE_KIND, SAVE_FORMAT_VERSION, ("embeddings",))
-        return cls.from_pretrained(table, dtype=table.dtype, padding_idx=pad)
-
-    # -- pickle --------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        state = self._grad
         return {
             "version": _PICKLE_VERSION,
             "embeddings": self._embeddings,
-            "grad": state.grad,
-            "touched": state.kept_touched(),
+            "grad": self._grad.grad,
+            "touched": self._grad.kept_touched(),
             "padding_idx": self.padding_idx,
         }
 
@@ -425,13 +459,6 @@ class LearnedPositionEmbedding(_core.TableCall):
         self._embeddings = checked.embeddings
         self._init_state(checked.padding_idx)
         self._grad.restore(checked.grad, checked.touched)
-
-    def __repr__(self) -> str:
-        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
-        return (
-            f"{type(self).__name__}(max_seq_len={self.max_seq_len}, "
-            f"embed_dim={self.embed_dim}, dtype={self.dtype.name}{pad})"
-        )
 
 
 def _interpolate_rows(old: np.ndarray, new_len: int) -> np.ndarray:

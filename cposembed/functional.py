@@ -1,9 +1,5 @@
-"""The functional API of one table: lookup, add_positions, scatter_add.
-
-Each function calls its C entry (``cposembed._core``) with the arguments as
-given; what the entry refuses goes to :mod:`cposembed._routes`, which
-normalises it or raises, and calls the entry again.
-"""
+"""The functional API of one table: lookup, add_positions, scatter_add (routes:
+docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The whole input layer: embed and embed_backward (token + position tables).
-
-Routed as :mod:`cposembed.functional`.
-"""
+"""The whole input layer: embed and embed_backward (token + position tables)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
-"""Lazy optimizers for the embedding tables: SGD, Adam and AdamW on the touched rows.
-
-Each optimizer updates the tables of one layer, per step only the rows that
-got gradient (since ``zero_grad()``, or of a fused ``layer.backward(...,
-optimizer=opt)`` call), each by PyTorch's rule; the other rows and their state
-stay as they are, as in ``torch.optim.SparseAdam``. See docs/architecture.md.
-"""
+"""Lazy optimizers for the embedding tables: SGD, Adam and AdamW on the touched rows,
+each by PyTorch's rule; the other rows and their state stay as they are."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,13 +27,10 @@ __all__ = ["SGD", "Adam", "AdamW", "Optimizer", "state_dtype"]
 
 # The C step's hyper-parameters (cpe_opt_hyper) at values that change nothing.
 _KERNEL_UNUSED: dict[str, Any] = {
-    "kind": 0,
-    "l2": False,
     "decoupled": False,
     "momentum_on": False,
     "nesterov": False,
     "neg_lr": 0.0,
-    "weight_decay": 0.0,
     "momentum": 0.0,
     "damp1": 0.0,
     "decay": 1.0,
@@ -47,6 +40,15 @@ _KERNEL_UNUSED: dict[str, Any] = {
     "bc2_sqrt": 1.0,
     "eps": 0.0,
     "neg_step": 0.0,
+}
+
+# Each hyper-parameter's check, worded as torch.optim words it (SGD checks its other two).
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "lr": lambda x: at_least_zero(x, "lr", "Invalid learning rate"),
+    "momentum": lambda x: at_least_zero(x, "momentum", "Invalid momentum value"),
+    "eps": lambda x: at_least_zero(x, "eps", "Invalid epsilon value"),
+    "weight_decay": lambda x: at_least_zero(x, "weight_decay", "Invalid weight_decay value"),
+    "betas": check_betas,
 }
 
 
@@ -65,17 +67,14 @@ class Optimizer:
     _hyper: dict[str, Any]
 
     def __init__(self, layer: Any) -> None:
-        self._layer = layer
-        self._tables = _tables_of(layer, type(self).__name__)
+        self._bind(layer)
         self._step = 0
-        self._scratch: dict[str, np.ndarray] = {}
         names = self._names_for(self._hyper)
         self._states = {
             name: RowState(names, t.table.shape, state_dtype(t.table.dtype))
             for name, t in self._tables.items()
         }
 
-    # -- public face ----------------------------------------------------------
     @property
     def layer(self) -> Any:
         """The layer whose tables this optimizer updates."""
@@ -93,7 +92,7 @@ class Optimizer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._hyper["lr"] = at_least_zero(value, "lr", "Invalid learning rate")
+        self._hyper["lr"] = _CHECKS["lr"](value)
 
     @property
     def hyperparameters(self) -> dict[str, Any]:
@@ -124,10 +123,7 @@ class Optimizer:
             work.append((name, t.gradient.step_rows(grad, t.table.shape[0]), grad))
         self._step += 1
         for name, rows, grad in work:
-            # A gradient the entry refuses (an assigned one) goes as a copy of its rows.
-            if not self._apply(name, rows, grad, False, -1, strict=False):
-                dt = self._states[name].dtype
-                self._apply(name, rows, np.array(grad[rows], dtype=dt, order="C"), True, -1)
+            self._apply(name, rows, grad, False, -1)
 
     def fused_backward(self, layer: Any, grad_output: Any, *inputs: Any, offset: Any = 0) -> None:
         """``layer.backward(grad_output, *inputs, offset=offset, optimizer=self)``: one step."""
@@ -202,11 +198,22 @@ class Optimizer:
         }
         return hyper, step, checked
 
+    def _bind(self, layer: Any) -> None:
+        """Keep ``layer``, its tables and an empty scratch."""
+        tables = getattr(layer, "trainable_tables", None)
+        if not callable(tables):
+            raise TypeError(
+                f"{type(self).__name__} optimizes a LearnedPositionEmbedding or a "
+                f"TokenPositionEmbedding; got {v.describe(layer)}"
+            )
+        self._layer = layer
+        self._tables: dict[str, Trainable] = tables()
+        self._scratch: dict[str, np.ndarray] = {}
+
     def _names_for(self, hyper: dict[str, Any]) -> tuple[str, ...]:
         """The per-row buffers kept with these hyper-parameters."""
         return self._buffer_names
 
-    # -- pickle: the layer and state_dict() ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         return {"layer": self._layer, "state": self.state_dict()}
 
@@ -216,43 +223,38 @@ class Optimizer:
                 f"not a pickled {type(self).__name__} (expected the keys layer, state); "
                 f"got {v.describe(state)}"
             )
-        self._layer = state["layer"]
-        self._tables = _tables_of(self._layer, type(self).__name__)
-        self._scratch = {}
+        self._bind(state["layer"])
         self._hyper, self._step, self._states = self._checked(state["state"])
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={val!r}" for k, val in self._hyper.items())
         return f"{type(self).__name__}({self._layer!r}, {args})"
 
-    # -- the update ------------------------------------------------------------------
     @classmethod
     def _check_hyper(cls, **hyper: Any) -> dict[str, Any]:
-        raise NotImplementedError
+        """``hyper`` checked, in ``_hyper_keys`` order."""
+        return {k: _CHECKS[k](hyper[k]) if k in _CHECKS else hyper[k] for k in cls._hyper_keys}
 
     def _kernel_hyper(self) -> dict[str, Any]:
         """This step's hyper-parameters as the C step takes them."""
         raise NotImplementedError
 
     def _apply(
-        self,
-        name: str,
-        rows: np.ndarray,
-        grad: np.ndarray,
-        compact: bool,
-        skip_row: int,
-        strict: bool = True,
+        self, name: str, rows: np.ndarray, grad: np.ndarray, compact: bool, skip_row: int
     ) -> bool:
         """Update table ``name`` on ``rows`` (but ``skip_row``) from ``grad`` (of
-        the rows if ``compact``); False if the entry refused it and not ``strict``."""
-        table, state1, state2, slots, skip = self._target_of(name, skip_row)
+        the rows if ``compact``); True."""
+        table, state1, state2, slots, _ = self._target_of(name, skip_row)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        done = _core.optimizer_step(
-            table, grad, rows, compact, state1, state2, slots, self._kernel_hyper(), skip
-        )
-        if done is None and strict:  # the optimizer's own arrays: the entry takes them all
-            raise RuntimeError("the optimizer step's kernel refused its arguments")
-        return done is not None
+        args = (state1, state2, slots, self._kernel_hyper(), skip_row)
+        if _core.optimizer_step(table, grad, rows, compact, *args):
+            return True
+        if not compact:
+            # A full gradient the entry refuses (an assigned one) goes as a copy of its rows.
+            grad = np.array(grad[rows], dtype=self._states[name].dtype, order="C")
+            if _core.optimizer_step(table, grad, rows, True, *args):
+                return True
+        raise RuntimeError("the optimizer step's kernel refused its arguments")
 
     def _target_of(self, name: str, skip_row: int) -> tuple[Any, ...]:
         """Table ``name``, its two state arrays (or None), RowSlots and skip row."""
@@ -261,7 +263,6 @@ class Optimizer:
         slots = state.slots if state.names else None
         return self._tables[name].table, buffers[0], buffers[1], slots, skip_row
 
-    # -- fused backward --------------------------------------------------------------
     def _scratch_rows(self, name: str, n: int, d: int) -> np.ndarray:
         """``n`` zeroed rows of scratch for table ``name``, kept between calls."""
         kept = self._scratch.get(name, np.zeros((0, d), dtype=self._states[name].dtype))
@@ -328,19 +329,7 @@ class Optimizer:
         )
         if done is None:
             self._step -= 1
-            return False
-        return True
-
-
-def _tables_of(layer: Any, who: str) -> dict[str, Trainable]:
-    tables = getattr(layer, "trainable_tables", None)
-    if not callable(tables):
-        raise TypeError(
-            f"{who} optimizes a LearnedPositionEmbedding or a TokenPositionEmbedding; "
-            f"got {v.describe(layer)}"
-        )
-    found: dict[str, Trainable] = tables()
-    return found
+        return done is not None
 
 
 class SGD(Optimizer):
@@ -406,26 +395,16 @@ class SGD(Optimizer):
 
     @classmethod
     def _check_hyper(cls, **hyper: Any) -> dict[str, Any]:
-        lr = at_least_zero(hyper["lr"], "lr", "Invalid learning rate")
-        momentum = at_least_zero(hyper["momentum"], "momentum", "Invalid momentum value")
-        dampening = real(hyper["dampening"], "dampening")
-        if not math.isfinite(dampening):
+        h = super()._check_hyper(**hyper)
+        h["dampening"] = real(hyper["dampening"], "dampening")
+        if not math.isfinite(h["dampening"]):
             raise ValueError(f"Invalid dampening value: {hyper['dampening']}")
-        weight_decay = at_least_zero(
-            hyper["weight_decay"], "weight_decay", "Invalid weight_decay value"
-        )
-        nesterov = hyper["nesterov"]
-        if not isinstance(nesterov, (bool, np.bool_)):
-            raise TypeError(f"nesterov must be a bool; got {v.describe(nesterov)}")
-        if nesterov and (momentum <= 0 or dampening != 0):
+        if not isinstance(hyper["nesterov"], (bool, np.bool_)):
+            raise TypeError(f"nesterov must be a bool; got {v.describe(hyper['nesterov'])}")
+        h["nesterov"] = bool(hyper["nesterov"])
+        if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        return {
-            "lr": lr,
-            "momentum": momentum,
-            "dampening": dampening,
-            "weight_decay": weight_decay,
-            "nesterov": bool(nesterov),
-        }
+        return h
 
     _buffer_names = ("momentum_buffer",)
 
@@ -499,16 +478,6 @@ class Adam(Optimizer):
     ) -> None:
         self._hyper = self._check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(layer)
-
-    @classmethod
-    def _check_hyper(cls, **hyper: Any) -> dict[str, Any]:
-        lr = at_least_zero(hyper["lr"], "lr", "Invalid learning rate")
-        eps = at_least_zero(hyper["eps"], "eps", "Invalid epsilon value")
-        pair = check_betas(hyper["betas"])
-        weight_decay = at_least_zero(
-            hyper["weight_decay"], "weight_decay", "Invalid weight_decay value"
-        )
-        return {"lr": lr, "betas": pair, "eps": eps, "weight_decay": weight_decay}
 
     def _kernel_hyper(self) -> dict[str, Any]:
         # torch.optim.Adam's scalars, in Python floats as it computes them.

@@ -17,9 +17,6 @@ from . import _validation as v
 
 __all__ = ["adjacent_similarity", "cosine_similarity", "heatmap", "similarity"]
 
-# cposembed is not on a package index yet: the command that works from a checkout.
-_EXTRA_HINT = 'python -m pip install ".[plot]" from a checkout of cposembed, or matplotlib itself'
-
 
 def has_matplotlib() -> bool:
     """Whether matplotlib can be imported (the pictures need it)."""
@@ -28,19 +25,6 @@ def has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _new_figure(figsize: tuple[float, float]) -> Any:
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError(
-            f"cposembed.plot needs matplotlib, an optional extra: {_EXTRA_HINT}"
-        ) from exc
-    fig = Figure(figsize=figsize, constrained_layout=True)
-    FigureCanvasAgg(fig)  # the Agg renderer, without pyplot or a global backend switch
-    return fig
 
 
 def _as_table(pe_or_table: Any) -> np.ndarray:
@@ -87,7 +71,17 @@ def _draw(
     image: np.ndarray, size: Any, labels: tuple[str, str, str], path: Any, dpi: int, **imshow: Any
 ) -> Any:
     """A figure of ``image``, labelled (y axis, colour bar, title), saved to ``path`` if given."""
-    fig = _new_figure(size)
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        # cposembed is not on a package index yet: the command that works from a checkout.
+        raise ImportError(
+            'cposembed.plot needs matplotlib, an optional extra: python -m pip install ".[plot]" '
+            "from a checkout of cposembed, or matplotlib itself"
+        ) from exc
+    fig = Figure(figsize=size, constrained_layout=True)
+    FigureCanvasAgg(fig)  # the Agg renderer, without pyplot or a global backend switch
     ax = fig.add_subplot()
     im = ax.imshow(image, origin="lower", interpolation="nearest", **imshow)
     ax.set_xlabel("Position")
@@ -135,8 +129,8 @@ def heatmap(
     table = _as_table(pe_or_table)
     if vmax is None:
         vmax = float(np.abs(table).max()) or 1.0
-    n_pos, n_dim = table.shape
-    title = title if title is not None else f"Position embeddings ({n_pos} x {n_dim})"
+    if title is None:
+        title = "Position embeddings ({} x {})".format(*table.shape)
     vmin = -vmax if vmin is None else vmin
     labels = ("Dimension", "Value", title)
     return _draw(table.T, (8, 4), labels, path, dpi, cmap=cmap, aspect="auto", vmin=vmin, vmax=vmax)

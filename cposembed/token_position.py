@@ -8,19 +8,15 @@ import numpy as np
 
 from . import _grad, _routes, _state
 from . import _validation as v
-from ._state import PathOrFile
-from .embedding import LearnedPositionEmbedding, draw_tables
+from .embedding import LearnedPositionEmbedding, _Layer, draw_tables
 from .layer import embed
 
-# Version of the .npz layout written by save(); load() refuses newer ones.
-SAVE_FORMAT_VERSION = 1
-_SAVE_KIND = "cposembed.TokenPositionEmbedding"
 _PICKLE_VERSION = 1
 
 __all__ = ["TokenPositionEmbedding"]
 
 
-def _part_property(part: str, name: str, doc: str) -> Any:
+def _part_property(part: str, name: str, doc: str, writable: bool = True) -> Any:
     """A property for attribute ``name`` of the table ``part`` (``_tokens`` or ``_positions``)."""
 
     def get(self: TokenPositionEmbedding) -> Any:
@@ -29,10 +25,10 @@ def _part_property(part: str, name: str, doc: str) -> Any:
     def set_(self: TokenPositionEmbedding, value: Any) -> None:
         setattr(getattr(self, part), name, value)
 
-    return property(get, set_, doc=doc)
+    return property(get, set_ if writable else None, doc=doc)
 
 
-class TokenPositionEmbedding:
+class TokenPositionEmbedding(_Layer):
     """Token and position embedding tables, looked up and added in one pass.
 
     GPT-2's input layer ``wte[token_ids] + wpe[positions]``: :meth:`__call__`
@@ -70,6 +66,10 @@ class TokenPositionEmbedding:
     >>> m.sgd_step(0.1)
     """
 
+    _SAVE_KIND = "cposembed.TokenPositionEmbedding"
+    _TABLE_NAMES = ("token_embeddings", "position_embeddings")
+    _SIZES = ("vocab_size", "max_seq_len", "embed_dim")
+
     def __init__(
         self,
         vocab_size: int,
@@ -85,12 +85,10 @@ class TokenPositionEmbedding:
         d = v.check_int(embed_dim, "embed_dim", min_value=1)
         dt = v.table_dtype(dtype)
         positions, tokens = draw_tables(seed, d, n_rows, n_tokens)
-        token_layer = LearnedPositionEmbedding.from_pretrained(
-            tokens, dtype=dt, padding_idx=padding_idx
-        )
-        if token_layer.padding_idx is not None:
-            token_layer.embeddings[token_layer.padding_idx] = 0
-        self._set_tables(token_layer, LearnedPositionEmbedding.from_pretrained(positions, dtype=dt))
+        built = self.from_pretrained(tokens, positions, dtype=dt, padding_idx=padding_idx)
+        if built.padding_idx is not None:
+            built.token_embeddings[built.padding_idx] = 0
+        self._set_tables(built._tokens, built._positions)
 
     def _set_tables(
         self, tokens: LearnedPositionEmbedding, positions: LearnedPositionEmbedding
@@ -140,40 +138,23 @@ class TokenPositionEmbedding:
         self._set_tables(tokens, positions)
         return self
 
-    # -- the tables ----------------------------------------------------------
     token_embeddings = _part_property("_tokens", "embeddings", "The live token table ``(V, d)``.")
     position_embeddings = _part_property(
         "_positions", "embeddings", "The live position table ``(L, d)``."
     )
     token_grad = _part_property("_tokens", "grad", "The token table's gradient, or None.")
     position_grad = _part_property("_positions", "grad", "The position table's gradient, or None.")
+    padding_idx = _part_property(
+        "_tokens",
+        "padding_idx",
+        "The token id that gets no gradient (normalised to ``[0, V)``), or None.",
+        writable=False,
+    )
+    vocab_size = _part_property("_tokens", "max_seq_len", "Number of tokens ``V``.", False)
+    max_seq_len = _part_property("_positions", "max_seq_len", "Number of positions ``L``.", False)
+    embed_dim = _part_property("_tokens", "embed_dim", "Embedding dimension ``d``.", False)
+    dtype = _part_property("_tokens", "dtype", "Dtype of both tables.", False)
 
-    @property
-    def padding_idx(self) -> int | None:
-        """The token id that gets no gradient (normalised to ``[0, V)``), or None."""
-        return self._tokens.padding_idx
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of tokens ``V``."""
-        return self._tokens.max_seq_len
-
-    @property
-    def max_seq_len(self) -> int:
-        """Number of positions ``L``."""
-        return self._positions.max_seq_len
-
-    @property
-    def embed_dim(self) -> int:
-        """Embedding dimension ``d``."""
-        return self._tokens.embed_dim
-
-    @property
-    def dtype(self) -> np.dtype:
-        """Dtype of both tables."""
-        return self._tokens.dtype
-
-    # -- forward and backward -------------------------------------------------
     def __call__(
         self,
         token_ids: Any,
@@ -260,10 +241,9 @@ class TokenPositionEmbedding:
             fused = _grad.fused_backward_of(optimizer)
             fused(self, grad_output, token_ids, positions, offset=offset)
             return None
-        tokens, position_table = self._tables.values()
-        token_state, position_state = tokens.gradient, position_table.gradient
-        token_grad, token_touched = token_state.to_accumulate(tokens.table)
-        position_grad, position_touched = position_state.to_accumulate(position_table.table)
+        tokens, positions_of = self._tables.values()
+        token_grad, token_touched = tokens.gradient.to_accumulate(tokens.table)
+        position_grad, position_touched = positions_of.gradient.to_accumulate(positions_of.table)
         _routes.embed_backward(
             token_grad,
             position_grad,
@@ -274,80 +254,11 @@ class TokenPositionEmbedding:
             num_threads=None,
             token_touched=token_touched,
             position_touched=position_touched,
-            token_skip_row=token_state.skip_row,
+            token_skip_row=tokens.gradient.skip_row,
         )
-        token_state.keep(token_grad, token_touched)
-        position_state.keep(position_grad, position_touched)
+        tokens.gradient.keep(token_grad, token_touched)
+        positions_of.gradient.keep(position_grad, position_touched)
         return token_grad, position_grad
-
-    def zero_grad(self) -> None:
-        """Reset both gradients to zeros (keeping their buffers)."""
-        self._tokens.zero_grad()
-        self._positions.zero_grad()
-
-    def trainable_tables(self) -> dict[str, _grad.Trainable]:
-        """The tables an optimizer updates (``"token_embeddings"``, ``"position_embeddings"``)."""
-        return dict(self._tables)
-
-    def sgd_step(self, lr: float) -> None:
-        """:meth:`LearnedPositionEmbedding.sgd_step` on both tables.
-
-        Parameters
-        ----------
-        lr : float
-            Learning rate: any finite real number.
-        """
-        # Both gradients are checked before either table moves.
-        step = v.learning_rate(lr)
-        work = [(t.table, t.gradient, t.gradient.for_step(t.table)) for t in self._tables.values()]
-        for embeddings, state, grad in work:
-            if grad is not None:
-                _grad.sgd_step(embeddings, state, grad, step)
-
-    # -- saving and pickle -----------------------------------------------------
-    def save(self, path: PathOrFile) -> None:
-        """Write both tables and the settings to ``path`` as an ``.npz`` archive.
-
-        Parameters
-        ----------
-        path : str, path-like or binary file
-            As in :meth:`LearnedPositionEmbedding.save`.
-        """
-        _state.save_npz(
-            path,
-            _SAVE_KIND,
-            SAVE_FORMAT_VERSION,
-            {
-                "token_embeddings": self.token_embeddings,
-                "position_embeddings": self.position_embeddings,
-            },
-            self.padding_idx,
-        )
-
-    @classmethod
-    def load(cls, path: PathOrFile) -> TokenPositionEmbedding:
-        """Read back what :meth:`save` wrote (exactly ``path``, or an open binary file).
-
-        Parameters
-        ----------
-        path : str, path-like or binary file
-
-        Returns
-        -------
-        TokenPositionEmbedding
-
-        Raises
-        ------
-        ValueError
-            The file is not one :meth:`save` wrote, or is damaged or truncated.
-        """
-        tables, pad, name = _state.load_npz(
-            path, _SAVE_KIND, SAVE_FORMAT_VERSION, ("token_embeddings", "position_embeddings")
-        )
-        tokens, positions = tables
-        if tokens.dtype != positions.dtype or tokens.shape[1] != positions.shape[1]:
-            raise ValueError(f"{name}: the two tables differ in dtype or embed_dim")
-        return cls.from_pretrained(tokens, positions, dtype=tokens.dtype, padding_idx=pad)
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -369,19 +280,10 @@ class TokenPositionEmbedding:
         tokens.__setstate__(state["tokens"])
         positions = LearnedPositionEmbedding.__new__(LearnedPositionEmbedding)
         positions.__setstate__(state["positions"])
-        if positions.padding_idx is not None or tokens.embed_dim != positions.embed_dim:
+        same = tokens.embed_dim == positions.embed_dim and tokens.dtype == positions.dtype
+        if positions.padding_idx is not None or not same:
             raise ValueError(
                 "pickled TokenPositionEmbedding state: the position table has a "
-                "padding_idx or another embed_dim than the token table"
+                "padding_idx, or another embed_dim or dtype than the token table"
             )
-        if tokens.dtype != positions.dtype:
-            raise ValueError("pickled TokenPositionEmbedding state: the tables differ in dtype")
         self._set_tables(tokens, positions)
-
-    def __repr__(self) -> str:
-        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
-        return (
-            f"{type(self).__name__}(vocab_size={self.vocab_size}, "
-            f"max_seq_len={self.max_seq_len}, embed_dim={self.embed_dim}, "
-            f"dtype={self.dtype.name}{pad})"
-        )
