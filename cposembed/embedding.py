@@ -399,6 +399,19 @@ class LearnedPositionEmbedding(_core.TableCall, _Layer):
             return None
         return self._grad.accumulate(self._embeddings, grad_output, positions, offset)
 
+    # One table: the shared methods without their loops (a tiny step's time).
+    def zero_grad(self) -> None:
+        self._grad.zero()
+
+    def sgd_step(self, lr: float) -> None:
+        step = v.learning_rate(lr)
+        grad = self._grad.for_step(self._embeddings)
+        if grad is not None:
+            _grad.sgd_step(self._embeddings, self._grad, grad, step)
+
+    zero_grad.__doc__ = _Layer.zero_grad.__doc__
+    sgd_step.__doc__ = _Layer.sgd_step.__doc__
+
     def resized(self, new_max_len: int, method: str = "linear") -> LearnedPositionEmbedding:
         """A new instance whose table has ``new_max_len`` rows (for longer or shorter contexts).
 
