@@ -55,13 +55,13 @@ class GradientState:
     def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, _marks.RowMarks]:
         """The gradient a backward adds into and the rows to mark; a fresh one is kept
         (:meth:`keep`) only once the call has succeeded."""
-        grad, n_rows = self.grad, table.shape[0]
-        if grad is None:
-            return _blocks.zeros(table.shape, v.work_dtype(table.dtype)), _marks.RowMarks(n_rows)
-        if grad is self.touched_grad and self.touched is not None:
+        grad = self.grad
+        if grad is self.touched_grad and self.touched is not None and grad is not None:
             return grad, self.touched
+        touched = _marks.RowMarks(table.shape[0])
+        if grad is None:
+            return _blocks.zeros(table.shape, v.work_dtype(table.dtype)), touched
         check_grad(grad, table)
-        touched = _marks.RowMarks(n_rows)
         touched.mark_all()
         return grad, touched
 
@@ -105,9 +105,10 @@ class GradientState:
     # -- steps ---------------------------------------------------------------
     def for_step(self, table: np.ndarray) -> np.ndarray | None:
         """``grad``, checked for a step on ``table`` (None: nothing to do)."""
-        if self.grad is not None:
-            check_grad(self.grad, table, step=True)
-        return self.grad
+        grad = self.grad
+        if grad is not None:
+            check_grad(grad, table, True)
+        return grad
 
     def step_marks(self, grad: np.ndarray | None) -> _marks.RowMarks | None:
         """The rows a step on ``grad`` visits, as marks (None: every row)."""
@@ -153,10 +154,10 @@ def fused_backward_of(optimizer: Any) -> Callable[..., None]:
 
 def check_grad(grad: Any, table: np.ndarray, step: bool = False) -> None:
     """A gradient of the table's shape: real for a step; float and writable for a backward."""
-    kind = "real-valued" if step else v.FLOAT_NAMES
     if not isinstance(grad, np.ndarray) or not (
         v.is_real(grad.dtype) if step else v.is_float(v.native_dtype(grad.dtype))
     ):
+        kind = "real-valued" if step else v.FLOAT_NAMES
         raise TypeError(
             f"grad must be a {kind} numpy.ndarray of the table's shape {table.shape}; "
             f"got {v.describe(grad)}"

@@ -100,10 +100,10 @@ class _Layer:
             Every gradient is checked before any table moves.
         """
         step = v.learning_rate(lr)
-        work = [(t, t.gradient.for_step(t.table)) for t in self._tables.values()]
-        for t, grad in work:
+        work = [(t.table, t.gradient, t.gradient.for_step(t.table)) for t in self._tables.values()]
+        for table, state, grad in work:
             if grad is not None:
-                _grad.sgd_step(t.table, t.gradient, grad, step)
+                _grad.sgd_step(table, state, grad, step)
 
     def save(self, path: PathOrFile) -> None:
         """Write the tables and their settings to ``path`` as an ``.npz`` archive.
