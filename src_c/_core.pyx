@@ -432,33 +432,20 @@ cdef int _positions_for(object positions, object offset, Py_ssize_t L,
     return 1
 
 
-cdef int _row_positions(object positions, object offset, cnp.ndarray rows_array,
-                        Py_ssize_t L, Index* ix, Py_ssize_t* m) except -1:
-    """_positions_for the rows of `rows_array` (shape (..., d))."""
-    return _positions_for(positions, offset, L, cnp.PyArray_DIMS(rows_array),
-                          cnp.PyArray_NDIM(rows_array) - 1, ix, m)
-
-
-cdef object _owned_rows(Index* ix, bint found):
-    # The rows `ix` holds as a new int64 array of its shape, then freed; None
-    # if not found.
+def index_rows(positions, Py_ssize_t n_rows):
+    """``positions`` read as the entries read them (_index.pxi): an int64 array
+    of their shape, each row wrapped into [0, n_rows); None for any other form,
+    or a value outside [-n_rows, n_rows)."""
+    cdef Index ix
     cdef cnp.ndarray a
-    if not found:
+    if n_rows < 0 or not _read_index(positions, n_rows, &ix):
         return None
     try:
         a = cnp.PyArray_SimpleNew(ix.nd, ix.shape, cnp.NPY_INT64)
         memcpy(cnp.PyArray_DATA(a), ix.rows, ix.n * sizeof(int64_t))
         return a
     finally:
-        _index_free(ix)
-
-
-def index_rows(positions, Py_ssize_t n_rows):
-    """``positions`` read as the entries read them (_index.pxi): an int64 array
-    of their shape, each row wrapped into [0, n_rows); None for any other form,
-    or a value outside [-n_rows, n_rows)."""
-    cdef Index ix
-    return _owned_rows(&ix, n_rows >= 0 and _read_index(positions, n_rows, &ix))
+        _index_free(&ix)
 
 
 cdef inline Py_ssize_t _lead_size(cnp.ndarray a) noexcept:
@@ -621,7 +608,7 @@ def add(tokens, table, positions, offset, out, num_threads):
     cdef cnp.ndarray o
     cdef KernelCall c
     cdef int nt
-    if not _row_positions(positions, offset, k, L, &ix, &m):
+    if not _positions_for(positions, offset, L, cnp.PyArray_DIMS(k), nd - 1, &ix, &m):
         return None
     try:
         # In place, `out` is the tokens themselves; else it must not meet them.
@@ -740,7 +727,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     cdef KernelCall c
     cdef Compact sp
     cdef int nt
-    if not _row_positions(positions, offset, g, L, &ix, &m):
+    if not _positions_for(positions, offset, L, cnp.PyArray_DIMS(g), nd - 1, &ix, &m):
         return None
     memset(&sp, 0, sizeof(Compact))
     try:
