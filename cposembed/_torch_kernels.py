@@ -96,6 +96,13 @@ def _operator(schema: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     return register
 
 
+def _position_rows(table: torch.Tensor, other: torch.dtype) -> np.ndarray:
+    """The position table as an array; in float32 (exactly) beside the other half
+    dtype, which NumPy cannot promote with it and torch adds in float32."""
+    a = as_array(table)
+    return a.astype(np.float32) if {table.dtype, other} == HALF_PAIR else a
+
+
 @_operator("lookup(Tensor table, Tensor positions, int? padding_idx=None) -> Tensor")
 def _lookup(
     table: torch.Tensor,
@@ -135,12 +142,10 @@ def _add_positions(
     if fake:
         return tok.new_empty(tok.shape, dtype=dtype)
     skip_row(padding_idx, table.shape[0])
-    tok_a = as_array(tok)
-    if {tok.dtype, table.dtype} == HALF_PAIR:
-        tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
     y = new_tensor(tuple(tok.shape), dtype, zeroed=False)
     pos = checked_ids(positions, table.shape[0])
-    _f.add_positions(tok_a, as_array(table), pos, offset=offset, out=as_array(y))
+    table_a = _position_rows(table, tok.dtype)
+    _f.add_positions(as_array(tok), table_a, pos, offset=offset, out=as_array(y))
     return y
 
 
@@ -170,14 +175,7 @@ def _embed(
     ids = checked_ids(token_ids, token_table.shape[0])
     pos = checked_ids(positions, position_table.shape[0])
     y = new_tensor(shape, dtype, zeroed=False)
-    if {token_table.dtype, position_table.dtype} == HALF_PAIR:
-        # torch adds the pair in float32: the token rows converted (exactly), then added.
-        ids = _routes.checked_ids(ids, token_table.shape[0])
-        pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
-        rows = _f.lookup(as_array(token_table), ids).astype(np.float32)
-        _f.add_positions(rows, as_array(position_table), pos, offset=offset, out=as_array(y))
-        return y
-    tables = (as_array(token_table), as_array(position_table))
+    tables = (as_array(token_table), _position_rows(position_table, token_table.dtype))
     _layer.embed(ids, *tables, pos, offset=offset, out=as_array(y))
     return y
 
@@ -206,7 +204,6 @@ def _table_grad(
         checked_ids(positions, num_rows),
         offset=offset,
         num_threads=None,
-        touched=None,
         skip_row=skip_row(padding_idx, num_rows),
     )
     return grad
@@ -251,8 +248,6 @@ def _embed_backward(
         pos,
         offset=offset,
         num_threads=None,
-        token_touched=None,
-        position_touched=None,
         token_skip_row=skip,
     )
     return g_tok, g_pos
