@@ -30,6 +30,7 @@ def _lookup_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     table, positions, padding_idx = inputs[:3]
     ctx.save_for_backward(positions)
     ctx.num_rows, ctx.dtype, ctx.padding_idx = table.shape[0], table.dtype, padding_idx
+    ctx.out_dtype = output.dtype
     ctx.n_inputs = len(inputs)
     ctx.sparse = len(inputs) > 3 and bool(inputs[3])
 
@@ -118,42 +119,27 @@ def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     return None, g_tok, g_pos, None, None, None
 
 
-def _table_grad_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    grad_output, positions, offset, num_rows, dtype, padding_idx = inputs
-    ctx.save_for_backward(positions)
-    ctx.offset, ctx.padding_idx = offset, padding_idx
-    ctx.shape, ctx.grad_dtype = tuple(grad_output.shape), grad_output.dtype
-    ctx.table = num_rows, dtype
+def _grad_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    """Setup of ``table_grad`` and ``embed_backward``: ``grad_output``, then its
+    index tensors (one or two), then the other arguments, offset first."""
+    n = 1 if len(inputs) == 6 else 2
+    ctx.save_for_backward(*inputs[1 : n + 1])
+    ctx.rest = inputs[n + 1 :]
+    ctx.shape, ctx.grad_dtype = tuple(inputs[0].shape), inputs[0].dtype
 
 
-def _table_grad_backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:
-    """The gradient of ``table_grad`` with respect to ``grad_output``."""
-    (positions,) = ctx.saved_tensors
-    if not ctx.needs_input_grad[0]:
-        return None, None, None, None, None, None
-    positions = full_positions(positions, ctx.offset, ctx.shape[:-1])
-    g = _looked_up_grad(gg, positions, ctx.padding_idx, ctx.shape, ctx.grad_dtype)
-    return g, None, None, None, None, None
-
-
-def _embed_backward_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    grad_output, token_ids, positions, offset = inputs[:4]
-    ctx.save_for_backward(token_ids, positions)
-    ctx.offset, ctx.padding_idx = offset, inputs[8]
-    ctx.shape, ctx.grad_dtype = tuple(grad_output.shape), grad_output.dtype
-    ctx.tables = inputs[4:8]  # vocab_size, max_seq_len, token_dtype, position_dtype
-
-
-def _embed_backward_backward(ctx: Any, gg_tok: Any, gg_pos: Any) -> tuple[Any, ...]:
-    """The gradient of ``embed_backward`` with respect to ``grad_output``."""
-    token_ids, positions = ctx.saved_tensors
-    none = (None,) * 8
+def _grad_backward(ctx: Any, *ggs: Any) -> tuple[Any, ...]:
+    """The gradient of ``table_grad`` or ``embed_backward`` with respect to ``grad_output``."""
+    *ids, positions = ctx.saved_tensors
+    none = (None,) * (len(ids) + len(ctx.rest) + 1)
     if not ctx.needs_input_grad[0]:
         return (None, *none)
-    positions = full_positions(positions, ctx.offset, ctx.shape[:-1])
+    offset, padding_idx = ctx.rest[0], ctx.rest[-1]
+    indices = (*ids, full_positions(positions, offset, ctx.shape[:-1]))
+    pads = (padding_idx, None) if ids else (padding_idx,)
     terms = tuple(
         _looked_up_grad(gg, idx, pad, ctx.shape, ctx.grad_dtype)
-        for gg, idx, pad in ((gg_tok, token_ids, ctx.padding_idx), (gg_pos, positions, None))
+        for gg, idx, pad in zip(ggs, indices, pads)
         if gg is not None
     )
     return (_tangent_sum(terms, ctx.grad_dtype) if terms else None, *none)
@@ -180,13 +166,9 @@ def _looked_up_grad(
 # ---- the calls: autograd functions in eager mode, the operators when compiling ----
 
 
-def _lookup_tangent(table_t: torch.Tensor | None, positions: torch.Tensor) -> Any:
-    return None if table_t is None else lookup(table_t, positions, None, False)
-
-
-def _tangent_sum(parts: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The output's tangent: the inputs' tangent terms in the output dtype, added."""
-    terms = [p.to(dtype) for p in parts if p is not None]
+def _tangent_sum(parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The terms in ``dtype``, added."""
+    terms = [p.to(dtype) for p in parts]
     return sum(terms[1:], terms[0])
 
 
@@ -243,34 +225,21 @@ def _differentiable(
     return call
 
 
-def _lookup_jvp(ctx: Any, table_t: Any, *_: Any) -> Any:
-    (positions,) = ctx.saved_tensors
-    return _lookup_tangent(table_t, positions)
-
-
-def _add_jvp(ctx: Any, tok_t: Any, table_t: Any, *_: Any) -> Any:
-    (positions,) = ctx.saved_tensors
-    return _tangent_sum((tok_t, _lookup_tangent(table_t, positions)), ctx.out_dtype)
-
-
-def _embed_jvp(ctx: Any, _ids_t: Any, token_t: Any, position_t: Any, *_: Any) -> Any:
-    token_ids, positions = ctx.saved_tensors
-    return _tangent_sum(
-        (_lookup_tangent(token_t, token_ids), _lookup_tangent(position_t, positions)),
-        ctx.out_dtype,
+def _lookup_jvp(ctx: Any, *tangents: Any) -> Any:
+    """The output's tangent: each table input's tangent looked up at the index
+    saved beside it, plus the tangent of an input saved beside ``None`` (``tok``)."""
+    terms = tuple(
+        t if idx is None else lookup(t, idx, None, False)
+        for t, idx in zip(tangents, ctx.saved_tensors)
+        if t is not None
     )
+    return _tangent_sum(terms, ctx.out_dtype)
 
 
-def _table_grad_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
-    (positions,) = ctx.saved_tensors  # linear in grad_output
-    return table_grad(grad_output_t, positions, ctx.offset, *ctx.table, ctx.padding_idx)
-
-
-def _embed_backward_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
-    token_ids, positions = ctx.saved_tensors
-    return embed_backward(
-        grad_output_t, token_ids, positions, ctx.offset, *ctx.tables, ctx.padding_idx
-    )
+def _grad_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
+    """The tangent of ``table_grad`` or ``embed_backward``: linear in ``grad_output``."""
+    op = table_grad if len(ctx.saved_tensors) == 1 else embed_backward
+    return op(grad_output_t, *ctx.saved_tensors, *ctx.rest)
 
 
 # Each with its operator's arguments; lookup's sparse: a sparse gradient (eager only).
@@ -288,23 +257,19 @@ add_positions = _differentiable(
     "add_positions",
     _add_setup,
     _add_backward,
-    lambda i: (full_positions(i[2], i[3], i[0].shape[:-1]),),
-    _add_jvp,
+    lambda i: (None, full_positions(i[2], i[3], i[0].shape[:-1])),
+    _lookup_jvp,
 )
 embed = _differentiable(
     "embed",
     _embed_setup,
     _embed_backward_formula,
-    lambda i: (i[0], full_positions(i[3], i[4], i[0].shape)),
-    _embed_jvp,
+    lambda i: (None, i[0], full_positions(i[3], i[4], i[0].shape)),
+    _lookup_jvp,
 )
 table_grad = _differentiable(
-    "table_grad", _table_grad_setup, _table_grad_backward, lambda i: (i[1],), _table_grad_jvp
+    "table_grad", _grad_setup, _grad_backward, lambda i: (i[1],), _grad_jvp
 )
 embed_backward = _differentiable(
-    "embed_backward",
-    _embed_backward_setup,
-    _embed_backward_backward,
-    lambda i: (i[1], i[2]),
-    _embed_backward_jvp,
+    "embed_backward", _grad_setup, _grad_backward, lambda i: (i[1], i[2]), _grad_jvp
 )
