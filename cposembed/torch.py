@@ -53,8 +53,7 @@ def _index(x: Any) -> torch.Tensor:
 
 
 def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
-    """Whether the kernels take this call (see the module docstring; DTensors:
-    ``_sharded_lookup``)."""
+    """Whether the kernels take this call (see the module docstring)."""
     tensors = (table, *(i for i in indices if i is not None))
     return (
         table.dtype in _arrays.KERNEL_DTYPES
@@ -76,8 +75,7 @@ def _is_dtensor(t: torch.Tensor | None) -> bool:
 
 
 def _sharded_lookup(weight: torch.Tensor, idx: torch.Tensor) -> bool:
-    """Whether a lookup of a DTensor weight runs on the kernels, on each rank's
-    shard: not for a weight split along its rows, which ``F.embedding`` takes."""
+    """Whether a lookup of a DTensor weight not split along its rows runs on the kernels."""
     w: Any = weight
     if not _is_dtensor(w) or any(p.is_shard(0) for p in w.placements):
         return False
@@ -411,14 +409,10 @@ class LearnedPositionEmbedding(Embedding):
             _on_kernels(self.weight, pos)
             and tok.device.type == "cpu"
             and tok.dtype in _arrays.KERNEL_DTYPES
-            and not self.scale_grad_by_freq
-            and not self.sparse
+            and not (self.scale_grad_by_freq or self.sparse or self.max_norm is not None)
         )
-        if not fused or self.max_norm is not None:
-            full = _ops.full_positions(pos, offset, tok.shape[:-1])
-            if self.max_norm is None or not fused:
-                return tok + self(full.to(tok.device))
-            _renorm(self.weight, full, self.max_norm, self.norm_type)
+        if not fused:
+            return tok + self(_ops.full_positions(pos, offset, tok.shape[:-1]).to(tok.device))
         return _ops.add_positions(tok, self.weight, pos, offset, self.padding_idx)
 
 
