@@ -26,13 +26,49 @@ def full_positions(positions: Any, offset: int, token_shape: Any) -> torch.Tenso
     return torch.arange(offset, offset + T).expand(tuple(token_shape))
 
 
+def _save(ctx: Any, inputs: tuple[Any, ...], output: Any, tok: Any, tables: list[Any]) -> None:
+    """For the backward of ``lookup``, ``add_positions`` and ``embed``: the dtype of
+    ``tok`` (an input added as it is) or None, and of each looked-up table its input
+    slot, index tensor, offset and ``padding_idx``."""
+    ctx.save_for_backward(*(index for _, index, _, _ in tables))
+    ctx.tables = [(i, off, inputs[i].shape[0], inputs[i].dtype, pad) for i, _, off, pad in tables]
+    ctx.n_inputs, ctx.tok_dtype, ctx.out_dtype = len(inputs), tok, output.dtype
+    ctx.sparse = len(inputs) == 4 and bool(inputs[3])  # lookup's eager call
+
+
 def _lookup_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    table, positions, padding_idx = inputs[:3]
-    ctx.save_for_backward(positions)
-    ctx.num_rows, ctx.dtype, ctx.padding_idx = table.shape[0], table.dtype, padding_idx
-    ctx.out_dtype = output.dtype
-    ctx.n_inputs = len(inputs)
-    ctx.sparse = len(inputs) > 3 and bool(inputs[3])
+    _save(ctx, inputs, output, None, [(0, inputs[1], 0, inputs[2])])
+
+
+def _add_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    tok, _, positions, offset, padding_idx = inputs
+    _save(ctx, inputs, output, tok.dtype, [(1, positions, offset, padding_idx)])
+
+
+def _embed_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    token_ids, _, _, positions, offset, padding_idx = inputs
+    tables = [(1, token_ids, 0, padding_idx), (2, positions, offset, None)]
+    _save(ctx, inputs, output, None, tables)
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    """The gradient of ``lookup``, ``add_positions`` or ``embed``: each table's in its
+    own dtype, as ``nn.Embedding``'s; ``embed_backward`` for two tables of one dtype."""
+    grads: list[Any] = [None] * ctx.n_inputs
+    if ctx.tok_dtype is not None and ctx.needs_input_grad[0]:
+        grads[0] = grad.to(ctx.tok_dtype)
+    todo = [(t, idx) for t, idx in zip(ctx.tables, ctx.saved_tensors) if ctx.needs_input_grad[t[0]]]
+    if len(todo) == 2 and len({dtype for (_, _, _, dtype, _), _ in todo}) == 1:
+        ((_, _, vocab_size, dtype, pad), ids), ((_, offset, max_seq_len, _, _), pos) = todo
+        g = grad.to(dtype)
+        grads[1:3] = embed_backward(g, ids, pos, offset, vocab_size, max_seq_len, dtype, dtype, pad)
+        return tuple(grads)
+    for (i, offset, rows, dtype, pad), idx in todo:
+        if ctx.sparse:
+            grads[i] = _sparse_table_grad(grad, idx, rows, dtype, pad)
+        else:
+            grads[i] = table_grad(grad.to(dtype), idx, offset, rows, dtype, pad)
+    return tuple(grads)
 
 
 def _sparse_table_grad(
@@ -55,68 +91,6 @@ def _copy_keeping_strides(t: torch.Tensor) -> torch.Tensor:
     span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
     own = t.as_strided((span,), (1,), t.storage_offset()).clone()
     return own.as_strided(t.shape, t.stride())
-
-
-def _lookup_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    (positions,) = ctx.saved_tensors
-    g_table = None
-    if ctx.needs_input_grad[0]:
-        if ctx.sparse:
-            g_table = _sparse_table_grad(grad, positions, ctx.num_rows, ctx.dtype, ctx.padding_idx)
-        else:
-            g_table = table_grad(grad, positions, 0, ctx.num_rows, ctx.dtype, ctx.padding_idx)
-    return (g_table,) + (None,) * (ctx.n_inputs - 1)
-
-
-def _add_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    tok, table, positions, offset, padding_idx = inputs
-    ctx.save_for_backward(positions)
-    ctx.tok_dtype, ctx.offset, ctx.padding_idx = tok.dtype, offset, padding_idx
-    ctx.num_rows, ctx.dtype, ctx.out_dtype = table.shape[0], table.dtype, output.dtype
-
-
-def _add_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    (positions,) = ctx.saved_tensors
-    g_tok = g_table = None
-    if ctx.needs_input_grad[0]:
-        g_tok = grad.to(ctx.tok_dtype)
-    if ctx.needs_input_grad[1]:
-        g_table = table_grad(
-            grad.to(ctx.dtype), positions, ctx.offset, ctx.num_rows, ctx.dtype, ctx.padding_idx
-        )
-    return g_tok, g_table, None, None, None
-
-
-def _embed_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    token_ids, token_table, position_table, positions, offset, padding_idx = inputs
-    ctx.save_for_backward(token_ids, positions)
-    ctx.offset, ctx.padding_idx = offset, padding_idx
-    ctx.vocab_size, ctx.token_dtype = token_table.shape[0], token_table.dtype
-    ctx.max_seq_len, ctx.position_dtype = position_table.shape[0], position_table.dtype
-    ctx.out_dtype = output.dtype
-
-
-def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    token_ids, positions = ctx.saved_tensors
-    need_tok, need_pos = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    g_tok = g_pos = None
-    if need_tok and need_pos and ctx.token_dtype == ctx.position_dtype:
-        tables = ctx.vocab_size, ctx.max_seq_len, ctx.token_dtype, ctx.position_dtype
-        g_tok, g_pos = embed_backward(
-            grad.to(ctx.token_dtype), token_ids, positions, ctx.offset, *tables, ctx.padding_idx
-        )
-        return None, g_tok, g_pos, None, None, None
-    # Each table gets the gradient in its own dtype, as two nn.Embedding outputs do.
-    if need_tok:
-        g_tok = table_grad(
-            grad.to(ctx.token_dtype), token_ids, 0, ctx.vocab_size, ctx.token_dtype, ctx.padding_idx
-        )
-    if need_pos:
-        positions = full_positions(positions, ctx.offset, token_ids.shape)
-        g_pos = table_grad(
-            grad.to(ctx.position_dtype), positions, 0, ctx.max_seq_len, ctx.position_dtype, None
-        )
-    return None, g_tok, g_pos, None, None, None
 
 
 def _grad_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -246,7 +220,7 @@ def _grad_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
 lookup = _differentiable(
     "lookup",
     _lookup_setup,
-    _lookup_backward,
+    _backward,
     lambda i: (i[1],),
     _lookup_jvp,
     forward=lambda table, positions, padding_idx, sparse: ops.lookup.default(
@@ -256,14 +230,14 @@ lookup = _differentiable(
 add_positions = _differentiable(
     "add_positions",
     _add_setup,
-    _add_backward,
+    _backward,
     lambda i: (None, full_positions(i[2], i[3], i[0].shape[:-1])),
     _lookup_jvp,
 )
 embed = _differentiable(
     "embed",
     _embed_setup,
-    _embed_backward_formula,
+    _backward,
     lambda i: (None, i[0], full_positions(i[3], i[4], i[0].shape)),
     _lookup_jvp,
 )
