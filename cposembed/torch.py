@@ -104,16 +104,6 @@ def _check_offset(positions: torch.Tensor | None, offset: int) -> None:
         )
 
 
-def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_type: float) -> None:
-    """``max_norm``: the looked-up rows rescaled in place, as ``F.embedding`` does
-    (torch's renorm takes int32 and int64 only: other ids are checked, then converted)."""
-    if indices.dtype not in (torch.int32, torch.int64):
-        _arrays.checked_ids(indices, weight.shape[0])
-        indices = indices.to(torch.int64)
-    with torch.no_grad():
-        torch.embedding_renorm_(weight.detach(), indices.contiguous(), max_norm, norm_type)
-
-
 @torch.jit.unused
 def embedding(
     input: Any,
@@ -134,16 +124,19 @@ def embedding(
         _sharded_lookup(weight, idx) and max_norm is None and not sparse
     )
     on_kernels = on_kernels and not scale_grad_by_freq
-    if padding_idx is not None and on_kernels:
-        # Out of range, F.embedding raises its own AssertionError; the kernels
-        # take a negative padding_idx as counted from the end.
+    if padding_idx is not None and on_kernels:  # else F.embedding's own AssertionError
         on_kernels = -weight.shape[0] <= padding_idx < weight.shape[0]
     if not on_kernels or (sparse and torch.compiler.is_compiling()):
         return F.embedding(
             idx, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
         )
-    if max_norm is not None:
-        _renorm(weight, idx, max_norm, norm_type)
+    if max_norm is not None:  # rows rescaled in place; torch's renorm takes int32/int64 ids
+        ids = idx
+        if idx.dtype not in (torch.int32, torch.int64):
+            _arrays.checked_ids(idx, weight.shape[0])
+            ids = idx.to(torch.int64)
+        with torch.no_grad():
+            torch.embedding_renorm_(weight.detach(), ids.contiguous(), max_norm, norm_type)
     return _ops.lookup(weight, idx, padding_idx, sparse)
 
 
@@ -176,7 +169,7 @@ class Embedding(nn.Embedding):
     _freeze : bool, default False
         ``weight`` without ``requires_grad``.
     device, dtype : optional
-        Of ``weight``.
+        Of ``weight``; default ``torch.get_default_dtype()``.
 
     See Also
     --------
@@ -199,8 +192,7 @@ class Embedding(nn.Embedding):
     True
     """
 
-    def _get_name(self) -> str:
-        # The name print(model) shows, as torch's quantized modules name theirs.
+    def _get_name(self) -> str:  # the name print(model) shows
         return f"cposembed.{type(self).__name__}"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -291,10 +283,8 @@ class LearnedPositionEmbedding(Embedding):
     ----------
     max_seq_len, embed_dim : int
         Shape of ``weight``.
-    padding_idx : int, optional
-        That row starts at zero and gets no gradient.
-    device, dtype : optional
-        Of ``weight``; default ``torch.get_default_dtype()``.
+    padding_idx, device, dtype : optional
+        As in :class:`Embedding`.
     **kwargs
         ``max_norm``, ``norm_type``, ``scale_grad_by_freq``, ``sparse``,
         ``_weight``, ``_freeze``: as in :class:`Embedding`.
