@@ -42,8 +42,7 @@ carries_tangents: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 
 def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
-    """An operator called directly while forward-mode AD is on (``torch.func.jvp``
-    unwraps its tensors, so any such call): an error, not an output without a tangent."""
+    """Raises for an operator called directly under forward-mode AD (no tangent)."""
     if fwAD._current_level < 0 or carries_tangents.get():
         return
     dual = any(
@@ -74,8 +73,7 @@ def _vmap_by_loop(op: Any) -> Callable[..., Any]:
 
 
 def _operator(schema: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Defines the operator of ``schema`` with the decorated function as its CPU
-    kernel and, called with ``fake=True`` (checks and empty outputs), its fake kernel."""
+    """Defines ``schema``'s operator: the function is its CPU and (``fake=True``) fake kernel."""
     name = schema.split("(", 1)[0]
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -97,8 +95,7 @@ def _operator(schema: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 def _position_rows(table: torch.Tensor, other: torch.dtype) -> np.ndarray:
-    """The position table as an array; in float32 (exactly) beside the other half
-    dtype, which NumPy cannot promote with it and torch adds in float32."""
+    """The table as an array, in float32 beside the other half dtype (as torch adds them)."""
     a = as_array(table)
     return a.astype(np.float32) if {table.dtype, other} == HALF_PAIR else a
 

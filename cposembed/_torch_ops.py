@@ -27,9 +27,7 @@ def full_positions(positions: Any, offset: int, token_shape: Any) -> torch.Tenso
 
 
 def _save(ctx: Any, inputs: tuple[Any, ...], output: Any, tok: Any, tables: list[Any]) -> None:
-    """For the backward of ``lookup``, ``add_positions`` and ``embed``: the dtype of
-    ``tok`` (an input added as it is) or None, and of each looked-up table its input
-    slot, index tensor, offset and ``padding_idx``."""
+    """Saves ``tok``'s dtype (or None) and each table's (slot, index, offset, padding_idx)."""
     ctx.save_for_backward(*(index for _, index, _, _ in tables))
     ctx.tables = [(i, off, inputs[i].shape[0], inputs[i].dtype, pad) for i, _, off, pad in tables]
     ctx.n_inputs, ctx.tok_dtype, ctx.out_dtype = len(inputs), tok, output.dtype
@@ -52,8 +50,7 @@ def _embed_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    """The gradient of ``lookup``, ``add_positions`` or ``embed``: each table's in its
-    own dtype, as ``nn.Embedding``'s; ``embed_backward`` for two tables of one dtype."""
+    """The backward of ``lookup``, ``add_positions`` and ``embed``, as ``nn.Embedding``'s."""
     grads: list[Any] = [None] * ctx.n_inputs
     if ctx.tok_dtype is not None and ctx.needs_input_grad[0]:
         grads[0] = grad.to(ctx.tok_dtype)
@@ -74,8 +71,7 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
 def _sparse_table_grad(
     grad: torch.Tensor, positions: torch.Tensor, num_rows: int, dtype: torch.dtype, pad: Any
 ) -> torch.Tensor:
-    """``nn.Embedding``'s sparse COO gradient (torch's own), its values copied with
-    their layout (torch's sparse addition takes another route for other layouts)."""
+    """``nn.Embedding``'s sparse gradient, its values copied with their layout (as torch sums it)."""
     ids = positions.to(torch.int64)
     g = torch.ops.aten.embedding_sparse_backward(
         grad, ids, num_rows, skip_row(pad, num_rows), False
@@ -94,8 +90,7 @@ def _copy_keeping_strides(t: torch.Tensor) -> torch.Tensor:
 
 
 def _grad_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    """Setup of ``table_grad`` and ``embed_backward``: ``grad_output``, then its
-    index tensors (one or two), then the other arguments, offset first."""
+    """Setup of ``table_grad`` and ``embed_backward``: one or two index tensors, then the rest."""
     n = 1 if len(inputs) == 6 else 2
     ctx.save_for_backward(*inputs[1 : n + 1])
     ctx.rest = inputs[n + 1 :]
@@ -126,8 +121,7 @@ def _looked_up_grad(
     shape: tuple[int, ...],
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``gg`` looked up at ``positions``, zero at the padding row: the derivative of
-    a table gradient with respect to the output gradient it was summed from."""
+    """``gg`` looked up at ``positions``, zero at the padding row."""
     positions = positions.expand(shape[:-1])
     g = lookup(gg, positions, None, False).to(dtype)
     skip = skip_row(padding_idx, gg.shape[0])
@@ -154,10 +148,8 @@ def _differentiable(
     jvp: Callable[..., Any],
     forward: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """Registers ``setup`` and ``backward`` as the operator ``op``'s autograd, and
-    gives its differentiable call (of ``forward``, by default the operator): in
-    eager mode an autograd function (``lookup``: ``LookupFn``) whose ``jvp`` gets
-    ``for_jvp(inputs)`` saved; the operator itself when Dynamo is tracing."""
+    """Registers ``op``'s autograd; returns its call: an autograd function in eager mode
+    (``jvp`` gets ``for_jvp(inputs)`` saved), ``forward`` itself under Dynamo."""
     torch.library.register_autograd(f"cposembed::{op}", backward, setup_context=setup, lib=LIB)
     name = "".join(word.title() for word in op.split("_")) + "Fn"
     if forward is None:
@@ -200,8 +192,7 @@ def _differentiable(
 
 
 def _lookup_jvp(ctx: Any, *tangents: Any) -> Any:
-    """The output's tangent: each table input's tangent looked up at the index
-    saved beside it, plus the tangent of an input saved beside ``None`` (``tok``)."""
+    """Each table's tangent looked up at its saved index, plus ``tok``'s (saved None)."""
     terms = tuple(
         t if idx is None else lookup(t, idx, None, False)
         for t, idx in zip(tangents, ctx.saved_tensors)
