@@ -125,9 +125,8 @@ def _looked_up_grad(
     positions = positions.expand(shape[:-1])
     g = lookup(gg, positions, None, False).to(dtype)
     skip = skip_row(padding_idx, gg.shape[0])
-    if skip >= 0:
-        rows = torch.where(positions < 0, positions + gg.shape[0], positions)
-        g = g.masked_fill((rows == skip).unsqueeze(-1), 0)
+    if skip >= 0:  # positions passed the forward's checks: each in [0, rows)
+        g = g.masked_fill((positions == skip).unsqueeze(-1), 0)
     return g
 
 
