@@ -142,13 +142,13 @@ def _tangent_sum(parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.T
 def _differentiable(
     op: str,
     setup: Callable[..., None],
-    backward: Callable[..., Any],
     for_jvp: Callable[[tuple[Any, ...]], tuple[Any, ...]],
-    jvp: Callable[..., Any],
     forward: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """Registers ``op``'s autograd; returns its call: an autograd function in eager mode
     (``jvp`` gets ``for_jvp(inputs)`` saved), ``forward`` itself under Dynamo."""
+    linear = setup is _grad_setup  # table_grad and embed_backward
+    backward, jvp = (_grad_backward, _grad_jvp) if linear else (_backward, _jvp)
     torch.library.register_autograd(f"cposembed::{op}", backward, setup_context=setup, lib=LIB)
     name = "".join(word.title() for word in op.split("_")) + "Fn"
     if forward is None:
@@ -190,7 +190,7 @@ def _differentiable(
     return call
 
 
-def _lookup_jvp(ctx: Any, *tangents: Any) -> Any:
+def _jvp(ctx: Any, *tangents: Any) -> Any:
     """Each table's tangent looked up at its saved index, plus ``tok``'s (saved None)."""
     terms = tuple(
         t if idx is None else lookup(t, idx, None, False)
@@ -210,30 +210,16 @@ def _grad_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
 lookup = _differentiable(
     "lookup",
     _lookup_setup,
-    _backward,
     lambda i: (i[1],),
-    _lookup_jvp,
     forward=lambda table, positions, padding_idx, sparse: ops.lookup.default(
         table, positions, padding_idx
     ),
 )
 add_positions = _differentiable(
-    "add_positions",
-    _add_setup,
-    _backward,
-    lambda i: (None, full_positions(i[2], i[3], i[0].shape[:-1])),
-    _lookup_jvp,
+    "add_positions", _add_setup, lambda i: (None, full_positions(i[2], i[3], i[0].shape[:-1]))
 )
 embed = _differentiable(
-    "embed",
-    _embed_setup,
-    _backward,
-    lambda i: (None, i[0], full_positions(i[3], i[4], i[0].shape)),
-    _lookup_jvp,
+    "embed", _embed_setup, lambda i: (None, i[0], full_positions(i[3], i[4], i[0].shape))
 )
-table_grad = _differentiable(
-    "table_grad", _grad_setup, _grad_backward, lambda i: (i[1],), _grad_jvp
-)
-embed_backward = _differentiable(
-    "embed_backward", _grad_setup, _grad_backward, lambda i: (i[1], i[2]), _grad_jvp
-)
+table_grad = _differentiable("table_grad", _grad_setup, lambda i: (i[1],))
+embed_backward = _differentiable("embed_backward", _grad_setup, lambda i: (i[1], i[2]))
