@@ -227,6 +227,11 @@ class Embedding(nn.Embedding):
             self.sparse,
         )
 
+    def _fusable(self, *indices: Any) -> bool:
+        """Whether a fused kernel can look ``indices`` up: no renorm, a dense unscaled gradient."""
+        as_is = self.max_norm is None and not (self.scale_grad_by_freq or self.sparse)
+        return as_is and _on_kernels(self.weight, *indices)
+
 
 def convert_embeddings(module: nn.Module) -> nn.Module:
     """Put every ``torch.nn.Embedding`` of ``module`` on cposembed's kernels, in place.
@@ -395,13 +400,9 @@ class LearnedPositionEmbedding(Embedding):
         tok = _values(tok)
         pos = None if positions is None else _index(positions)
         _check_offset(pos, offset)
-        fused = (
-            _on_kernels(self.weight, pos)
-            and tok.device.type == "cpu"
-            and tok.dtype in _arrays.KERNEL_DTYPES
-            and not (self.scale_grad_by_freq or self.sparse or self.max_norm is not None)
-        )
-        if not fused:
+        if not (
+            self._fusable(pos) and tok.dtype in _arrays.KERNEL_DTYPES and tok.device.type == "cpu"
+        ):
             return tok + self(_ops.full_positions(pos, offset, tok.shape[:-1]).to(tok.device))
         return _ops.add_positions(tok, self.weight, pos, offset, self.padding_idx)
 
@@ -557,11 +558,7 @@ class TokenPositionEmbedding(nn.Module):
     def _eager(self, token_ids: Any, positions: Any, offset: int) -> torch.Tensor:
         ids = _index(token_ids)
         pos = None if positions is None else _index(positions)
-        fused = _on_kernels(self.tokens.weight, ids, pos) and _on_kernels(self.positions.weight)
-        if not fused or any(
-            t.max_norm is not None or t.scale_grad_by_freq or t.sparse
-            for t in (self.tokens, self.positions)
-        ):
+        if not (self.tokens._fusable(ids, pos) and self.positions._fusable()):
             return self._unfused(ids, pos, offset)
         return _ops.embed(
             ids, self.tokens.weight, self.positions.weight, pos, offset, self.padding_idx
