@@ -34,9 +34,7 @@ def _typestr(dtype: torch.dtype) -> str:
 
 
 def as_array(t: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as an ndarray (no copy; bfloat16 as ``ml_dtypes.bfloat16``)
-    holding the tensor, which, unlike ``Tensor.numpy()``, leaves the storage
-    resizable (FSDP2 frees an unsharded parameter with ``resize_(0)``)."""
+    """The tensor's memory as an ndarray, leaving it resizable (FSDP2 frees with resize_(0))."""
     t = t.detach().resolve_neg().resolve_conj()
     item = t.element_size()
     end = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
@@ -97,9 +95,7 @@ def check_index(t: torch.Tensor | None, name: str) -> None:
 
 
 def checked_ids(t: torch.Tensor | None, n_rows: int) -> np.ndarray | None:
-    """Ids as ``nn.Embedding`` takes them, as an array: each in ``[0, n_rows)``,
-    else ``nn.Embedding``'s ``IndexError`` (negatives too: they would count
-    from the end, a NumPy meaning torch does not give them)."""
+    """The ids as an array, each in ``[0, n_rows)`` (negatives too), as ``nn.Embedding``'s."""
     if t is None:
         return None
     a = as_array(t)
@@ -153,8 +149,7 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _free_references() -> tuple[int, int] | None:
-    """:meth:`_Held.references` of a storage nothing else holds, or None if a
-    tensor or a storage object held elsewhere would not change them."""
+    """A free storage's references, or None if holding it elsewhere would not change them."""
     if _USE_COUNT is None:
         return None
     h = _Held(torch.UntypedStorage(64), False)
@@ -188,9 +183,7 @@ _blocks.on_clear_pool(_release_held)
 
 
 def _reusable(nbytes: int, zeroed: bool, room: int) -> _Held | None:
-    """A free storage of ``nbytes`` for the same use, if any; of the other free
-    ones, the allocator's keeping policy (docs/architecture.md, "Memory") keeps at
-    most ``_blocks.KEEP_SLOTS``, the largest, within ``room`` bytes."""
+    """A free storage of ``nbytes`` for the same use; the others kept as ``_blocks`` keeps."""
     found = None
     free = []
     for h in list(_held):
@@ -213,8 +206,7 @@ def _reusable(nbytes: int, zeroed: bool, room: int) -> _Held | None:
 
 
 def _storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
-    """A storage of ``nbytes`` that nothing else refers to, zero if ``zeroed``:
-    a free one handed out before (zeroed whole), else a new one."""
+    """A storage of ``nbytes`` nothing else refers to, zero if ``zeroed``; reused if free."""
     _, kept_bytes, limit, enabled = _blocks.pool_info()
     if not enabled or _FREE is None or not _held_lock.acquire(blocking=False):
         return _new_storage(nbytes, zeroed)
@@ -244,9 +236,7 @@ def _new_storage(nbytes: int, zeroed: bool) -> torch.UntypedStorage:
 
 
 def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, zeroed: bool) -> torch.Tensor:
-    """A C-order tensor of torch's memory (resizable, as ``nn.Embedding``'s) that
-    nothing else refers to, zero if ``zeroed``; gradients of :data:`FRESH_MIN_BYTES`
-    and outputs of ``_blocks.POOL_MIN_BYTES`` or more are storages kept here."""
+    """A new C-order tensor, zero if ``zeroed``; large ones are storages kept here."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= (FRESH_MIN_BYTES if zeroed else _blocks.POOL_MIN_BYTES):
         return torch.empty(0, dtype=dtype).set_(_storage(nbytes, zeroed), 0, shape, ())

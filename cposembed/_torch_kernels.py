@@ -42,8 +42,7 @@ carries_tangents: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 
 def _refuse_tangents(name: str, args: tuple[Any, ...]) -> None:
-    """An operator called directly while forward-mode AD is on (``torch.func.jvp``
-    unwraps its tensors, so any such call): an error, not an output without a tangent."""
+    """Raises for an operator called directly under forward-mode AD (no tangent)."""
     if fwAD._current_level < 0 or carries_tangents.get():
         return
     dual = any(
@@ -74,8 +73,7 @@ def _vmap_by_loop(op: Any) -> Callable[..., Any]:
 
 
 def _operator(schema: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Defines the operator of ``schema`` with the decorated function as its CPU
-    kernel and, called with ``fake=True`` (checks and empty outputs), its fake kernel."""
+    """Defines ``schema``'s operator: the function is its CPU and (``fake=True``) fake kernel."""
     name = schema.split("(", 1)[0]
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,6 +92,12 @@ def _operator(schema: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
         return fn
 
     return register
+
+
+def _position_rows(table: torch.Tensor, other: torch.dtype) -> np.ndarray:
+    """The table as an array, in float32 beside the other half dtype (as torch adds them)."""
+    a = as_array(table)
+    return a.astype(np.float32) if {table.dtype, other} == HALF_PAIR else a
 
 
 @_operator("lookup(Tensor table, Tensor positions, int? padding_idx=None) -> Tensor")
@@ -135,12 +139,10 @@ def _add_positions(
     if fake:
         return tok.new_empty(tok.shape, dtype=dtype)
     skip_row(padding_idx, table.shape[0])
-    tok_a = as_array(tok)
-    if {tok.dtype, table.dtype} == HALF_PAIR:
-        tok_a = tok_a.astype(np.float32)  # exact; torch adds the pair in float32
     y = new_tensor(tuple(tok.shape), dtype, zeroed=False)
     pos = checked_ids(positions, table.shape[0])
-    _f.add_positions(tok_a, as_array(table), pos, offset=offset, out=as_array(y))
+    table_a = _position_rows(table, tok.dtype)
+    _f.add_positions(as_array(tok), table_a, pos, offset=offset, out=as_array(y))
     return y
 
 
@@ -170,14 +172,7 @@ def _embed(
     ids = checked_ids(token_ids, token_table.shape[0])
     pos = checked_ids(positions, position_table.shape[0])
     y = new_tensor(shape, dtype, zeroed=False)
-    if {token_table.dtype, position_table.dtype} == HALF_PAIR:
-        # torch adds the pair in float32: the token rows converted (exactly), then added.
-        ids = _routes.checked_ids(ids, token_table.shape[0])
-        pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
-        rows = _f.lookup(as_array(token_table), ids).astype(np.float32)
-        _f.add_positions(rows, as_array(position_table), pos, offset=offset, out=as_array(y))
-        return y
-    tables = (as_array(token_table), as_array(position_table))
+    tables = (as_array(token_table), _position_rows(position_table, token_table.dtype))
     _layer.embed(ids, *tables, pos, offset=offset, out=as_array(y))
     return y
 
@@ -206,7 +201,6 @@ def _table_grad(
         checked_ids(positions, num_rows),
         offset=offset,
         num_threads=None,
-        touched=None,
         skip_row=skip_row(padding_idx, num_rows),
     )
     return grad
@@ -251,8 +245,6 @@ def _embed_backward(
         pos,
         offset=offset,
         num_threads=None,
-        token_touched=None,
-        position_touched=None,
         token_skip_row=skip,
     )
     return g_tok, g_pos

@@ -26,19 +26,52 @@ def full_positions(positions: Any, offset: int, token_shape: Any) -> torch.Tenso
     return torch.arange(offset, offset + T).expand(tuple(token_shape))
 
 
+def _save(ctx: Any, inputs: tuple[Any, ...], output: Any, tok: Any, tables: list[Any]) -> None:
+    """Saves ``tok``'s dtype (or None) and each table's (slot, index, offset, padding_idx)."""
+    ctx.save_for_backward(*(index for _, index, _, _ in tables))
+    ctx.tables = [(i, off, inputs[i].shape[0], inputs[i].dtype, pad) for i, _, off, pad in tables]
+    ctx.n_inputs, ctx.tok_dtype, ctx.out_dtype = len(inputs), tok, output.dtype
+    ctx.sparse = len(inputs) == 4 and bool(inputs[3])  # lookup's eager call
+
+
 def _lookup_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    table, positions, padding_idx = inputs[:3]
-    ctx.save_for_backward(positions)
-    ctx.num_rows, ctx.dtype, ctx.padding_idx = table.shape[0], table.dtype, padding_idx
-    ctx.n_inputs = len(inputs)
-    ctx.sparse = len(inputs) > 3 and bool(inputs[3])
+    _save(ctx, inputs, output, None, [(0, inputs[1], 0, inputs[2])])
+
+
+def _add_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    tok, _, positions, offset, padding_idx = inputs
+    _save(ctx, inputs, output, tok.dtype, [(1, positions, offset, padding_idx)])
+
+
+def _embed_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    token_ids, _, _, positions, offset, padding_idx = inputs
+    tables = [(1, token_ids, 0, padding_idx), (2, positions, offset, None)]
+    _save(ctx, inputs, output, None, tables)
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    """The backward of ``lookup``, ``add_positions`` and ``embed``, as ``nn.Embedding``'s."""
+    grads: list[Any] = [None] * ctx.n_inputs
+    if ctx.tok_dtype is not None and ctx.needs_input_grad[0]:
+        grads[0] = grad.to(ctx.tok_dtype)
+    todo = [(t, idx) for t, idx in zip(ctx.tables, ctx.saved_tensors) if ctx.needs_input_grad[t[0]]]
+    if len(todo) == 2 and len({dtype for (_, _, _, dtype, _), _ in todo}) == 1:
+        ((_, _, vocab_size, dtype, pad), ids), ((_, offset, max_seq_len, _, _), pos) = todo
+        g = grad.to(dtype)
+        grads[1:3] = embed_backward(g, ids, pos, offset, vocab_size, max_seq_len, dtype, dtype, pad)
+        return tuple(grads)
+    for (i, offset, rows, dtype, pad), idx in todo:
+        if ctx.sparse:
+            grads[i] = _sparse_table_grad(grad, idx, rows, dtype, pad)
+        else:
+            grads[i] = table_grad(grad.to(dtype), idx, offset, rows, dtype, pad)
+    return tuple(grads)
 
 
 def _sparse_table_grad(
     grad: torch.Tensor, positions: torch.Tensor, num_rows: int, dtype: torch.dtype, pad: Any
 ) -> torch.Tensor:
-    """``nn.Embedding``'s sparse COO gradient (torch's own), its values copied with
-    their layout (torch's sparse addition takes another route for other layouts)."""
+    """``nn.Embedding``'s sparse gradient, its values copied with their layout (as torch sums it)."""
     ids = positions.to(torch.int64)
     g = torch.ops.aten.embedding_sparse_backward(
         grad, ids, num_rows, skip_row(pad, num_rows), False
@@ -56,104 +89,26 @@ def _copy_keeping_strides(t: torch.Tensor) -> torch.Tensor:
     return own.as_strided(t.shape, t.stride())
 
 
-def _lookup_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    (positions,) = ctx.saved_tensors
-    g_table = None
-    if ctx.needs_input_grad[0]:
-        if ctx.sparse:
-            g_table = _sparse_table_grad(grad, positions, ctx.num_rows, ctx.dtype, ctx.padding_idx)
-        else:
-            g_table = table_grad(grad, positions, 0, ctx.num_rows, ctx.dtype, ctx.padding_idx)
-    return (g_table,) + (None,) * (ctx.n_inputs - 1)
+def _grad_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    """Setup of ``table_grad`` and ``embed_backward``: one or two index tensors, then the rest."""
+    n = 1 if len(inputs) == 6 else 2
+    ctx.save_for_backward(*inputs[1 : n + 1])
+    ctx.rest = inputs[n + 1 :]
+    ctx.shape, ctx.grad_dtype = tuple(inputs[0].shape), inputs[0].dtype
 
 
-def _add_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    tok, table, positions, offset, padding_idx = inputs
-    ctx.save_for_backward(positions)
-    ctx.tok_dtype, ctx.offset, ctx.padding_idx = tok.dtype, offset, padding_idx
-    ctx.num_rows, ctx.dtype, ctx.out_dtype = table.shape[0], table.dtype, output.dtype
-
-
-def _add_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    (positions,) = ctx.saved_tensors
-    g_tok = g_table = None
-    if ctx.needs_input_grad[0]:
-        g_tok = grad.to(ctx.tok_dtype)
-    if ctx.needs_input_grad[1]:
-        g_table = table_grad(
-            grad.to(ctx.dtype), positions, ctx.offset, ctx.num_rows, ctx.dtype, ctx.padding_idx
-        )
-    return g_tok, g_table, None, None, None
-
-
-def _embed_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    token_ids, token_table, position_table, positions, offset, padding_idx = inputs
-    ctx.save_for_backward(token_ids, positions)
-    ctx.offset, ctx.padding_idx = offset, padding_idx
-    ctx.vocab_size, ctx.token_dtype = token_table.shape[0], token_table.dtype
-    ctx.max_seq_len, ctx.position_dtype = position_table.shape[0], position_table.dtype
-    ctx.out_dtype = output.dtype
-
-
-def _embed_backward_formula(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    token_ids, positions = ctx.saved_tensors
-    need_tok, need_pos = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    g_tok = g_pos = None
-    if need_tok and need_pos and ctx.token_dtype == ctx.position_dtype:
-        tables = ctx.vocab_size, ctx.max_seq_len, ctx.token_dtype, ctx.position_dtype
-        g_tok, g_pos = embed_backward(
-            grad.to(ctx.token_dtype), token_ids, positions, ctx.offset, *tables, ctx.padding_idx
-        )
-        return None, g_tok, g_pos, None, None, None
-    # Each table gets the gradient in its own dtype, as two nn.Embedding outputs do.
-    if need_tok:
-        g_tok = table_grad(
-            grad.to(ctx.token_dtype), token_ids, 0, ctx.vocab_size, ctx.token_dtype, ctx.padding_idx
-        )
-    if need_pos:
-        positions = full_positions(positions, ctx.offset, token_ids.shape)
-        g_pos = table_grad(
-            grad.to(ctx.position_dtype), positions, 0, ctx.max_seq_len, ctx.position_dtype, None
-        )
-    return None, g_tok, g_pos, None, None, None
-
-
-def _table_grad_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    grad_output, positions, offset, num_rows, dtype, padding_idx = inputs
-    ctx.save_for_backward(positions)
-    ctx.offset, ctx.padding_idx = offset, padding_idx
-    ctx.shape, ctx.grad_dtype = tuple(grad_output.shape), grad_output.dtype
-    ctx.table = num_rows, dtype
-
-
-def _table_grad_backward(ctx: Any, gg: torch.Tensor) -> tuple[Any, ...]:
-    """The gradient of ``table_grad`` with respect to ``grad_output``."""
-    (positions,) = ctx.saved_tensors
-    if not ctx.needs_input_grad[0]:
-        return None, None, None, None, None, None
-    positions = full_positions(positions, ctx.offset, ctx.shape[:-1])
-    g = _looked_up_grad(gg, positions, ctx.padding_idx, ctx.shape, ctx.grad_dtype)
-    return g, None, None, None, None, None
-
-
-def _embed_backward_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    grad_output, token_ids, positions, offset = inputs[:4]
-    ctx.save_for_backward(token_ids, positions)
-    ctx.offset, ctx.padding_idx = offset, inputs[8]
-    ctx.shape, ctx.grad_dtype = tuple(grad_output.shape), grad_output.dtype
-    ctx.tables = inputs[4:8]  # vocab_size, max_seq_len, token_dtype, position_dtype
-
-
-def _embed_backward_backward(ctx: Any, gg_tok: Any, gg_pos: Any) -> tuple[Any, ...]:
-    """The gradient of ``embed_backward`` with respect to ``grad_output``."""
-    token_ids, positions = ctx.saved_tensors
-    none = (None,) * 8
+def _grad_backward(ctx: Any, *ggs: Any) -> tuple[Any, ...]:
+    """The gradient of ``table_grad`` or ``embed_backward`` with respect to ``grad_output``."""
+    *ids, positions = ctx.saved_tensors
+    none = (None,) * (len(ids) + len(ctx.rest) + 1)
     if not ctx.needs_input_grad[0]:
         return (None, *none)
-    positions = full_positions(positions, ctx.offset, ctx.shape[:-1])
+    offset, padding_idx = ctx.rest[0], ctx.rest[-1]
+    indices = (*ids, full_positions(positions, offset, ctx.shape[:-1]))
+    pads = (padding_idx, None) if ids else (padding_idx,)
     terms = tuple(
         _looked_up_grad(gg, idx, pad, ctx.shape, ctx.grad_dtype)
-        for gg, idx, pad in ((gg_tok, token_ids, ctx.padding_idx), (gg_pos, positions, None))
+        for gg, idx, pad in zip(ggs, indices, pads)
         if gg is not None
     )
     return (_tangent_sum(terms, ctx.grad_dtype) if terms else None, *none)
@@ -166,42 +121,34 @@ def _looked_up_grad(
     shape: tuple[int, ...],
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``gg`` looked up at ``positions``, zero at the padding row: the derivative of
-    a table gradient with respect to the output gradient it was summed from."""
+    """``gg`` looked up at ``positions``, zero at the padding row."""
     positions = positions.expand(shape[:-1])
     g = lookup(gg, positions, None, False).to(dtype)
     skip = skip_row(padding_idx, gg.shape[0])
-    if skip >= 0:
-        rows = torch.where(positions < 0, positions + gg.shape[0], positions)
-        g = g.masked_fill((rows == skip).unsqueeze(-1), 0)
+    if skip >= 0:  # positions passed the forward's checks: each in [0, rows)
+        g = g.masked_fill((positions == skip).unsqueeze(-1), 0)
     return g
 
 
 # ---- the calls: autograd functions in eager mode, the operators when compiling ----
 
 
-def _lookup_tangent(table_t: torch.Tensor | None, positions: torch.Tensor) -> Any:
-    return None if table_t is None else lookup(table_t, positions, None, False)
-
-
-def _tangent_sum(parts: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The output's tangent: the inputs' tangent terms in the output dtype, added."""
-    terms = [p.to(dtype) for p in parts if p is not None]
+def _tangent_sum(parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The terms in ``dtype``, added."""
+    terms = [p.to(dtype) for p in parts]
     return sum(terms[1:], terms[0])
 
 
 def _differentiable(
     op: str,
     setup: Callable[..., None],
-    backward: Callable[..., Any],
     for_jvp: Callable[[tuple[Any, ...]], tuple[Any, ...]],
-    jvp: Callable[..., Any],
     forward: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """Registers ``setup`` and ``backward`` as the operator ``op``'s autograd, and
-    gives its differentiable call (of ``forward``, by default the operator): in
-    eager mode an autograd function (``lookup``: ``LookupFn``) whose ``jvp`` gets
-    ``for_jvp(inputs)`` saved; the operator itself when Dynamo is tracing."""
+    """Registers ``op``'s autograd; returns its call: an autograd function in eager mode
+    (``jvp`` gets ``for_jvp(inputs)`` saved), ``forward`` itself under Dynamo."""
+    linear = setup is _grad_setup  # table_grad and embed_backward
+    backward, jvp = (_grad_backward, _grad_jvp) if linear else (_backward, _jvp)
     torch.library.register_autograd(f"cposembed::{op}", backward, setup_context=setup, lib=LIB)
     name = "".join(word.title() for word in op.split("_")) + "Fn"
     if forward is None:
@@ -243,68 +190,36 @@ def _differentiable(
     return call
 
 
-def _lookup_jvp(ctx: Any, table_t: Any, *_: Any) -> Any:
-    (positions,) = ctx.saved_tensors
-    return _lookup_tangent(table_t, positions)
-
-
-def _add_jvp(ctx: Any, tok_t: Any, table_t: Any, *_: Any) -> Any:
-    (positions,) = ctx.saved_tensors
-    return _tangent_sum((tok_t, _lookup_tangent(table_t, positions)), ctx.out_dtype)
-
-
-def _embed_jvp(ctx: Any, _ids_t: Any, token_t: Any, position_t: Any, *_: Any) -> Any:
-    token_ids, positions = ctx.saved_tensors
-    return _tangent_sum(
-        (_lookup_tangent(token_t, token_ids), _lookup_tangent(position_t, positions)),
-        ctx.out_dtype,
+def _jvp(ctx: Any, *tangents: Any) -> Any:
+    """Each table's tangent looked up at its saved index, plus ``tok``'s (saved None)."""
+    terms = tuple(
+        t if idx is None else lookup(t, idx, None, False)
+        for t, idx in zip(tangents, ctx.saved_tensors)
+        if t is not None
     )
+    return _tangent_sum(terms, ctx.out_dtype)
 
 
-def _table_grad_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
-    (positions,) = ctx.saved_tensors  # linear in grad_output
-    return table_grad(grad_output_t, positions, ctx.offset, *ctx.table, ctx.padding_idx)
-
-
-def _embed_backward_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
-    token_ids, positions = ctx.saved_tensors
-    return embed_backward(
-        grad_output_t, token_ids, positions, ctx.offset, *ctx.tables, ctx.padding_idx
-    )
+def _grad_jvp(ctx: Any, grad_output_t: Any, *_: Any) -> Any:
+    """The tangent of ``table_grad`` or ``embed_backward``: linear in ``grad_output``."""
+    op = table_grad if len(ctx.saved_tensors) == 1 else embed_backward
+    return op(grad_output_t, *ctx.saved_tensors, *ctx.rest)
 
 
 # Each with its operator's arguments; lookup's sparse: a sparse gradient (eager only).
 lookup = _differentiable(
     "lookup",
     _lookup_setup,
-    _lookup_backward,
     lambda i: (i[1],),
-    _lookup_jvp,
     forward=lambda table, positions, padding_idx, sparse: ops.lookup.default(
         table, positions, padding_idx
     ),
 )
 add_positions = _differentiable(
-    "add_positions",
-    _add_setup,
-    _add_backward,
-    lambda i: (full_positions(i[2], i[3], i[0].shape[:-1]),),
-    _add_jvp,
+    "add_positions", _add_setup, lambda i: (None, full_positions(i[2], i[3], i[0].shape[:-1]))
 )
 embed = _differentiable(
-    "embed",
-    _embed_setup,
-    _embed_backward_formula,
-    lambda i: (i[0], full_positions(i[3], i[4], i[0].shape)),
-    _embed_jvp,
+    "embed", _embed_setup, lambda i: (None, i[0], full_positions(i[3], i[4], i[0].shape))
 )
-table_grad = _differentiable(
-    "table_grad", _table_grad_setup, _table_grad_backward, lambda i: (i[1],), _table_grad_jvp
-)
-embed_backward = _differentiable(
-    "embed_backward",
-    _embed_backward_setup,
-    _embed_backward_backward,
-    lambda i: (i[1], i[2]),
-    _embed_backward_jvp,
-)
+table_grad = _differentiable("table_grad", _grad_setup, lambda i: (i[1],))
+embed_backward = _differentiable("embed_backward", _grad_setup, lambda i: (i[1], i[2]))

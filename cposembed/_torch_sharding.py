@@ -18,8 +18,7 @@ ops = torch.ops.cposembed
 
 @register_sharding(ops.lookup.default)
 def _lookup(table: Any, positions: Any, *_: Any, **__: Any) -> list[Any]:
-    """(output placements, input placements) the local ``lookup`` computes: whole,
-    or the table's columns as the output's last dimension."""
+    """Whole, or the table's columns as the output's last dimension."""
     return [
         ([Replicate()], [Replicate(), Replicate(), None]),
         ([Shard(positions.ndim)], [Shard(1), Replicate(), None]),
@@ -28,8 +27,7 @@ def _lookup(table: Any, positions: Any, *_: Any, **__: Any) -> list[Any]:
 
 @register_sharding(ops.table_grad.default)
 def _table_grad(grad_output: Any, positions: Any, *_: Any, **__: Any) -> list[Any]:
-    """(output placements, input placements) the local ``table_grad`` computes:
-    whole, or the gradient's columns from the last dimension of ``grad_output``."""
+    """Whole, or the gradient's columns from the last dimension of ``grad_output``."""
     pos = None if positions is None else Replicate()
     rest = [None, None, None, None]
     return [

@@ -53,8 +53,7 @@ def _index(x: Any) -> torch.Tensor:
 
 
 def _on_kernels(table: torch.Tensor, *indices: torch.Tensor | None) -> bool:
-    """Whether the kernels take this call (see the module docstring; DTensors:
-    ``_sharded_lookup``)."""
+    """Whether the kernels take this call (see the module docstring)."""
     tensors = (table, *(i for i in indices if i is not None))
     return (
         table.dtype in _arrays.KERNEL_DTYPES
@@ -76,8 +75,7 @@ def _is_dtensor(t: torch.Tensor | None) -> bool:
 
 
 def _sharded_lookup(weight: torch.Tensor, idx: torch.Tensor) -> bool:
-    """Whether a lookup of a DTensor weight runs on the kernels, on each rank's
-    shard: not for a weight split along its rows, which ``F.embedding`` takes."""
+    """Whether a lookup of a DTensor weight not split along its rows runs on the kernels."""
     w: Any = weight
     if not _is_dtensor(w) or any(p.is_shard(0) for p in w.placements):
         return False
@@ -106,16 +104,6 @@ def _check_offset(positions: torch.Tensor | None, offset: int) -> None:
         )
 
 
-def _renorm(weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_type: float) -> None:
-    """``max_norm``: the looked-up rows rescaled in place, as ``F.embedding`` does
-    (torch's renorm takes int32 and int64 only: other ids are checked, then converted)."""
-    if indices.dtype not in (torch.int32, torch.int64):
-        _arrays.checked_ids(indices, weight.shape[0])
-        indices = indices.to(torch.int64)
-    with torch.no_grad():
-        torch.embedding_renorm_(weight.detach(), indices.contiguous(), max_norm, norm_type)
-
-
 @torch.jit.unused
 def embedding(
     input: Any,
@@ -136,16 +124,19 @@ def embedding(
         _sharded_lookup(weight, idx) and max_norm is None and not sparse
     )
     on_kernels = on_kernels and not scale_grad_by_freq
-    if padding_idx is not None and on_kernels:
-        # Out of range, F.embedding raises its own AssertionError; the kernels
-        # take a negative padding_idx as counted from the end.
+    if padding_idx is not None and on_kernels:  # else F.embedding's own AssertionError
         on_kernels = -weight.shape[0] <= padding_idx < weight.shape[0]
     if not on_kernels or (sparse and torch.compiler.is_compiling()):
         return F.embedding(
             idx, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
         )
-    if max_norm is not None:
-        _renorm(weight, idx, max_norm, norm_type)
+    if max_norm is not None:  # rows rescaled in place; torch's renorm takes int32/int64 ids
+        ids = idx
+        if idx.dtype not in (torch.int32, torch.int64):
+            _arrays.checked_ids(idx, weight.shape[0])
+            ids = idx.to(torch.int64)
+        with torch.no_grad():
+            torch.embedding_renorm_(weight.detach(), ids.contiguous(), max_norm, norm_type)
     return _ops.lookup(weight, idx, padding_idx, sparse)
 
 
@@ -178,7 +169,7 @@ class Embedding(nn.Embedding):
     _freeze : bool, default False
         ``weight`` without ``requires_grad``.
     device, dtype : optional
-        Of ``weight``.
+        Of ``weight``; default ``torch.get_default_dtype()``.
 
     See Also
     --------
@@ -201,8 +192,7 @@ class Embedding(nn.Embedding):
     True
     """
 
-    def _get_name(self) -> str:
-        # The name print(model) shows, as torch's quantized modules name theirs.
+    def _get_name(self) -> str:  # the name print(model) shows
         return f"cposembed.{type(self).__name__}"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -236,6 +226,11 @@ class Embedding(nn.Embedding):
             self.scale_grad_by_freq,
             self.sparse,
         )
+
+    def _fusable(self, *indices: Any) -> bool:
+        """Whether a fused kernel can look ``indices`` up: no renorm, a dense unscaled gradient."""
+        as_is = self.max_norm is None and not (self.scale_grad_by_freq or self.sparse)
+        return as_is and _on_kernels(self.weight, *indices)
 
 
 def convert_embeddings(module: nn.Module) -> nn.Module:
@@ -293,10 +288,8 @@ class LearnedPositionEmbedding(Embedding):
     ----------
     max_seq_len, embed_dim : int
         Shape of ``weight``.
-    padding_idx : int, optional
-        That row starts at zero and gets no gradient.
-    device, dtype : optional
-        Of ``weight``; default ``torch.get_default_dtype()``.
+    padding_idx, device, dtype : optional
+        As in :class:`Embedding`.
     **kwargs
         ``max_norm``, ``norm_type``, ``scale_grad_by_freq``, ``sparse``,
         ``_weight``, ``_freeze``: as in :class:`Embedding`.
@@ -407,18 +400,10 @@ class LearnedPositionEmbedding(Embedding):
         tok = _values(tok)
         pos = None if positions is None else _index(positions)
         _check_offset(pos, offset)
-        fused = (
-            _on_kernels(self.weight, pos)
-            and tok.device.type == "cpu"
-            and tok.dtype in _arrays.KERNEL_DTYPES
-            and not self.scale_grad_by_freq
-            and not self.sparse
-        )
-        if not fused or self.max_norm is not None:
-            full = _ops.full_positions(pos, offset, tok.shape[:-1])
-            if self.max_norm is None or not fused:
-                return tok + self(full.to(tok.device))
-            _renorm(self.weight, full, self.max_norm, self.norm_type)
+        if not (
+            self._fusable(pos) and tok.dtype in _arrays.KERNEL_DTYPES and tok.device.type == "cpu"
+        ):
+            return tok + self(_ops.full_positions(pos, offset, tok.shape[:-1]).to(tok.device))
         return _ops.add_positions(tok, self.weight, pos, offset, self.padding_idx)
 
 
@@ -573,11 +558,7 @@ class TokenPositionEmbedding(nn.Module):
     def _eager(self, token_ids: Any, positions: Any, offset: int) -> torch.Tensor:
         ids = _index(token_ids)
         pos = None if positions is None else _index(positions)
-        fused = _on_kernels(self.tokens.weight, ids, pos) and _on_kernels(self.positions.weight)
-        if not fused or any(
-            t.max_norm is not None or t.scale_grad_by_freq or t.sparse
-            for t in (self.tokens, self.positions)
-        ):
+        if not (self.tokens._fusable(ids, pos) and self.positions._fusable()):
             return self._unfused(ids, pos, offset)
         return _ops.embed(
             ids, self.tokens.weight, self.positions.weight, pos, offset, self.padding_idx
