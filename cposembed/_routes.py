@@ -257,6 +257,17 @@ def id_positions(
     return row_positions(positions, offset, ids.shape, n_rows, "token_ids", "token_ids.shape")
 
 
+def id_rows(grad_output: Any, ids: np.ndarray, d: int) -> np.ndarray:
+    """``grad_output`` checked to have shape ``ids.shape + (d,)``."""
+    g = v.as_rows(grad_output, d, "grad_output")
+    if g.shape[:-1] != ids.shape:
+        raise ValueError(
+            f"grad_output must have shape token_ids.shape + (d,) = {ids.shape + (d,)}; "
+            f"got {g.shape}"
+        )
+    return g
+
+
 def embed(
     token_ids: Any,
     token_table: Any,
@@ -332,13 +343,7 @@ def embed_backward(
     if not tables:
         check_offset(offset, False, 0, 0)
         return
-    d = tables[0].shape[1]
-    g = v.as_rows(grad_output, d, "grad_output")
-    if g.shape[:-1] != ids.shape:
-        raise ValueError(
-            f"grad_output must have shape token_ids.shape + (d,) = {ids.shape + (d,)}; "
-            f"got {g.shape}"
-        )
+    g = id_rows(grad_output, ids, tables[0].shape[1])
     if gp is not None:
         pos, off = id_positions(ids, positions, offset, gp.shape[0])
     else:

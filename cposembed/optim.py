@@ -296,14 +296,8 @@ class Optimizer:
         if self._layer_step(grad_output, token_ids, positions, offset):
             return
         tokens, positions_of = self._tables["token_embeddings"], self._tables["position_embeddings"]
-        d = tokens.table.shape[1]
         ids = _routes.checked_ids(token_ids, tokens.table.shape[0])
-        g = v.as_rows(grad_output, d, "grad_output")
-        if g.shape[:-1] != ids.shape:
-            raise ValueError(
-                f"grad_output must have shape token_ids.shape + (d,) = {ids.shape + (d,)}; "
-                f"got {g.shape}"
-            )
+        g = _routes.id_rows(grad_output, ids, tokens.table.shape[1])
         pos, off = _routes.id_positions(ids, positions, offset, positions_of.table.shape[0])
         work = self._states["token_embeddings"].dtype
         g_c = v.canonical_copy(g, _routes.grad_output_dtype(g.dtype, work))
