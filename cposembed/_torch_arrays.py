@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from cposembed import _blocks, _core
+from cposembed._validation import FLOAT_NAMES
 
 # Table dtypes the kernels take; other dtypes go to torch's own F.embedding.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-DTYPE_NAMES = "float16, bfloat16, float32 or float64"
 # float16 with bfloat16: NumPy has no common type (cposembed refuses the pair),
 # torch promotes both to float32.
 HALF_PAIR = frozenset((torch.float16, torch.bfloat16))
@@ -111,7 +111,7 @@ def checked_ids(t: torch.Tensor | None, n_rows: int) -> np.ndarray | None:
 
 def check_dtype(dtype: torch.dtype, name: str = "gradient") -> None:
     if dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{name} must have dtype {DTYPE_NAMES}; got {dtype}")
+        raise TypeError(f"{name} must have dtype {FLOAT_NAMES}; got {dtype}")
 
 
 # ---- gradient and output memory ---------------------------------------------------
