@@ -246,13 +246,15 @@ class Optimizer:
         the rows if ``compact``); True."""
         table, state1, state2, slots, _ = self._target_of(name, skip_row)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        args = (state1, state2, slots, self._kernel_hyper(), skip_row)
-        if _core.optimizer_step(table, grad, rows, compact, *args):
+        hyper = self._kernel_hyper()
+        if _core.optimizer_step(table, grad, rows, compact, state1, state2, slots, hyper, skip_row):
             return True
         if not compact:
             # A full gradient the entry refuses (an assigned one) goes as a copy of its rows.
             grad = np.array(grad[rows], dtype=self._states[name].dtype, order="C")
-            if _core.optimizer_step(table, grad, rows, True, *args):
+            if _core.optimizer_step(
+                table, grad, rows, True, state1, state2, slots, hyper, skip_row
+            ):
                 return True
         raise RuntimeError("the optimizer step's kernel refused its arguments")
 
