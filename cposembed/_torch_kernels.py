@@ -94,12 +94,6 @@ def _operator(schema: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     return register
 
 
-def _position_rows(table: torch.Tensor, other: torch.dtype) -> np.ndarray:
-    """The table as an array, in float32 beside the other half dtype (as torch adds them)."""
-    a = as_array(table)
-    return a.astype(np.float32) if {table.dtype, other} == HALF_PAIR else a
-
-
 @_operator("lookup(Tensor table, Tensor positions, int? padding_idx=None) -> Tensor")
 def _lookup(
     table: torch.Tensor,
@@ -141,8 +135,10 @@ def _add_positions(
     skip_row(padding_idx, table.shape[0])
     y = new_tensor(tuple(tok.shape), dtype, zeroed=False)
     pos = checked_ids(positions, table.shape[0])
-    table_a = _position_rows(table, tok.dtype)
-    _f.add_positions(as_array(tok), table_a, pos, offset=offset, out=as_array(y))
+    tok_a = as_array(tok)
+    if {tok.dtype, table.dtype} == HALF_PAIR:  # torch adds the pair in float32
+        tok_a = tok_a.astype(np.float32)  # the tokens (exact), not the whole table
+    _f.add_positions(tok_a, as_array(table), pos, offset=offset, out=as_array(y))
     return y
 
 
@@ -172,8 +168,17 @@ def _embed(
     ids = checked_ids(token_ids, token_table.shape[0])
     pos = checked_ids(positions, position_table.shape[0])
     y = new_tensor(shape, dtype, zeroed=False)
-    tables = (as_array(token_table), _position_rows(position_table, token_table.dtype))
-    _layer.embed(ids, *tables, pos, offset=offset, out=as_array(y))
+    if {token_table.dtype, position_table.dtype} == HALF_PAIR:
+        # torch adds the pair in float32: the looked-up token rows converted (exactly),
+        # not a whole table, then added.
+        ids = _routes.checked_ids(ids, token_table.shape[0])
+        pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
+        rows = _f.lookup(as_array(token_table), ids).astype(np.float32)
+        _f.add_positions(rows, as_array(position_table), pos, offset=offset, out=as_array(y))
+        return y
+    _layer.embed(
+        ids, as_array(token_table), as_array(position_table), pos, offset=offset, out=as_array(y)
+    )
     return y
 
 
