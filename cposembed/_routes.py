@@ -104,10 +104,11 @@ def check_offset(offset: Any, with_positions: bool, n_tokens: int, n_rows: int) 
 
 
 def full_positions(pos: np.ndarray | None, offset: int, lead: tuple[int, ...]) -> np.ndarray:
-    """``pos``, or for ``None`` the rows ``offset + arange(T)`` broadcast to ``lead``."""
+    """``pos``, or for ``None`` the rows ``offset + arange(T)`` (``T = lead[-1]``), which
+    broadcast to ``lead``: a caller's gather of them stays ``(T, d)``."""
     if pos is not None:
         return pos
-    return np.broadcast_to(np.arange(offset, offset + lead[-1], dtype=np.int64), lead)
+    return np.arange(offset, offset + lead[-1], dtype=np.int64)
 
 
 def row_positions(
