@@ -117,54 +117,8 @@ cdef inline void _take_gil(PyThreadState* state) noexcept:
 #
 # Each entry fills a KernelCall for _run_kernel, the one place that maps dtypes to
 # the row primitives (_rows.h; a dtype is added in _type_code and the template's
-# TYPES). A kernel call cannot fail: its memory was taken before, with the GIL, by
+# CTYPE). A kernel call cannot fail: its memory was taken before, with the GIL, by
 # _scratch_or_raise, so the kernels are noexcept nogil.
-
-cdef enum Kernel:
-    K_LOOKUP
-    K_ADD
-    K_SCATTER_ADD
-    K_SGD
-    K_EMBED
-    K_SCATTER_PAIR
-    K_OPT  # the optimizers' step
-
-
-cdef struct KernelCall:
-    # One kernel call; each kernel reads the fields it takes (_kernels.pxi).
-    #   out (written): the output, grad, the SGD table or gtok; out2: gpos
-    #   src (read): the lookup's table, tokens, g or SGD's grad; table: the position table
-    #   src_type: src's dtype where it may differ from the table's; -1: the table's
-    Kernel kernel
-    void* out
-    void* out2
-    const void* src
-    const void* table
-    const int64_t* rows
-    const int64_t* ids
-    Py_ssize_t n         # rows to write or read (N)
-    Py_ssize_t m         # entries of `rows` (the period)
-    Py_ssize_t L
-    Py_ssize_t V
-    Py_ssize_t d
-    int n_threads
-    int stream
-    int in_place
-    ScatterPlan plan
-    double lr            # the SGD step, rounded to the compute type by the row primitive
-    int64_t* scratch
-    int src_type
-    # The sparse plan: `out` (`out2`) is a compact copy of rows compact_rows[:L] of
-    # compact_of (compact_of2), gathered before and written back after; NULL: none.
-    void* compact_of
-    const int64_t* compact_rows
-    void* compact_of2
-    const int64_t* compact_rows2
-    # The optimizer step fused into the pair's sums (FusedStep), or NULL.
-    FusedStep* fused
-    # The optimizer step of K_OPT.
-    OptJob* opt
-
 
 cdef inline void _kernel_call(KernelCall* c, Kernel kernel, void* out, const void* src,
                               const int64_t* rows, Py_ssize_t n, Py_ssize_t m, Py_ssize_t d,
@@ -228,38 +182,21 @@ cdef void _run_kernel(const KernelCall* c, int typenum) noexcept:
 
 cdef void _kernel(const KernelCall* c, const cpe_row_ops* ops) noexcept nogil:
     # c.kernel with the row primitives of its dtypes.
-    if c.kernel == K_LOOKUP:
-        _lookup(<const char*>c.src, c.rows, <char*>c.out, c.n, c.L, c.d, ops, c.n_threads,
-                c.stream)
-    elif c.kernel == K_ADD:
-        _add(<const char*>c.src, <const char*>c.table, c.rows, <char*>c.out, c.n, c.m, c.d,
-             ops, c.n_threads, c.stream, c.in_place)
-    elif c.kernel == K_SCATTER_ADD:
-        _gather_rows(<char*>c.out, <const char*>c.compact_of, c.compact_rows, c.L,
-                     c.d * ops.tsize)
+    cdef Py_ssize_t rb = c.d * ops.tsize
+    if c.kernel == K_SCATTER_ADD:
+        _compact_rows(c, rb, False)
         _scatter_add(<char*>c.out, <const char*>c.src, c.rows, c.L, c.d, c.m, c.n // c.m,
-                     ops, c.n_threads, c.plan, c.scratch)
-        _put_rows(<char*>c.compact_of, <const char*>c.out, c.compact_rows, c.L,
-                  c.d * ops.tsize)
-    elif c.kernel == K_SGD:
-        _sgd_rows(<char*>c.out, <const char*>c.src, c.rows, c.n, c.d, ops, c.lr,
-                  c.n_threads)
-    elif c.kernel == K_OPT:
-        _opt_rows(c.opt, c.n_threads)
-    elif c.kernel == K_EMBED:
-        _embed(<const char*>c.src, c.ids, c.V, <const char*>c.table, c.rows, <char*>c.out,
-               c.n, c.m, c.d, ops, c.n_threads, c.stream)
-    else:
-        _gather_rows(<char*>c.out, <const char*>c.compact_of, c.compact_rows, c.V,
-                     c.d * ops.tsize)
-        _gather_rows(<char*>c.out2, <const char*>c.compact_of2, c.compact_rows2, c.L,
-                     c.d * ops.tsize)
+                     ops, c.n_threads, <ScatterPlan>c.plan, c.scratch)
+        _compact_rows(c, rb, True)
+    elif c.kernel == K_SCATTER_PAIR:
+        _compact_rows(c, rb, False)
         _scatter_pair(<char*>c.out, c.V, c.ids, <char*>c.out2, c.L, c.rows, c.m,
                       <const char*>c.src, c.n, c.d, ops, c.n_threads, c.scratch, c.fused)
-        _put_rows(<char*>c.compact_of, <const char*>c.out, c.compact_rows, c.V,
-                  c.d * ops.tsize)
-        _put_rows(<char*>c.compact_of2, <const char*>c.out2, c.compact_rows2, c.L,
-                  c.d * ops.tsize)
+        _compact_rows(c, rb, True)
+    elif c.kernel == K_OPT:
+        _opt_rows(c.opt, c.n_threads)
+    else:
+        _row_kernel(c, ops)
 
 
 cdef bint _is_canonical(object obj, int typenum) noexcept:
@@ -489,10 +426,8 @@ cdef void _zero_row(cnp.ndarray table, Py_ssize_t row) noexcept:
 def lookup(table, positions, out, num_threads):
     """``table[positions]`` into ``out`` (or a new array), returned; None if refused.
 
-    table: a canonical (L, d) float32/float64 table; positions: as _index.pxi
-    reads them, every value in [-L, L); out: None, or a canonical writable array
-    of shape positions.shape + (d,) and the table's dtype, not overlapping the
-    table; num_threads: None or an integer >= 1.
+    table: canonical (L, d); positions: as _index.pxi reads them, in [-L, L); out:
+    None, or canonical, writable, of shape positions.shape + (d,), disjoint from table.
     """
     return _lookup_entry(table, positions, out, num_threads)
 
@@ -527,7 +462,7 @@ cdef object _lookup_entry(object table, object positions, object out, object num
         if ix.n and d:
             _kernel_call(&c, K_LOOKUP, cnp.PyArray_DATA(o), cnp.PyArray_DATA(t), ix.rows,
                          ix.n, ix.n, d, nt)
-            c.L = L
+            c.prefetch = L * d * cnp.PyArray_ITEMSIZE(t) > _PREFETCH_TABLE_BYTES
             c.stream = cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
             _run_kernel(&c, typenum)
         return o
@@ -588,12 +523,9 @@ cdef int _rows_type(object table, object rows_array, bint any_dtype=False) noexc
 def add(tokens, table, positions, offset, out, num_threads):
     """``tokens + table[positions]`` into ``out`` (or a new array), returned; None if refused.
 
-    tokens: a canonical array of shape (..., d) with the table's dtype;
-    positions: None (offset + arange(T), T = tokens.shape[-2], offset an
-    integer with 0 <= offset <= L - T) or positions whose shape without
-    leading 1s equals the trailing axes of tokens.shape[:-1] (offset 0);
-    out: None, ``tokens`` (in place), or a canonical writable array of tokens'
-    shape and dtype, overlapping neither tokens nor the table.
+    tokens: canonical (..., d) of the table's dtype; positions, offset: as
+    _positions_for; out: None, ``tokens`` (in place), or canonical, writable, of
+    tokens' shape, disjoint from tokens and table.
     """
     cdef int typenum = _rows_type(table, tokens)
     if typenum < 0:
@@ -623,7 +555,7 @@ def add(tokens, table, positions, offset, out, num_threads):
             c.table = cnp.PyArray_DATA(t)
             # In place the lines are read anyway: ordinary stores.
             c.stream = not in_place and cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
-            c.in_place = in_place
+            c.prefetch = in_place
             _run_kernel(&c, typenum)
         return o
     finally:
@@ -697,13 +629,10 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
     """``grad[positions[i]] += grad_output[i]`` in np.add.at's order, in place;
     returns grad, or None if refused.
 
-    grad: a canonical writable (L, d) table; grad_output: a canonical (..., d) array
-    of any dtype with kernels, not overlapping grad (each add as np.add.at's);
-    positions and offset as for add. touched: None or a RowMarks of L rows, marked
-    where a row received a contribution; skip_row: a row that gets no gradient
-    (padding: zeroed after the sum, unmarked), or -1; plan: a ScatterPlan
-    (PLAN_AUTO: chosen per call). A table far larger than the call is summed in a
-    compact copy of the rows it touches.
+    grad: canonical, writable (L, d); grad_output: canonical (..., d) of any dtype
+    with kernels, disjoint from grad; positions, offset: as add's. touched: None or
+    a RowMarks of L rows, marked where a row got a contribution; skip_row: -1, or a
+    row that gets no gradient (zeroed, unmarked); plan: a ScatterPlan.
     """
     cdef int typenum = _rows_type(grad, grad_output, True)
     if typenum < 0:
@@ -747,7 +676,7 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
                          ix.rows, N, m, d, nt)
             c.L = L
             c.src_type = cnp.PyArray_TYPE(g)
-            c.plan = <ScatterPlan>plan
+            c.plan = plan
             if _compact_pays(L, m, rb):
                 _compact(&sp, ix.rows, m, L, rb, False, "the sparse plan")
                 _sum_compact(&sp, cnp.PyArray_DATA(G), &c.out, &c.rows, &c.L, &c.compact_of,
@@ -766,9 +695,8 @@ def scatter_add(grad, grad_output, positions, offset, num_threads, touched=None,
 
 def sgd_step(table, grad, touched, double lr, Py_ssize_t skip_row, num_threads=None):
     """``table[r] -= lr * grad[r]`` on the rows ``touched`` marks (every row if None)
-    but skip_row (-1: none), in the gradient's dtype, rounded once to the table's;
-    True, or None if refused. grad: canonical, the table's shape, disjoint from it,
-    of its dtype (float32 for a half table).
+    but skip_row (-1: none); True, or None if refused. grad: canonical, the table's
+    shape and dtype (float32 for a half table), disjoint from it.
     """
     cdef int typenum = _table_type(table)
     cdef bint half = typenum == NPY_HALF or typenum == _NPY_BFLOAT16
@@ -853,12 +781,9 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
     """``token_table[token_ids] + position_table[positions]`` into ``out`` (or a
     new array), returned; None if refused.
 
-    token_table (V, d) and position_table (L, d): canonical, one dtype; token_ids
-    as _index.pxi reads them, in [-V, V); positions: None (offset + arange(T)
-    over the last axis of the ids, 0 <= offset <= L - T) or positions whose
-    shape without leading 1s equals the trailing axes of the ids' shape
-    (offset 0); out: None or a canonical writable array of shape
-    token_ids.shape + (d,), overlapping neither table.
+    The tables: canonical, one dtype; token_ids: as _index.pxi reads them, in
+    [-V, V); positions, offset: as _positions_for over the ids' shape; out: None, or
+    canonical, writable, of shape token_ids.shape + (d,), disjoint from both tables.
     """
     cdef int typenum = _pair_type(token_table, position_table)
     if typenum < 0:
@@ -883,8 +808,8 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
             _kernel_call(&c, K_EMBED, cnp.PyArray_DATA(o), cnp.PyArray_DATA(tt), ix.rows,
                          ids.n, m, d, nt)
             c.ids = ids.rows
-            c.V = V
             c.table = cnp.PyArray_DATA(pt)
+            c.prefetch = V * d * cnp.PyArray_ITEMSIZE(tt) > _PREFETCH_TABLE_BYTES
             c.stream = cnp.PyArray_NBYTES(o) >= _STREAM_BYTES
             _run_kernel(&c, typenum)
         return o
@@ -893,16 +818,24 @@ def embed(token_ids, token_table, position_table, positions, offset, out, num_th
         _index_free(&ids)
 
 
+cdef int _id_rows_threads(cnp.ndarray g, const Index* ids, Py_ssize_t d,
+                          object num_threads) noexcept:
+    # The threads of a backward whose gradient `g` must be ids.shape + (d,); 0: refused.
+    cdef int k, nd = cnp.PyArray_NDIM(g)
+    if nd != ids.nd + 1 or cnp.PyArray_DIMS(g)[nd - 1] != d:
+        return 0
+    for k in range(ids.nd):
+        if cnp.PyArray_DIMS(g)[k] != ids.shape[k]:
+            return 0
+    return _threads_for(num_threads, ids.n * d, ids.n)
+
+
 def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids, positions,
                    offset, num_threads, token_touched=None, position_touched=None,
                    Py_ssize_t token_skip_row=-1):
     """Both gradients of embed from one pass over grad_output, in place, each
-    bitwise np.add.at; True, or None if refused.
-
-    The two tables: canonical, writable, one dtype and embed_dim, disjoint;
-    grad_output: as scatter_add's, of shape token_ids.shape + (d,), overlapping
-    neither; token_ids and positions as for embed; token_touched /
-    position_touched and token_skip_row as scatter_add's touched and skip_row.
+    bitwise np.add.at; True, or None if refused. The tables: canonical, writable,
+    one dtype, disjoint; the rest as embed's and scatter_add's.
     """
     cdef int typenum = _pair_type(grad_token_table, grad_position_table)
     if typenum < 0 or not _is_canonical(grad_output, _source_type(grad_output)):
@@ -911,8 +844,7 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
     cdef cnp.ndarray gp = <cnp.ndarray>grad_position_table
     cdef cnp.ndarray g = <cnp.ndarray>grad_output
     cdef Py_ssize_t V = cnp.PyArray_DIMS(gt)[0], L = cnp.PyArray_DIMS(gp)[0]
-    cdef Py_ssize_t d = cnp.PyArray_DIMS(gt)[1], m, i
-    cdef int nd = cnp.PyArray_NDIM(g)
+    cdef Py_ssize_t d = cnp.PyArray_DIMS(gt)[1], m
     if (
         not cnp.PyArray_ISWRITEABLE(gt)
         or not cnp.PyArray_ISWRITEABLE(gp)
@@ -936,12 +868,7 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
     memset(&tok, 0, sizeof(Compact))
     memset(&pos, 0, sizeof(Compact))
     try:
-        if nd != ids.nd + 1 or cnp.PyArray_DIMS(g)[nd - 1] != d:
-            return None
-        for i in range(ids.nd):
-            if cnp.PyArray_DIMS(g)[i] != ids.shape[i]:
-                return None
-        nt = _threads_for(num_threads, ids.n * d, ids.n)
+        nt = _id_rows_threads(g, &ids, d, num_threads)
         if not nt:
             return None
         _reserve_marks(token_touched, min(ids.n, V))
@@ -1086,16 +1013,14 @@ cdef void _give_slots(object slots, OptJob* job, Py_ssize_t n, int64_t* buf) noe
 
 def optimizer_step(table, grad, rows, bint compact, state1, state2, slots, hyper,
                    Py_ssize_t skip_row, num_threads=None):
-    """One optimizer step on the distinct rows `rows` but skip_row (cpe_opt_T of
-    _rows.h.tp); True, or None if refused.
+    """One optimizer step (cpe_opt_T of _rows.h.tp) on the distinct rows `rows`
+    (1-D int64 in [0, L)) but skip_row (-1: none); True, or None if refused.
 
-    table: a canonical writable (L, d) table; K, the state's dtype: float64 for a
-    float64 table, else float32. grad: a canonical K array of d columns, disjoint
-    from the table, row i for rows[i] if compact, else (L, d). rows: canonical
-    1-D int64, distinct, in [0, L). state1, state2: None or canonical writable
-    (L, d) K arrays disjoint from the table and grad. slots: None (row r's state
-    is row r) or a RowSlots of L rows (a row without a slot gets the next one and
-    is fresh). hyper: a dict of cpe_opt_hyper's fields. skip_row: -1 or a row.
+    table: canonical, writable (L, d); K: float64 for a float64 table, else float32.
+    grad: canonical K, d columns, row i for rows[i] if compact, else (L, d). state1,
+    state2: None or canonical, writable (L, d) K arrays. slots: None (row r's state
+    is row r) or a RowSlots of L rows. hyper: a dict of cpe_opt_hyper's fields.
+    All disjoint.
     """
     cdef cpe_opt_hyper h
     cdef OptJob job
@@ -1144,12 +1069,9 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
                      hyper, num_threads=None):
     """The layer's backward and an optimizer step on the rows it touches, in one
     pass (FusedStep), with no gradient table; True, or None if refused.
-
     token_step / position_step: (table, state1, state2, slots, skip_row) as
-    optimizer_step takes them, one dtype, sharing no memory or slots;
-    grad_output, token_ids, positions, offset as embed_backward's, grad_output
-    disjoint from both tables and their state; hyper as optimizer_step's. Each
-    distinct row is summed in input order by the thread that owns it, then updated.
+    optimizer_step's, one dtype, sharing no memory or slots; the rest as
+    embed_backward's, grad_output disjoint from both steps' arrays.
     """
     cdef cpe_opt_hyper h
     cdef FusedStep fs
@@ -1181,7 +1103,6 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
     cdef Py_ssize_t L = cnp.PyArray_DIMS(<cnp.ndarray>position_step[0])[0]
     cdef Py_ssize_t d = fs.tok.d, m, i, N, k, n_multi
     cdef Py_ssize_t rb = d * fs.tok.ssize
-    cdef int nd = cnp.PyArray_NDIM(g)
     cdef int ktype = cnp.NPY_DOUBLE if fs.tok.ssize == 8 else cnp.NPY_FLOAT
     cdef Index ids, ix
     cdef Compact tok, pos
@@ -1199,12 +1120,7 @@ def fused_embed_step(token_step, position_step, grad_output, token_ids, position
         return None
     try:
         N = ids.n
-        if nd != ids.nd + 1 or cnp.PyArray_DIMS(g)[nd - 1] != d:
-            return None
-        for i in range(ids.nd):
-            if cnp.PyArray_DIMS(g)[i] != ids.shape[i]:
-                return None
-        nt = _threads_for(num_threads, N * d, N)
+        nt = _id_rows_threads(g, &ids, d, num_threads)
         if not nt:
             return None
         if not (N and d and m):

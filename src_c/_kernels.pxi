@@ -1,7 +1,7 @@
 # Kernels: gather, add and scatter-add rows, the SGD and optimizer row
 # updates, on inputs the entries in _core.pyx have checked (row numbers in
-# [0, L)). In _add, _scatter_add, _embed and _scatter_pair, `rows` has m
-# entries for N = nb * m rows: row i uses rows[i % m]. Work for several
+# [0, L)). In the add, embed and scatter-adds, `rows` has m entries for
+# N = nb * m rows: row i uses rows[i % m]. Work for several
 # threads is cut into chunks (_run_chunks, _parallel.pxi): blocks of output
 # rows, or ranges of table rows that one chunk owns. Rows move as bytes; the
 # arithmetic is the row primitives' of _rows.h (`ops`: cpe_row_ops_for).
@@ -175,28 +175,56 @@ cdef inline void _prefetch_row(const char* src, Py_ssize_t nbytes, int where) no
         k += 64
 
 
-# ---- row kernels: lookup, add, embed, SGD ------------------------------------
+# ---- the kernels' calls --------------------------------------------------------
 
 
-cdef enum:
-    _LOOKUP = 0
-    _ADD = 1
-    _SGD = 2
+cdef enum Kernel:
+    K_LOOKUP
+    K_ADD
+    K_SCATTER_ADD
+    K_SGD
+    K_EMBED
+    K_SCATTER_PAIR
+    K_OPT  # the optimizers' step
 
 
-cdef struct RowJob:
-    # A row kernel's call: chunk c does rows c * per .. min(n, (c + 1) * per) - 1.
-    int kind
-    const char* src      # lookup: the table; add: tokens; embed: token table; SGD: grad
-    const char* table    # add, embed: the position table
-    const int64_t* ids   # lookup, SGD: rows of src; embed: token ids; add: NULL
-    const int64_t* rows  # add, embed: position rows, period m
-    char* out            # SGD: the table
-    Py_ssize_t n, m, d, per
+cdef struct KernelCall:
+    # One kernel call (_core.pyx's _run_kernel); each kernel reads the fields it takes.
+    #   out (written): the output, grad, the SGD table or gtok; out2: gpos
+    #   src (read): the lookup's table, tokens, the token table, g or SGD's grad;
+    #   table: the position table; rows: the rows of src (lookup, SGD) or of table
+    #   src_type: src's dtype where it may differ from the table's; -1: the table's
+    Kernel kernel
+    void* out
+    void* out2
+    const void* src
+    const void* table
+    const int64_t* rows
+    const int64_t* ids
+    Py_ssize_t n         # rows to write or read (N)
+    Py_ssize_t m         # entries of `rows` (the period)
+    Py_ssize_t L
+    Py_ssize_t V
+    Py_ssize_t d
+    int n_threads
     int stream
-    int flag             # prefetch (add: in place)
-    double step          # SGD: the learning rate
-    const cpe_row_ops* ops
+    int prefetch         # lookup, embed: the table is beyond L2; add: in place
+    int plan             # a ScatterPlan
+    double lr            # the SGD step, rounded to the compute type by the row primitive
+    int64_t* scratch
+    int src_type
+    # The sparse plan: `out` (`out2`) is a compact copy of the rows compact_rows
+    # (compact_rows2) of compact_of (compact_of2), L of them (the pair's `out`: V),
+    # gathered before the sums and written back after (_compact_rows).
+    void* compact_of
+    const int64_t* compact_rows
+    void* compact_of2
+    const int64_t* compact_rows2
+    FusedStep* fused     # the optimizer step fused into the pair's sums, or NULL
+    OptJob* opt          # K_OPT's step
+
+
+# ---- row kernels: lookup, add, embed, SGD ------------------------------------
 
 
 cdef void _add_block(const char* tokens, const int64_t* ids, const char* table,
@@ -241,78 +269,44 @@ cdef void _run_split(void (*chunk)(void*, Py_ssize_t) noexcept nogil, void* job,
         _run_chunks(chunk, job, n_chunks, n_threads)
 
 
+cdef struct RowJob:
+    # A row kernel's call: chunk c does rows c * per .. min(n, (c + 1) * per) - 1.
+    const KernelCall* call
+    const cpe_row_ops* ops
+    Py_ssize_t per
+
+
 cdef void _row_chunk(void* arg, Py_ssize_t c) noexcept nogil:
-    cdef const RowJob* j = <RowJob*>arg
-    cdef Py_ssize_t i, lo = c * j.per, hi = min(j.n, lo + j.per)
-    cdef Py_ssize_t tb = j.d * j.ops.tsize, gb = j.d * j.ops.gsize
-    if j.kind == _LOOKUP:
+    # lookup: out[i] = src[rows[i]]; add: out[i] = src[i] + table[rows[i % m]];
+    # embed: out[i] = src[ids[i]] + table[rows[i % m]]; SGD: out[r] -= lr * src[r]
+    # for the distinct rows r in rows (ops.sgd: NumPy's `table -= lr * grad`).
+    cdef const RowJob* job = <RowJob*>arg
+    cdef const KernelCall* k = job.call
+    cdef const cpe_row_ops* ops = job.ops
+    cdef const char* src = <const char*>k.src
+    cdef char* out = <char*>k.out
+    cdef const int64_t* rows = k.rows
+    cdef Py_ssize_t i, lo = c * job.per, hi = min(k.n, lo + job.per)
+    cdef Py_ssize_t tb = k.d * ops.tsize, gb = k.d * ops.gsize
+    if k.kernel == K_LOOKUP:
         for i in range(lo, hi):
-            if j.flag and i + 1 < hi:
-                _prefetch_row(j.src + j.ids[i + 1] * tb, tb, _TO_L1)
-            cpe_copy_bytes(j.out + i * tb, j.src + j.ids[i] * tb, tb, j.stream)
-    elif j.kind == _ADD:
-        _add_block(j.src, j.ids, j.table, j.rows, j.out, lo, hi, j.m, j.d, j.ops, j.stream,
-                   j.flag)
+            if k.prefetch and i + 1 < hi:
+                _prefetch_row(src + rows[i + 1] * tb, tb, _TO_L1)
+            cpe_copy_bytes(out + i * tb, src + rows[i] * tb, tb, k.stream)
+    elif k.kernel == K_SGD:
+        for i in range(lo, hi):
+            ops.sgd(out + rows[i] * tb, src + rows[i] * gb, k.d, k.lr)
     else:
-        for i in range(lo, hi):
-            j.ops.sgd(j.out + j.ids[i] * tb, j.src + j.ids[i] * gb, j.d, j.step)
-    if j.stream:
+        _add_block(src, k.ids, <const char*>k.table, rows, out, lo, hi, k.m, k.d, ops,
+                   k.stream, k.prefetch)
+    if k.stream:
         cpe_sfence()
 
 
-cdef void _row_kernel(int kind, const char* src, const char* table, const int64_t* ids,
-                      const int64_t* rows, char* out, Py_ssize_t n, Py_ssize_t m, Py_ssize_t d,
-                      const cpe_row_ops* ops, int n_threads, int stream, int flag,
-                      double step) noexcept nogil:
-    # Runs the RowJob of these fields.
-    cdef RowJob job
-    job.kind = kind
-    job.src = src
-    job.table = table
-    job.ids = ids
-    job.rows = rows
-    job.out = out
-    job.n = n
-    job.m = m
-    job.d = d
-    job.stream = stream
-    job.flag = flag
-    job.step = step
-    job.ops = ops
-    _run_split(_row_chunk, &job, &job.per, n, d, n_threads)
-
-
-cdef void _lookup(const char* table, const int64_t* rows, char* out, Py_ssize_t n,
-                  Py_ssize_t L, Py_ssize_t d, const cpe_row_ops* ops, int n_threads,
-                  int stream) noexcept nogil:
-    # out[i, :] = table[rows[i], :] for i < n.
-    _row_kernel(_LOOKUP, table, NULL, rows, NULL, out, n, 1, d, ops, n_threads, stream,
-                L * d * ops.tsize > _PREFETCH_TABLE_BYTES, 0)
-
-
-cdef void _add(const char* tokens, const char* table, const int64_t* rows, char* out,
-               Py_ssize_t N, Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops,
-               int n_threads, int stream, int in_place) noexcept nogil:
-    # out[i, :] = tokens[i, :] + table[rows[i % m], :] for i < N.
-    _row_kernel(_ADD, tokens, table, NULL, rows, out, N, m, d, ops, n_threads, stream,
-                in_place, 0)
-
-
-cdef void _embed(const char* tokens, const int64_t* ids, Py_ssize_t V,
-                 const char* table, const int64_t* rows, char* out, Py_ssize_t N,
-                 Py_ssize_t m, Py_ssize_t d, const cpe_row_ops* ops, int n_threads,
-                 int stream) noexcept nogil:
-    # out[i, :] = tokens[ids[i], :] + table[rows[i % m], :] for i < N.
-    _row_kernel(_ADD, tokens, table, ids, rows, out, N, m, d, ops, n_threads, stream,
-                V * d * ops.tsize > _PREFETCH_TABLE_BYTES, 0)
-
-
-cdef void _sgd_rows(char* table, const char* grad, const int64_t* rows, Py_ssize_t n,
-                    Py_ssize_t d, const cpe_row_ops* ops, double step,
-                    int n_threads) noexcept nogil:
-    # table[r] -= step * grad[r] for the n distinct rows r in `rows` (ops.sgd:
-    # NumPy's `table -= lr * grad`).
-    _row_kernel(_SGD, grad, NULL, rows, NULL, table, n, 1, d, ops, n_threads, 0, 0, step)
+cdef void _row_kernel(const KernelCall* call, const cpe_row_ops* ops) noexcept nogil:
+    # A lookup, add, embed or SGD call, in chunks of output rows.
+    cdef RowJob job = RowJob(call=call, ops=ops, per=0)
+    _run_split(_row_chunk, &job, &job.per, call.n, call.d, call.n_threads)
 
 
 # ---- scatter-add -------------------------------------------------------------
@@ -586,7 +580,7 @@ cdef struct ScatterJob:
     const int64_t* bounds
     const int64_t* q_start
     Py_ssize_t m, nb, d, per
-    ScatterPlan plan
+    int plan             # a ScatterPlan
     const cpe_row_ops* ops
 
 
@@ -637,19 +631,9 @@ cdef void _scatter_add(char* grad, const char* g, const int64_t* rows,
             _sort_by_row(rows, m, L, row_start, order)
             _sum_rows(grad, g, row_start, order, 0, L, nb, m, d, ops)
         return
-    job.grad = grad
-    job.g = g
-    job.rows = rows
-    job.order = order
-    job.row_start = row_start
-    job.bounds = bounds
-    job.q_start = q_start
-    job.m = m
-    job.nb = nb
-    job.d = d
-    job.per = per
-    job.plan = plan
-    job.ops = ops
+    job = ScatterJob(grad=grad, g=g, rows=rows, order=order, row_start=row_start,
+                     bounds=bounds, q_start=q_start, m=m, nb=nb, d=d, per=per, plan=<int>plan,
+                     ops=ops)
     if plan != PLAN_DISTINCT:
         # One chunk (a range of table rows) per thread the call has.
         n_chunks = n_threads
@@ -664,22 +648,23 @@ cdef void _scatter_add(char* grad, const char* g, const int64_t* rows,
 # ---- the sparse plan's compact rows ------------------------------------------
 
 
-cdef void _gather_rows(char* compact, const char* table, const int64_t* rows, Py_ssize_t k,
-                       Py_ssize_t row_bytes) noexcept nogil:
-    # compact[s] = table[rows[s]] for s < k; nothing if table is NULL.
+cdef void _move_rows(char* compact, char* table, const int64_t* rows, Py_ssize_t k,
+                     Py_ssize_t row_bytes, bint back) noexcept nogil:
+    # compact[s] = table[rows[s]] for s < k (back: table[rows[s]] = compact[s]);
+    # nothing if table is NULL.
     cdef Py_ssize_t s
-    if table != NULL:
-        for s in range(k):
+    for s in range(k if table != NULL else 0):
+        if back:
+            memcpy(table + rows[s] * row_bytes, compact + s * row_bytes, row_bytes)
+        else:
             memcpy(compact + s * row_bytes, table + rows[s] * row_bytes, row_bytes)
 
 
-cdef void _put_rows(char* table, const char* compact, const int64_t* rows, Py_ssize_t k,
-                    Py_ssize_t row_bytes) noexcept nogil:
-    # table[rows[s]] = compact[s] for s < k; nothing if table is NULL.
-    cdef Py_ssize_t s
-    if table != NULL:
-        for s in range(k):
-            memcpy(table + rows[s] * row_bytes, compact + s * row_bytes, row_bytes)
+cdef void _compact_rows(const KernelCall* c, Py_ssize_t row_bytes, bint back) noexcept nogil:
+    # The sparse plan's compact copies (KernelCall) gathered, or written back.
+    cdef Py_ssize_t k = c.V if c.kernel == K_SCATTER_PAIR else c.L
+    _move_rows(<char*>c.out, <char*>c.compact_of, c.compact_rows, k, row_bytes, back)
+    _move_rows(<char*>c.out2, <char*>c.compact_of2, c.compact_rows2, c.L, row_bytes, back)
 
 
 # ---- the optimizers' step ------------------------------------------------------
@@ -918,6 +903,8 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
     # fused: NULL, or an optimizer step on the rows summed (FusedStep).
     cdef Py_ssize_t i
     cdef PairJob job
+    cdef int64_t* tok_owner = scratch
+    cdef int64_t* pos_owner
     cdef int64_t* bounds
     if n_threads > 1:
         n_threads = cpe_threads_here(n_threads)
@@ -928,29 +915,20 @@ cdef void _scatter_pair(char* gtok, Py_ssize_t V, const int64_t* ids, char* gpos
             _opt_block(&fused.pos, 0, fused.pos.n)
         return
     # One chunk per thread the call has (the scratch holds those it asked for).
-    job.tok_owner = scratch
-    job.pos_owner = scratch + (V + 1)
-    bounds = scratch + (V + 1) + (L + 1)
-    job.work = bounds + (n_threads + 1)
-    _count_owned(ids, N, V, n_threads, job.tok_owner, bounds,
+    pos_owner = tok_owner + (V + 1)
+    bounds = pos_owner + (L + 1)
+    _count_owned(ids, N, V, n_threads, tok_owner, bounds,
                  fused.single_cost if fused != NULL and fused.tok_single != NULL else 0)
-    _count_owned(rows, m, L, n_threads, job.pos_owner, bounds)
+    _count_owned(rows, m, L, n_threads, pos_owner, bounds)
     if fused != NULL and fused.tok_single != NULL:
         # A single goes to the owner of its position row, which reads its
         # gradient row anyway.
         for i in range(N):
             if fused.tok_single[ids[i]]:
-                job.tok_owner[ids[i]] = job.pos_owner[rows[i % m]]
-    job.fused = fused
-    job.gtok = gtok
-    job.gpos = gpos
-    job.g = g
-    job.ids = ids
-    job.rows = rows
-    job.N = N
-    job.m = m
-    job.d = d
-    job.ops = ops
+                tok_owner[ids[i]] = pos_owner[rows[i % m]]
+    job = PairJob(gtok=gtok, gpos=gpos, g=g, ids=ids, rows=rows, tok_owner=tok_owner,
+                  pos_owner=pos_owner, work=bounds + (n_threads + 1), N=N, m=m, d=d, ops=ops,
+                  fused=fused)
     _run_chunks(_pair_chunk, &job, n_threads, n_threads)
     if fused != NULL:
         _opt_rows(&fused.tok, n_threads)
