@@ -75,30 +75,19 @@ def _one_blas_thread() -> contextlib.AbstractContextManager[Any]:
 
 
 class _Progress:
-    """A progress bar on ``stream`` (stderr): on a terminal, tqdm if installed, else
-    text redrawn in place; elsewhere a line every 10 %."""
+    """A progress bar on ``stream`` (stderr): on a terminal, redrawn in place; elsewhere
+    a line every 10 %."""
 
     def __init__(self, total: int, stream: IO[str] | None, enabled: bool) -> None:
         self.total = total
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
-        self._tqdm = None
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._every = max(1, total // (50 if self._tty else 10))
         self._start = time.perf_counter()
-        if enabled and self._tty:
-            with contextlib.suppress(ImportError):
-                from tqdm import tqdm
-
-                self._tqdm = tqdm(total=total, file=self.stream, desc="training", leave=True)
 
     def update(self, step: int, loss: float) -> None:
-        if self._tqdm is not None:
-            self._tqdm.update(1)
         if not self.enabled or (step % self._every and step != self.total):
-            return
-        if self._tqdm is not None:
-            self._tqdm.set_postfix(loss=f"{loss:.3f}", refresh=False)
             return
         filled = 30 * step // self.total
         bar = "#" * filled + "." * (30 - filled)
@@ -108,9 +97,7 @@ class _Progress:
         self.stream.flush()
 
     def close(self) -> None:
-        if self._tqdm is not None:
-            self._tqdm.close()
-        elif self.enabled and self._tty:
+        if self.enabled and self._tty:
             self.stream.write("\n")
             self.stream.flush()
 

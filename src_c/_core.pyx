@@ -305,22 +305,16 @@ OFFSET_PAST_END = _OFFSET_PAST_END
 
 cdef int _offset_rule(object offset, bint with_positions, Py_ssize_t T, Py_ssize_t L,
                       Py_ssize_t* start) noexcept:
-    cdef int overflow = 0
     cdef long long v
-    if not _is_integer(offset):
-        return _OFFSET_NOT_INT
-    try:
-        v = PyLong_AsLongLongAndOverflow(offset, &overflow)
-    except Exception:
-        return _OFFSET_NOT_INT
-    if overflow < 0 or (not overflow and v < 0):
-        return _OFFSET_NEGATIVE
+    cdef int sign = _int_sign(offset, &v)
+    if sign <= 0:
+        return _OFFSET_NOT_INT if sign < 0 else _OFFSET_NEGATIVE
     if with_positions:
-        return _OFFSET_WITH_POSITIONS if overflow or v else _OFFSET_OK
+        return _OFFSET_WITH_POSITIONS if v else _OFFSET_OK
     start[0] = 0
     if T == 0:
         return _OFFSET_OK
-    if overflow or v > L - T:
+    if v > L - T:
         return _OFFSET_PAST_END
     start[0] = <Py_ssize_t>v
     return _OFFSET_OK

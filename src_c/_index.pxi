@@ -8,6 +8,7 @@
 # nothing held (the route takes over). A failed allocation raises MemoryError.
 
 from libc.stdint cimport int8_t, int16_t, int32_t, uint16_t, uint32_t, uint64_t
+from libc.limits cimport LLONG_MAX
 from libc.string cimport memcpy
 
 cdef extern from "Python.h":
@@ -97,6 +98,21 @@ cdef inline int _index_alloc(Index* ix, Py_ssize_t n) except -1:
 cdef inline bint _is_integer(object o) noexcept:
     # A Python int (not bool) or an exact NumPy integer scalar.
     return PyLong_CheckExact(o) or cpe_is_np_int_scalar(o)
+
+
+cdef inline int _int_sign(object o, long long* v) noexcept:
+    # For an _is_integer value: 1 if >= 0 (*v: it, LLONG_MAX beyond), 0 if
+    # negative; -1 for anything else.
+    cdef int overflow = 0
+    if not _is_integer(o):
+        return -1
+    try:
+        v[0] = PyLong_AsLongLongAndOverflow(o, &overflow)
+    except Exception:
+        return -1
+    if overflow > 0:
+        v[0] = LLONG_MAX
+    return overflow >= 0 and v[0] >= 0
 
 
 cdef inline bint _int_value(object o, Py_ssize_t L, int64_t* row) noexcept:

@@ -116,20 +116,13 @@ cdef int _default_threads() noexcept nogil:
 
 cdef int _explicit_threads(object num_threads) noexcept:
     # num_threads as an int >= 1, capped; 0 when it is not an integer >= 1.
-    cdef int overflow = 0
     cdef long long n
-    if not _is_integer(num_threads):
-        return 0
-    try:
-        n = PyLong_AsLongLongAndOverflow(num_threads, &overflow)
-    except Exception:
-        return 0
-    if overflow < 0 or (overflow == 0 and n < 1):
+    if _int_sign(num_threads, &n) <= 0 or n < 1:
         return 0
     if not CPOSEMBED_OPENMP_ENABLED or cpe_serial:
         return 1
     _read_cpus()
-    return _OVERSUBSCRIBE * _cpus if overflow > 0 or n > _OVERSUBSCRIBE * _cpus else <int>n
+    return <int>min(n, _OVERSUBSCRIBE * _cpus)
 
 
 cdef int _threads_for(object num_threads, Py_ssize_t work, Py_ssize_t chunks) noexcept:
