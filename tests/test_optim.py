@@ -291,6 +291,36 @@ def test_fused_takes_what_backward_takes():
         assert same_state(oa.state_dict(), ob.state_dict())
 
 
+def test_fused_layer_step_takes_what_its_entry_refuses_as_the_unfused_step_does():
+    # A Fortran-ordered, a float64 and a read-only overlapping gradient, ids as a
+    # nested list and positions that broadcast: the route normalises them.
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((2, 5, 4))
+    ids = [[1, 2, 2, 3, 49], [5, 5, 5, 1, 0]]
+    for g, kwargs in [
+        (np.asfortranarray(base.astype(np.float32)), {}),
+        (base, {"positions": np.array([4, 3, 2, 1, 0])}),
+        (base.astype(np.float32)[:, ::-1], {"offset": 3}),
+    ]:
+        a = TokenPositionEmbedding(50, 16, 4, seed=0)
+        b = TokenPositionEmbedding(50, 16, 4, seed=0)
+        oa, ob = Adam(a, 0.1), Adam(b, 0.1)
+        a.backward(np.ascontiguousarray(g), np.array(ids), **kwargs)
+        oa.step()
+        b.backward(g, ids, **kwargs, optimizer=ob)
+        assert same_bits(a.token_embeddings, b.token_embeddings)
+        assert same_bits(a.position_embeddings, b.position_embeddings)
+        assert same_state(oa.state_dict(), ob.state_dict())
+    c = TokenPositionEmbedding(50, 16, 4, seed=0)
+    table = c.token_embeddings  # a gradient over the table the step writes
+    c.backward(table[:10].reshape(2, 5, 4), ids, optimizer=Adam(c, 0.1))
+    d = TokenPositionEmbedding(50, 16, 4, seed=0)
+    od = Adam(d, 0.1)
+    d.backward(d.token_embeddings[:10].reshape(2, 5, 4).copy(), ids)
+    od.step()
+    assert same_bits(c.token_embeddings, d.token_embeddings)
+
+
 def test_fused_leaves_an_accumulated_grad_alone():
     pe = LearnedPositionEmbedding(8, 2, seed=0)
     opt = SGD(pe, 0.1)
