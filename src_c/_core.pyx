@@ -738,8 +738,8 @@ cdef Py_ssize_t _step_rows(object touched, Py_ssize_t L, Py_ssize_t skip_row,
         return n
     marks = <RowMarks>touched
     for i in range(marks.n):
-        rows[n] = marks.marked[i]
-        n += marks.marked[i] != skip_row
+        rows[n] = marks.row_list[i]
+        n += marks.row_list[i] != skip_row
     return n
 
 

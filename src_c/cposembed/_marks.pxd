@@ -35,12 +35,17 @@ cdef Py_ssize_t _distinct(const int64_t* rows, Py_ssize_t m, Py_ssize_t L, int64
                           int64_t* uniq, int64_t* first, int64_t* scratch) noexcept nogil
 
 
+cdef class _RowList:
+    cdef int64_t* row_list   # row_list[:n]: rows of a table of n_rows, in their order
+    cdef Py_ssize_t n, capacity, n_rows
+
+    cdef int _grow(self, Py_ssize_t need, str what) except -1
+
+
 @cython.final
-cdef class RowMarks:
+cdef class RowMarks(_RowList):
     cdef readonly object mask
     cdef uint8_t* flags
-    cdef int64_t* marked
-    cdef Py_ssize_t n, capacity, n_rows
 
     cdef int _reserve(self, Py_ssize_t extra) except -1
     cdef void _mark(self, const int64_t* rows, Py_ssize_t m, Py_ssize_t skip_row) noexcept
@@ -48,10 +53,8 @@ cdef class RowMarks:
 
 
 @cython.final
-cdef class RowSlots:
-    cdef int64_t* index      # 2**bits entries: a slot, or -1
-    cdef int64_t* row_of     # row_of[s]: the row of slot s
-    cdef Py_ssize_t n, capacity, n_rows
+cdef class RowSlots(_RowList):
+    cdef int64_t* index      # 2**bits entries: a slot, or -1; row_list[s]: the row of slot s
     cdef int bits
 
     cdef int _reserve(self, Py_ssize_t extra) except -1

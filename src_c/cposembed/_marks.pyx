@@ -111,7 +111,46 @@ cdef object _int64_array(const int64_t* rows, Py_ssize_t n):
     return out
 
 
-cdef class RowMarks:
+cdef class _RowList:
+    """Rows of a table of ``n_rows``, listed in the order they came."""
+
+    def __cinit__(self, Py_ssize_t n_rows, *args, **kwargs):
+        if n_rows < 0:
+            raise ValueError(f"n_rows must be >= 0; got {n_rows}")
+        self.n_rows = n_rows
+
+    def __dealloc__(self):
+        free(self.row_list)
+
+    cdef int _grow(self, Py_ssize_t need, str what) except -1:
+        # Room for `need` rows in the list (MemoryError before anything changes).
+        cdef Py_ssize_t size
+        cdef int64_t* p
+        if need <= self.capacity:
+            return 0
+        size = max(need, 2 * self.capacity, 16)
+        p = <int64_t*>realloc(self.row_list, size * sizeof(int64_t))
+        if p == NULL:
+            raise MemoryError(f"cannot allocate {what}")
+        self.row_list = p
+        self.capacity = size
+        return 0
+
+    def __len__(self):
+        return self.n
+
+    @property
+    def n_rows(self):
+        """The table's rows."""
+        return self.n_rows
+
+    def rows(self):
+        """The listed rows in their order: marked (RowMarks), or by slot (RowSlots); a
+        new int64 array."""
+        return _int64_array(self.row_list, self.n)
+
+
+cdef class RowMarks(_RowList):
     """RowMarks(n_rows, mask=None)
 
     The rows of a table marked since the last :meth:`clear`: a flag per
@@ -122,9 +161,6 @@ cdef class RowMarks:
 
     def __cinit__(self, Py_ssize_t n_rows, mask=None):
         cdef cnp.npy_intp dims = n_rows
-        if n_rows < 0:
-            raise ValueError(f"n_rows must be >= 0; got {n_rows}")
-        self.n_rows = n_rows
         arr = cnp.PyArray_ZEROS(1, &dims, cnp.NPY_BOOL, 0)
         self.flags = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
         if mask is not None:
@@ -137,23 +173,10 @@ cdef class RowMarks:
         # again (the array itself, owning its data, would allow it).
         self.mask = arr.view()
 
-    def __dealloc__(self):
-        free(self.marked)
-
     cdef int _reserve(self, Py_ssize_t extra) except -1:
         # Room for `extra` more rows in the list (MemoryError before
         # anything changes).
-        cdef Py_ssize_t need = self.n + extra, grown
-        cdef int64_t* p
-        if need <= self.capacity:
-            return 0
-        grown = max(need, 2 * self.capacity, 16)
-        p = <int64_t*>realloc(self.marked, grown * sizeof(int64_t))
-        if p == NULL:
-            raise MemoryError("cannot allocate the list of touched rows")
-        self.marked = p
-        self.capacity = grown
-        return 0
+        return self._grow(self.n + extra, "the list of touched rows")
 
     cdef void _mark(self, const int64_t* rows, Py_ssize_t m, Py_ssize_t skip_row) noexcept:
         # Marks rows[:m] (in [0, n_rows)) but skip_row; room for m more
@@ -164,7 +187,7 @@ cdef class RowMarks:
             r = rows[j]
             if not self.flags[r] and r != skip_row:
                 self.flags[r] = 1
-                self.marked[self.n] = r
+                self.row_list[self.n] = r
                 self.n += 1
 
     cdef int _mark_array(self, rows) except -1:
@@ -173,18 +196,6 @@ cdef class RowMarks:
         self._reserve(r.size)
         self._mark(<const int64_t*>cnp.PyArray_DATA(r), r.size, -1)
         return 0
-
-    def __len__(self):
-        return self.n
-
-    @property
-    def n_rows(self):
-        """The table's rows (the length of :attr:`mask`)."""
-        return self.n_rows
-
-    def rows(self):
-        """The marked rows, in the order they were marked (a new int64 array)."""
-        return _int64_array(self.marked, self.n)
 
     def mark_all(self):
         """Mark every row."""
@@ -199,8 +210,8 @@ cdef class RowMarks:
             return
         self.flags[row] = 0
         for i in range(self.n):
-            if self.marked[i] == row:
-                self.marked[i] = self.marked[self.n - 1]
+            if self.row_list[i] == row:
+                self.row_list[i] = self.row_list[self.n - 1]
                 self.n -= 1
                 return
 
@@ -208,7 +219,7 @@ cdef class RowMarks:
         """Unmark every row (at the cost of the marked ones)."""
         cdef Py_ssize_t i
         for i in range(self.n):
-            self.flags[self.marked[i]] = 0
+            self.flags[self.row_list[i]] = 0
         self.n = 0
 
     def zero_rows(self, grad):
@@ -235,14 +246,14 @@ cdef class RowMarks:
             memset(base, 0, self.n_rows * rb)
         else:
             for i in range(self.n):
-                memset(base + self.marked[i] * rb, 0, rb)
+                memset(base + self.row_list[i] * rb, 0, rb)
         self.clear()
 
     def __reduce__(self):
         return (RowMarks, (self.n_rows, np.array(self.mask)))
 
 
-cdef class RowSlots:
+cdef class RowSlots(_RowList):
     """RowSlots(n_rows, rows=None)
 
     Where an optimizer keeps each row's state: row ``r``'s is row :meth:`slot_of`
@@ -254,9 +265,6 @@ cdef class RowSlots:
     def __cinit__(self, Py_ssize_t n_rows, rows=None):
         cdef cnp.ndarray given
         cdef Py_ssize_t i
-        if n_rows < 0:
-            raise ValueError(f"n_rows must be >= 0; got {n_rows}")
-        self.n_rows = n_rows
         self._reserve(0)
         if rows is not None:
             rows = np.asarray(rows)
@@ -273,22 +281,14 @@ cdef class RowSlots:
 
     def __dealloc__(self):
         free(self.index)
-        free(self.row_of)
 
     cdef int _reserve(self, Py_ssize_t extra) except -1:
         # Room for `extra` more rows (MemoryError before anything changes).
         cdef Py_ssize_t need = self.n + extra, size, s
         cdef int bits = _hash_bits(need)
         cdef int64_t* index
-        cdef int64_t* row_of
         cdef size_t h, mask
-        if need > self.capacity:
-            size = max(need, 2 * self.capacity, 16)
-            row_of = <int64_t*>realloc(self.row_of, size * sizeof(int64_t))
-            if row_of == NULL:
-                raise MemoryError("cannot allocate the optimizer's row slots")
-            self.row_of = row_of
-            self.capacity = size
+        self._grow(need, "the optimizer's row slots")
         if self.index != NULL and bits <= self.bits:
             return 0
         size = <Py_ssize_t>1 << bits
@@ -298,7 +298,7 @@ cdef class RowSlots:
         memset(index, 0xff, size * sizeof(int64_t))  # every entry -1
         mask = <size_t>(size - 1)
         for s in range(self.n):
-            h = cpe_row_hash(self.row_of[s], bits)
+            h = cpe_row_hash(self.row_list[s], bits)
             while index[h] >= 0:
                 h = (h + 1) & mask
             index[h] = s
@@ -320,10 +320,10 @@ cdef class RowSlots:
                     return -1
                 s = self.n
                 self.index[h] = s
-                self.row_of[s] = row
+                self.row_list[s] = row
                 self.n += 1
                 return s
-            if self.row_of[s] == row:
+            if self.row_list[s] == row:
                 return s
             h = (h + 1) & mask
 
@@ -337,18 +337,6 @@ cdef class RowSlots:
         for j in range(m):
             slots[j] = -1 if rows[j] == skip_row else self._slot(rows[j], True)
         return before
-
-    def __len__(self):
-        return self.n
-
-    @property
-    def n_rows(self):
-        """The table's rows."""
-        return self.n_rows
-
-    def rows(self):
-        """The rows that have state, in slot order (a new int64 array)."""
-        return _int64_array(self.row_of, self.n)
 
     def slot_of(self, Py_ssize_t row):
         """The slot of ``row``, or -1 if it has no state."""
