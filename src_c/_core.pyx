@@ -829,7 +829,8 @@ def embed_backward(grad_token_table, grad_position_table, grad_output, token_ids
                    Py_ssize_t token_skip_row=-1):
     """Both gradients of embed from one pass over grad_output, in place, each
     bitwise np.add.at; True, or None if refused. The tables: canonical, writable,
-    one dtype, disjoint; the rest as embed's and scatter_add's.
+    one dtype, disjoint; grad_output: token_ids.shape + (d,); the rest as embed's
+    and scatter_add's.
     """
     cdef int typenum = _pair_type(grad_token_table, grad_position_table)
     if typenum < 0 or not _is_canonical(grad_output, _source_type(grad_output)):
