@@ -59,15 +59,12 @@ def check_betas(pair: Any) -> tuple[float, float]:
 
 # -- per-row state -----------------------------------------------------------------
 class RowState:
-    """The state of one table: a zeroed ``(L, d)`` array per buffer (``buffers``) and
-    each row's place in them (``slots``, :class:`~cposembed._marks.RowSlots`: rows
-    take the buffers' rows 0, 1, 2, ... in the order they are first stepped)."""
+    """One table's state: an ``(L, d)`` array per buffer and each row's slot in them."""
 
     def __init__(self, names: tuple[str, ...], shape: tuple[int, int], dtype: np.dtype) -> None:
         self.names = names
         self.dtype = dtype
         self.buffers = {name: _blocks.zeros(shape, dtype, growing=True) for name in names}
-        # Plain SGD keeps no state: no rows have any.
         self.slots = _marks.RowSlots(shape[0] if names else 0)
 
     def export(self) -> dict[str, np.ndarray]:

@@ -99,8 +99,7 @@ def check_version(
 
 
 def from_pickle(state: Any, current_version: int) -> State:
-    """A state from ``__getstate__`` (or a legacy ``__dict__``), checked; arrays not
-    in the layout the class keeps are copied."""
+    """A checked state from ``__getstate__`` (or a legacy ``__dict__``)."""
     if not isinstance(state, dict):
         raise ValueError(
             f"pickled state must be a dict; got {type(state).__name__} "
@@ -180,8 +179,8 @@ def _read_member(
 def _bfloat16_member(
     archive: zipfile.ZipFile, raw: np.ndarray, dtype_name: str | None, key: str
 ) -> np.ndarray:
-    """A 2-byte void member as bfloat16 where the ``dtype`` member says so, in the byte
-    order of the member's header (NumPy reads ``'>V2'`` back as ``'|V2'``)."""
+    """A 2-byte void member as bfloat16, in its header's byte order (NumPy reads ``'>V2'``
+    back as ``'|V2'``)."""
     if dtype_name != "bfloat16" or raw.dtype.itemsize != 2 or raw.dtype.fields is not None:
         raise _Refused(
             f"member {key!r} must be a 2-D {FLOAT_NAMES} array; got shape {raw.shape} "
@@ -205,7 +204,7 @@ def save_npz(
     tables: dict[str, np.ndarray],
     padding_idx: int | None,
 ) -> None:
-    """Write a class's ``save()`` archive (the tables' dtype name too; -1: no padding row)."""
+    """Write a class's ``save()`` archive."""
     arrays: dict[str, Any] = {
         "kind": np.array(kind),
         "format_version": np.array(version, dtype=np.int64),
@@ -223,8 +222,7 @@ def save_npz(
 def load_npz(
     path: PathOrFile, kind: str, current_version: int, keys: tuple[str, ...]
 ) -> tuple[list[np.ndarray], int | None, str]:
-    """The checked tables ``keys``, ``padding_idx`` and the file's name from what
-    :func:`save_npz` wrote; any damage is a ``ValueError`` naming the file."""
+    """The checked tables ``keys``, ``padding_idx`` and the file's name from :func:`save_npz`."""
     f: IO[bytes]
     with contextlib.ExitStack() as stack:
         if isinstance(path, (str, bytes, os.PathLike)):
@@ -296,7 +294,7 @@ def _target(name: str) -> str:
 
 
 def _create_beside(target: str) -> tuple[int, str]:
-    """A new empty file beside ``target`` (descriptor, name), mode 0o666 less the umask."""
+    """A new empty file beside ``target``: descriptor, name."""
     folder, base = os.path.split(target)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(_TEMP_TRIES):
