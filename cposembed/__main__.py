@@ -109,8 +109,7 @@ def _run_script() -> int:
         status = main()
         sys.stdout.flush()  # the last output, here rather than at exit
     except BrokenPipeError:
-        # The signal module's "Note on SIGPIPE": stdout and stderr (the progress)
-        # to devnull, so that the flush at exit does not raise again; exit 1.
+        # As the signal module's "Note on SIGPIPE": devnull, so the flush at exit passes.
         devnull = os.open(os.devnull, os.O_WRONLY)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):  # not a real file: nothing to flush

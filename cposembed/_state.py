@@ -326,26 +326,24 @@ def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
     are those ``open(path, "wb")`` gives; ``/dev/null`` or a pipe is written in place."""
     name = os.fsdecode(path)
     target = _target(name)
+    in_place = None
     try:
-        st: os.stat_result | None = os.stat(target)
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        raise _naming(exc, name) from exc
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
-    if st is not None and not stat.S_ISREG(st.st_mode):
         try:
-            f = open(target, "wb")
-        except OSError as exc:
-            raise _naming(exc, name) from exc
-        with f:
-            yield f
-        return
-    try:
-        fd, temp = _create_beside(target)
+            st: os.stat_result | None = os.stat(target)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            in_place = open(target, "wb")
+        else:
+            fd, temp = _create_beside(target)
     except OSError as exc:
         raise _naming(exc, name) from exc
+    if in_place is not None:
+        with in_place:
+            yield in_place
+        return
     try:
         with os.fdopen(fd, "wb") as f:
             if st is not None:

@@ -1,16 +1,12 @@
-"""``python -m cposembed train``: watch a position table learn order (docs/guide.md).
-
-At every token of random sequences a tiny model predicts the token's position, against
-Gaussian soft targets of width ``sigma``; as the tokens say nothing about position,
-what the model learns about order goes into the position table::
+"""``python -m cposembed train``: a tiny model predicts each random token's position
+(Gaussian soft targets of width ``sigma``), so the position table learns order
+(docs/guide.md)::
 
     x      = pe.add_to(E[tokens])           # token + position embeddings (B, T, d)
     logits = x @ W + b                      # linear head over positions (B, T, L)
     loss   = cross_entropy(logits, soft_targets)
 
-The backward is written out by hand. SGD goes through ``pe.backward``, ``pe.sgd_step``
-and :func:`cposembed.scatter_add`; :class:`cposembed.Adam` is fused into the tables'
-backward and steps every row of the head.
+The backward is written out by hand.
 """
 
 from __future__ import annotations
@@ -378,12 +374,8 @@ def _memory_problem(max_seq_len: int, embed_dim: int, batch_size: int) -> str | 
 
 
 def _bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} EiB"
+    exp = min((n.bit_length() - 1) // 10, 6) if n > 0 else 0
+    return f"{n} bytes" if exp == 0 else f"{n / 1024**exp:.1f} {'KMGTPE'[exp - 1]}iB"
 
 
 def _option_problem(args: Any, lr: float, out: str | None) -> str | None:
