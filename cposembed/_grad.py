@@ -50,7 +50,6 @@ class GradientState:
         marks = self.step_marks(self.grad)
         return None if marks is None else np.array(marks.mask)
 
-    # -- backward ------------------------------------------------------------
     def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, _marks.RowMarks]:
         """The gradient a backward adds into and the rows to mark (kept by :meth:`keep`)."""
         grad = self.grad
@@ -100,7 +99,6 @@ class GradientState:
         if touched is not None:
             touched.clear()
 
-    # -- steps ---------------------------------------------------------------
     def for_step(self, table: np.ndarray) -> np.ndarray | None:
         """``grad``, checked for a step on ``table`` (None: nothing to do)."""
         grad = self.grad

@@ -14,7 +14,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Iterator
-from typing import IO, Any, Literal, NamedTuple, Union
+from typing import IO, Any, Literal, NamedTuple, TypeGuard, Union
 
 import numpy as np
 
@@ -197,6 +197,10 @@ def _bfloat16_member(
     return raw.view(bfloat16().newbyteorder(order))
 
 
+def _is_name(path: PathOrFile) -> TypeGuard[PathLike]:
+    return isinstance(path, (str, bytes, os.PathLike))
+
+
 def save_npz(
     path: PathOrFile,
     kind: str,
@@ -212,24 +216,17 @@ def save_npz(
         "dtype": np.array(next(iter(tables.values())).dtype.name),
         "padding_idx": np.array(-1 if padding_idx is None else padding_idx, dtype=np.int64),
     }
-    if isinstance(path, (str, bytes, os.PathLike)):
-        with atomic_write(path) as f:  # given a file object, np.savez adds no ".npz"
-            np.savez(f, **arrays)
-    else:
-        np.savez(path, **arrays)
+    # Given a file object, np.savez adds no ".npz".
+    with atomic_write(path) if _is_name(path) else contextlib.nullcontext(path) as f:
+        np.savez(f, **arrays)
 
 
 def load_npz(
     path: PathOrFile, kind: str, current_version: int, keys: tuple[str, ...]
 ) -> tuple[list[np.ndarray], int | None, str]:
     """The checked tables ``keys``, ``padding_idx`` and the file's name from :func:`save_npz`."""
-    f: IO[bytes]
-    with contextlib.ExitStack() as stack:
-        if isinstance(path, (str, bytes, os.PathLike)):
-            name = repr(os.fspath(path))
-            f = stack.enter_context(open(path, "rb"))
-        else:
-            name, f = repr(path), path
+    name = repr(os.fspath(path) if _is_name(path) else path)
+    with open(path, "rb") if _is_name(path) else contextlib.nullcontext(path) as f:
         try:
             with zipfile.ZipFile(f) as archive:
                 return (*_from_archive(archive, kind, current_version, keys), name)
@@ -283,8 +280,7 @@ def _from_archive(
     return tables, None if stored == -1 else stored
 
 
-# -- writing files -----------------------------------------------------------------
-# Tries at a fresh temporary name before giving up (each name has 64 random bits).
+# Tries at a fresh temporary name (of 64 random bits) before giving up.
 _TEMP_TRIES = 100
 
 
