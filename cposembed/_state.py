@@ -280,10 +280,6 @@ def _from_archive(
     return tables, None if stored == -1 else stored
 
 
-# Tries at a fresh temporary name (of 64 random bits) before giving up.
-_TEMP_TRIES = 100
-
-
 def _target(name: str) -> str:
     # A symbolic link is written through, as open() does: the link stays.
     return os.path.realpath(name) if os.path.islink(name) else name
@@ -293,7 +289,7 @@ def _create_beside(target: str) -> tuple[int, str]:
     """A new empty file beside ``target``: descriptor, name."""
     folder, base = os.path.split(target)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    for _ in range(_TEMP_TRIES):
+    for _ in range(100):  # tries at a fresh name of 64 random bits
         temp = os.path.join(folder, f".{base}.{os.urandom(8).hex()}.tmp")
         try:
             return os.open(temp, flags, 0o666), temp
