@@ -137,9 +137,8 @@ def train(
     seed : int
         Seeds the table (as ``LearnedPositionEmbedding(..., seed=seed)``), the rest and the data.
     lr : float, optional
-        Learning rate for every parameter (default: ``DEFAULT_LR[optimizer]``,
-        5.0 for SGD, 0.01 for Adam). SGD's is large because one position row
-        receives only ``1 / max_seq_len`` of the mean loss's gradient.
+        Learning rate for every parameter (default 0.01 for Adam; 5.0 for SGD, as a
+        position row gets only ``1 / max_seq_len`` of the mean loss's gradient).
     batch_size, vocab_size : int
         Sequences per step, and the number of distinct random tokens.
     sigma : float, optional
@@ -358,8 +357,8 @@ def run(args: Any) -> int:
 
 
 def _memory_problem(max_seq_len: int, embed_dim: int, batch_size: int) -> str | None:
-    """Why a run of these sizes cannot fit in memory, or None: a step holds about five
-    float32 (batch, T, T) arrays, the tables about 12 bytes per position and dimension."""
+    """Why a run of these sizes cannot fit in memory (about five float32 (batch, T, T)
+    arrays and 12 bytes per table entry), or None."""
     need = 4 * 5 * batch_size * max_seq_len**2 + 12 * max_seq_len * embed_dim
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
