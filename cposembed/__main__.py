@@ -68,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help=f"where the heatmap goes (default: {DEMO_HEATMAP} in the current folder)",
     )
-    p_demo.set_defaults(func=demo)
-    p_info = sub.add_parser("info", help="show_config(): version, OpenMP, threads, flags")
-    p_info.set_defaults(func=lambda args: show_config())
+    sub.add_parser("info", help="show_config(): version, OpenMP, threads, flags")
     # Listed for the help only: "bench" is dispatched above, before parsing.
     sub.add_parser(
         "bench",
@@ -85,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         "before and after, and write before/after heatmaps and similarity maps.",
     )
     add_train_arguments(p_train)
-    p_train.set_defaults(func=run_train)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # The subcommand's own usage, with its options, rather than the top level's.
         sub.choices.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.error("a subcommand is required: demo, info, bench or train")
-    return int(args.func(args) or 0)
+    commands = {"demo": demo, "info": lambda args: show_config(), "train": run_train}
+    return int(commands[args.command](args) or 0)
 
 
 def _prog() -> str:
@@ -109,8 +107,7 @@ def _run_script() -> int:
         status = main()
         sys.stdout.flush()  # the last output, here rather than at exit
     except BrokenPipeError:
-        # The signal module's "Note on SIGPIPE": stdout and stderr (the progress)
-        # to devnull, so that the flush at exit does not raise again; exit 1.
+        # As the signal module's "Note on SIGPIPE": devnull, so the flush at exit passes.
         devnull = os.open(os.devnull, os.O_WRONLY)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):  # not a real file: nothing to flush

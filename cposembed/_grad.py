@@ -14,8 +14,7 @@ from . import _validation as v
 
 
 class GradientState:
-    """``grad`` (None until the first backward), the rows ``touched`` since the last
-    zero (marks of ``touched_grad``: every row counts for a ``grad`` the user assigned),
+    """``grad``, the rows ``touched`` since the last zero (marks of ``touched_grad`` only),
     and the row that gets no gradient (``skip_row``; -1: none)."""
 
     __slots__ = ("grad", "touched", "touched_grad", "skip_row")
@@ -51,10 +50,8 @@ class GradientState:
         marks = self.step_marks(self.grad)
         return None if marks is None else np.array(marks.mask)
 
-    # -- backward ------------------------------------------------------------
     def to_accumulate(self, table: np.ndarray) -> tuple[np.ndarray, _marks.RowMarks]:
-        """The gradient a backward adds into and the rows to mark; a fresh one is kept
-        (:meth:`keep`) only once the call has succeeded."""
+        """The gradient a backward adds into and the rows to mark (kept by :meth:`keep`)."""
         grad = self.grad
         if grad is self.touched_grad and self.touched is not None and grad is not None:
             return grad, self.touched
@@ -76,7 +73,7 @@ class GradientState:
         """``grad[positions[i]] += grad_output[i]``, marking the rows; the gradient."""
         grad, touched = self.to_accumulate(table)
         skip = self.skip_row
-        # The entry first, as the route's keyword call costs a tiny backward's time.
+        # The entry first: the route's keyword call is slower on a tiny backward.
         if _core.scatter_add(grad, grad_output, positions, offset, None, touched, skip) is None:
             _routes.scatter_add(
                 grad,
@@ -102,7 +99,6 @@ class GradientState:
         if touched is not None:
             touched.clear()
 
-    # -- steps ---------------------------------------------------------------
     def for_step(self, table: np.ndarray) -> np.ndarray | None:
         """``grad``, checked for a step on ``table`` (None: nothing to do)."""
         grad = self.grad
@@ -125,8 +121,8 @@ class GradientState:
 
 @dataclass(frozen=True, slots=True)
 class Trainable:
-    """One table an optimizer updates (``holder.embeddings``, read at each use, so that a
-    table assigned later is the one stepped) and its :class:`GradientState`."""
+    """One table an optimizer updates (``holder.embeddings``, read at each use) and its
+    :class:`GradientState`."""
 
     holder: Any
     gradient: GradientState
@@ -169,8 +165,7 @@ def check_grad(grad: Any, table: np.ndarray, step: bool = False) -> None:
 
 
 def sgd_step(table: np.ndarray, state: GradientState, grad: np.ndarray, lr: float) -> None:
-    """``table -= lr * grad`` on the rows a step visits: the kernel, else NumPy under
-    the kernel's rule (for a half table, in float32 and one rounding)."""
+    """``table -= lr * grad`` on the rows a step visits (a half table in float32)."""
     if _core.sgd_step(table, grad, state.step_marks(grad), lr, state.skip_row) is None:
         rows = state.step_rows(grad, table.shape[0])
         if v.is_half(table.dtype):

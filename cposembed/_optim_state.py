@@ -31,7 +31,6 @@ def state_dtype(table_dtype: np.dtype) -> np.dtype:
     return v.work_dtype(table_dtype)
 
 
-# -- hyper-parameter checks --------------------------------------------------------
 def real(value: Any, name: str) -> float:
     if isinstance(value, (bool, np.bool_)) or not v.is_real_scalar(value):
         raise TypeError(f"{name} must be a real number; got {v.describe(value)}")
@@ -57,17 +56,13 @@ def check_betas(pair: Any) -> tuple[float, float]:
     return out[0], out[1]
 
 
-# -- per-row state -----------------------------------------------------------------
 class RowState:
-    """The state of one table: a zeroed ``(L, d)`` array per buffer (``buffers``) and
-    each row's place in them (``slots``, :class:`~cposembed._marks.RowSlots`: rows
-    take the buffers' rows 0, 1, 2, ... in the order they are first stepped)."""
+    """One table's state: an ``(L, d)`` array per buffer and each row's slot in them."""
 
     def __init__(self, names: tuple[str, ...], shape: tuple[int, int], dtype: np.dtype) -> None:
         self.names = names
         self.dtype = dtype
         self.buffers = {name: _blocks.zeros(shape, dtype, growing=True) for name in names}
-        # Plain SGD keeps no state: no rows have any.
         self.slots = _marks.RowSlots(shape[0] if names else 0)
 
     def export(self) -> dict[str, np.ndarray]:
@@ -111,31 +106,23 @@ class RowState:
 
 def check_saved(state: Any, optimizer: str, hyper_keys: tuple[str, ...]) -> None:
     """The frame of a ``state_dict()`` of ``optimizer`` (a class name) with these keys."""
-    what = "optimizer state"
     keys = ("version", "optimizer", "hyperparameters", "step", "state")
     if not isinstance(state, dict) or set(state) != set(keys):
-        raise ValueError(
-            f"{what} must be a dict from state_dict() with the keys {', '.join(keys)}; "
-            f"got {v.describe(state)}"
-        )
-    if state["version"] != STATE_VERSION:
-        raise ValueError(
-            f"{what} has version {v.describe(state['version'])}; "
-            f"this cposembed reads {STATE_VERSION}"
-        )
-    if state["optimizer"] != optimizer:
-        raise ValueError(
-            f"{what} is of a {v.describe(state['optimizer'])} optimizer; this is a {optimizer}"
-        )
-    hyper = state["hyperparameters"]
-    if not isinstance(hyper, dict) or set(hyper) != set(hyper_keys):
-        raise ValueError(
-            f"{what}: hyperparameters must be a dict with the keys {sorted(hyper_keys)}; "
-            f"got {v.describe(hyper)}"
-        )
+        problem = f" must be a dict from state_dict() with the keys {', '.join(keys)}"
+        problem += f"; got {v.describe(state)}"
+    elif state["version"] != STATE_VERSION:
+        problem = f" has version {v.describe(state['version'])}"
+        problem += f"; this cposembed reads {STATE_VERSION}"
+    elif state["optimizer"] != optimizer:
+        problem = f" is of a {v.describe(state['optimizer'])} optimizer; this is a {optimizer}"
+    elif not isinstance(h := state["hyperparameters"], dict) or set(h) != set(hyper_keys):
+        problem = f": hyperparameters must be a dict with the keys {sorted(hyper_keys)}"
+        problem += f"; got {v.describe(h)}"
+    else:
+        return
+    raise ValueError(f"optimizer state{problem}")
 
 
-# -- the rows of a fused backward's call -------------------------------------------
 def call_rows(
     pos: np.ndarray | None, off: int, lead: tuple[int, ...], n_rows: int
 ) -> tuple[np.ndarray, np.ndarray | None]:

@@ -14,7 +14,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Iterator
-from typing import IO, Any, Literal, NamedTuple, Union
+from typing import IO, Any, Literal, NamedTuple, TypeGuard, Union
 
 import numpy as np
 
@@ -99,8 +99,7 @@ def check_version(
 
 
 def from_pickle(state: Any, current_version: int) -> State:
-    """A state from ``__getstate__`` (or a legacy ``__dict__``), checked; arrays not
-    in the layout the class keeps are copied."""
+    """A checked state from ``__getstate__`` (or a legacy ``__dict__``)."""
     if not isinstance(state, dict):
         raise ValueError(
             f"pickled state must be a dict; got {type(state).__name__} "
@@ -180,8 +179,8 @@ def _read_member(
 def _bfloat16_member(
     archive: zipfile.ZipFile, raw: np.ndarray, dtype_name: str | None, key: str
 ) -> np.ndarray:
-    """A 2-byte void member as bfloat16 where the ``dtype`` member says so, in the byte
-    order of the member's header (NumPy reads ``'>V2'`` back as ``'|V2'``)."""
+    """A 2-byte void member as bfloat16, in its header's byte order (NumPy reads ``'>V2'``
+    back as ``'|V2'``)."""
     if dtype_name != "bfloat16" or raw.dtype.itemsize != 2 or raw.dtype.fields is not None:
         raise _Refused(
             f"member {key!r} must be a 2-D {FLOAT_NAMES} array; got shape {raw.shape} "
@@ -198,6 +197,10 @@ def _bfloat16_member(
     return raw.view(bfloat16().newbyteorder(order))
 
 
+def _is_name(path: PathOrFile) -> TypeGuard[PathLike]:
+    return isinstance(path, (str, bytes, os.PathLike))
+
+
 def save_npz(
     path: PathOrFile,
     kind: str,
@@ -205,7 +208,7 @@ def save_npz(
     tables: dict[str, np.ndarray],
     padding_idx: int | None,
 ) -> None:
-    """Write a class's ``save()`` archive (the tables' dtype name too; -1: no padding row)."""
+    """Write a class's ``save()`` archive."""
     arrays: dict[str, Any] = {
         "kind": np.array(kind),
         "format_version": np.array(version, dtype=np.int64),
@@ -213,25 +216,17 @@ def save_npz(
         "dtype": np.array(next(iter(tables.values())).dtype.name),
         "padding_idx": np.array(-1 if padding_idx is None else padding_idx, dtype=np.int64),
     }
-    if isinstance(path, (str, bytes, os.PathLike)):
-        with atomic_write(path) as f:  # given a file object, np.savez adds no ".npz"
-            np.savez(f, **arrays)
-    else:
-        np.savez(path, **arrays)
+    # Given a file object, np.savez adds no ".npz".
+    with atomic_write(path) if _is_name(path) else contextlib.nullcontext(path) as f:
+        np.savez(f, **arrays)
 
 
 def load_npz(
     path: PathOrFile, kind: str, current_version: int, keys: tuple[str, ...]
 ) -> tuple[list[np.ndarray], int | None, str]:
-    """The checked tables ``keys``, ``padding_idx`` and the file's name from what
-    :func:`save_npz` wrote; any damage is a ``ValueError`` naming the file."""
-    f: IO[bytes]
-    with contextlib.ExitStack() as stack:
-        if isinstance(path, (str, bytes, os.PathLike)):
-            name = repr(os.fspath(path))
-            f = stack.enter_context(open(path, "rb"))
-        else:
-            name, f = repr(path), path
+    """The checked tables ``keys``, ``padding_idx`` and the file's name from :func:`save_npz`."""
+    name = repr(os.fspath(path) if _is_name(path) else path)
+    with open(path, "rb") if _is_name(path) else contextlib.nullcontext(path) as f:
         try:
             with zipfile.ZipFile(f) as archive:
                 return (*_from_archive(archive, kind, current_version, keys), name)
@@ -285,21 +280,16 @@ def _from_archive(
     return tables, None if stored == -1 else stored
 
 
-# -- writing files -----------------------------------------------------------------
-# Tries at a fresh temporary name before giving up (each name has 64 random bits).
-_TEMP_TRIES = 100
-
-
 def _target(name: str) -> str:
     # A symbolic link is written through, as open() does: the link stays.
     return os.path.realpath(name) if os.path.islink(name) else name
 
 
 def _create_beside(target: str) -> tuple[int, str]:
-    """A new empty file beside ``target`` (descriptor, name), mode 0o666 less the umask."""
+    """A new empty file beside ``target``: descriptor, name."""
     folder, base = os.path.split(target)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    for _ in range(_TEMP_TRIES):
+    for _ in range(100):  # tries at a fresh name of 64 random bits
         temp = os.path.join(folder, f".{base}.{os.urandom(8).hex()}.tmp")
         try:
             return os.open(temp, flags, 0o666), temp
@@ -328,26 +318,24 @@ def atomic_write(path: PathLike) -> Iterator[IO[bytes]]:
     are those ``open(path, "wb")`` gives; ``/dev/null`` or a pipe is written in place."""
     name = os.fsdecode(path)
     target = _target(name)
+    in_place = None
     try:
-        st: os.stat_result | None = os.stat(target)
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        raise _naming(exc, name) from exc
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
-    if st is not None and not stat.S_ISREG(st.st_mode):
         try:
-            f = open(target, "wb")
-        except OSError as exc:
-            raise _naming(exc, name) from exc
-        with f:
-            yield f
-        return
-    try:
-        fd, temp = _create_beside(target)
+            st: os.stat_result | None = os.stat(target)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            in_place = open(target, "wb")
+        else:
+            fd, temp = _create_beside(target)
     except OSError as exc:
         raise _naming(exc, name) from exc
+    if in_place is not None:
+        with in_place:
+            yield in_place
+        return
     try:
         with os.fdopen(fd, "wb") as f:
             if st is not None:

@@ -1,10 +1,5 @@
-"""Thread settings: ``get_num_threads`` and ``set_num_threads``.
-
-The rules themselves (defaults, caps, serial threshold, the CPU limit, the
-measured choice of one thread or several) and the OpenMP loop that runs the
-kernels live in C, in ``src_c/_parallel.pxi`` and ``src_c/_threads.h``, where
-every entry applies them; this module words the errors.
-"""
+"""Thread settings; the rules live in C (``src_c/_parallel.pxi``, ``src_c/_threads.h``),
+this module words the errors."""
 
 from __future__ import annotations
 
@@ -21,17 +16,12 @@ _OPENMP = _core.openmp_enabled()
 
 
 def cpu_limit() -> int:
-    """The CPUs this process may run on, as the thread rules read them (on
-    Linux its affinity and cgroup quota, read again every 50 ms)."""
+    """The CPUs this process may run on, as the thread rules read them."""
     return int(_core.cpu_limit())
 
 
 def env_num_threads_error() -> str | None:
-    """What is wrong with ``CPOSEMBED_NUM_THREADS``, or None if it is unset or valid.
-
-    The C side parses it (``_core.env_threads``, the value the default uses);
-    this only words its verdict.
-    """
+    """What is wrong with ``CPOSEMBED_NUM_THREADS`` as the C side parsed it, or None."""
     if _core.env_threads() >= 0:
         return None
     raw = os.environ.get("CPOSEMBED_NUM_THREADS", "")
@@ -62,25 +52,18 @@ def set_num_threads(n: int | None) -> None:
         A positive integer. Values above the CPUs this process may run on
         are capped when a call runs.
     """
-    value = None if n is None else check_int(n, "num_threads", min_value=1)
+    value = check_num_threads(n)
     # Capped when a call runs; here only kept within a C int.
     _core.user_threads(0 if value is None else min(value, 1 << 30))
 
 
 def check_num_threads(num_threads: Any) -> int | None:
-    """A call's ``num_threads`` as None or a positive int (worded errors)."""
+    """A call's ``num_threads`` as None or a positive int."""
     if num_threads is None:
         return None
     return check_int(num_threads, "num_threads", min_value=1)
 
 
 def effective_num_threads(num_threads: int | None, work: int, chunks: int) -> int:
-    """Threads one call doing ``work`` element operations in ``chunks`` pieces runs on.
-
-    The rules every entry applies: ``num_threads`` (or the default), capped
-    (an explicit request at four times the CPUs), one thread for small work,
-    no more threads than chunks, and at least ``SERIAL_THRESHOLD`` elements
-    per thread. (A call may run on fewer: one thread where that has been
-    faster of late, or the threads the bound on helper threads leaves it.)
-    """
+    """Threads one call doing ``work`` element operations in ``chunks`` pieces runs on."""
     return int(_core.team(check_num_threads(num_threads), work, chunks))

@@ -1,16 +1,12 @@
-"""``python -m cposembed train``: watch a position table learn order (docs/guide.md).
-
-At every token of random sequences a tiny model predicts the token's position, against
-Gaussian soft targets of width ``sigma``; as the tokens say nothing about position,
-what the model learns about order goes into the position table::
+"""``python -m cposembed train``: a tiny model predicts each random token's position
+(Gaussian soft targets of width ``sigma``), so the position table learns order
+(docs/guide.md)::
 
     x      = pe.add_to(E[tokens])           # token + position embeddings (B, T, d)
     logits = x @ W + b                      # linear head over positions (B, T, L)
     loss   = cross_entropy(logits, soft_targets)
 
-The backward is written out by hand. SGD goes through ``pe.backward``, ``pe.sgd_step``
-and :func:`cposembed.scatter_add`; :class:`cposembed.Adam` is fused into the tables'
-backward and steps every row of the head.
+The backward is written out by hand.
 """
 
 from __future__ import annotations
@@ -128,9 +124,8 @@ def train(
     seed : int
         Seeds the table (as ``LearnedPositionEmbedding(..., seed=seed)``), the rest and the data.
     lr : float, optional
-        Learning rate for every parameter (default: ``DEFAULT_LR[optimizer]``,
-        5.0 for SGD, 0.01 for Adam). SGD's is large because one position row
-        receives only ``1 / max_seq_len`` of the mean loss's gradient.
+        Learning rate for every parameter (default 0.01 for Adam; 5.0 for SGD, as a
+        position row gets only ``1 / max_seq_len`` of the mean loss's gradient).
     batch_size, vocab_size : int
         Sequences per step, and the number of distinct random tokens.
     sigma : float, optional
@@ -349,8 +344,8 @@ def run(args: Any) -> int:
 
 
 def _memory_problem(max_seq_len: int, embed_dim: int, batch_size: int) -> str | None:
-    """Why a run of these sizes cannot fit in memory, or None: a step holds about five
-    float32 (batch, T, T) arrays, the tables about 12 bytes per position and dimension."""
+    """Why a run of these sizes cannot fit in memory (about five float32 (batch, T, T)
+    arrays and 12 bytes per table entry), or None."""
     need = 4 * 5 * batch_size * max_seq_len**2 + 12 * max_seq_len * embed_dim
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -365,12 +360,8 @@ def _memory_problem(max_seq_len: int, embed_dim: int, batch_size: int) -> str | 
 
 
 def _bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} EiB"
+    exp = min((n.bit_length() - 1) // 10, 6) if n > 0 else 0
+    return f"{n} bytes" if exp == 0 else f"{n / 1024**exp:.1f} {'KMGTPE'[exp - 1]}iB"
 
 
 def _option_problem(args: Any, lr: float, out: str | None) -> str | None:
