@@ -12,8 +12,7 @@ from . import _blocks, _core, _routes
 
 __all__ = ["lookup", "add_positions", "scatter_add"]
 
-# Large outputs and scratch reuse freed blocks (see docs/architecture.md);
-# CPOSEMBED_REUSE_OUTPUTS=0 turns that off, for processes that must give memory back.
+# CPOSEMBED_REUSE_OUTPUTS=0: no freed output or scratch block is kept for reuse.
 if os.environ.get("CPOSEMBED_REUSE_OUTPUTS", "").strip() == "0":
     _blocks.set_pool(False)
 

@@ -32,10 +32,8 @@ def embed(
     position_table : array_like of shape (L, d), float16, bfloat16, float32 or float64
         Position embeddings (GPT-2's ``wpe``); same ``d``. Mixed dtypes give
         NumPy's promotion, except float16 with bfloat16 (``TypeError``).
-    positions : array_like of int, optional
-        Must broadcast to ``token_ids.shape``; ``None`` means ``offset + arange(T)``.
-    offset : int, default 0
-        Tokens already seen (incremental decoding); only with ``positions=None``.
+    positions, offset : as in :func:`cposembed.add_positions`
+        With ``token_ids.shape`` in place of ``tokens.shape[:-1]``.
     out : ndarray, optional
         Destination of shape ``token_ids.shape + (d,)`` and the result dtype.
     num_threads : int, optional

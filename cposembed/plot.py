@@ -75,13 +75,12 @@ def _draw(
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        # cposembed is not on a package index yet: the command that works from a checkout.
         raise ImportError(
             'cposembed.plot needs matplotlib, an optional extra: python -m pip install ".[plot]" '
             "from a checkout of cposembed, or matplotlib itself"
         ) from exc
     fig = Figure(figsize=size, constrained_layout=True)
-    FigureCanvasAgg(fig)  # the Agg renderer, without pyplot or a global backend switch
+    FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     im = ax.imshow(image, origin="lower", interpolation="nearest", **imshow)
     ax.set_xlabel("Position")
