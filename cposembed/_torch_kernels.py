@@ -34,8 +34,7 @@ LIB = torch.library.Library("cposembed", "DEF")
 ops = torch.ops.cposembed
 
 
-# Set while this thread is inside the autograd functions of ``_torch_ops``,
-# which carry forward-mode AD around the operators.
+# Set inside ``_torch_ops``' autograd functions, which carry forward-mode AD.
 carries_tangents: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "cposembed_carries_tangents", default=False
 )
@@ -169,8 +168,7 @@ def _embed(
     pos = checked_ids(positions, position_table.shape[0])
     y = new_tensor(shape, dtype, zeroed=False)
     if {token_table.dtype, position_table.dtype} == HALF_PAIR:
-        # torch adds the pair in float32: the looked-up token rows converted (exactly),
-        # not a whole table, then added.
+        # torch adds the pair in float32: the looked-up token rows converted, not a table.
         ids = _routes.checked_ids(ids, token_table.shape[0])
         pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
         rows = _f.lookup(as_array(token_table), ids).astype(np.float32)

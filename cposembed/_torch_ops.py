@@ -145,15 +145,13 @@ def _differentiable(
     for_jvp: Callable[[tuple[Any, ...]], tuple[Any, ...]],
     forward: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """Registers ``op``'s autograd; returns its call: an autograd function in eager mode
-    (``jvp`` gets ``for_jvp(inputs)`` saved), ``forward`` itself under Dynamo."""
+    """Registers ``op``'s autograd; returns its autograd function's call (``forward`` under Dynamo)."""
     linear = setup is _grad_setup  # table_grad and embed_backward
     backward, jvp = (_grad_backward, _grad_jvp) if linear else (_backward, _jvp)
     torch.library.register_autograd(f"cposembed::{op}", backward, setup_context=setup, lib=LIB)
     name = "".join(word.title() for word in op.split("_")) + "Fn"
     if forward is None:
-        # A function: Function.apply binds the arguments to forward's signature,
-        # which inspect finds slowly for an operator.
+        # A function: Function.apply inspects forward's signature, slow for an operator.
         overload = getattr(ops, op).default
 
         def forward(*args: Any) -> Any:

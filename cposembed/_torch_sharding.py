@@ -1,9 +1,5 @@
-"""DTensor sharding rules for the operators a tensor-parallel ``ct.Embedding`` runs,
-so that the kernels run on each rank's local shard: with the weight sharded along
-``embedding_dim`` (``ColwiseParallel``), ``lookup`` and ``table_grad`` work on the
-local columns; anything else is made whole first. ``cposembed.torch`` imports it
-with the first DTensor weight (row-sharded weights go to ``F.embedding``).
-"""
+"""DTensor sharding rules: ``lookup`` and ``table_grad`` run on the local columns of a
+weight sharded along ``embedding_dim``; anything else is made whole first."""
 
 from __future__ import annotations
 
