@@ -1,5 +1,6 @@
-"""DTensor sharding rules: ``lookup`` and ``table_grad`` run on the local columns of a
-weight sharded along ``embedding_dim``; anything else is made whole first."""
+"""DTensor sharding rules, registered with the first DTensor weight: ``lookup`` and
+``table_grad`` run on the local columns of a weight sharded along ``embedding_dim``;
+anything else is made whole first (row-sharded weights go to ``F.embedding``)."""
 
 from __future__ import annotations
 
