@@ -165,11 +165,11 @@ def _embed(
         return token_table.new_empty(shape, dtype=dtype)
     skip_row(padding_idx, token_table.shape[0])
     ids = checked_ids(token_ids, token_table.shape[0])
+    assert ids is not None  # token_ids is a tensor
     pos = checked_ids(positions, position_table.shape[0])
     y = new_tensor(shape, dtype, zeroed=False)
     if {token_table.dtype, position_table.dtype} == HALF_PAIR:
         # torch adds the pair in float32: the looked-up token rows converted, not a table.
-        ids = _routes.checked_ids(ids, token_table.shape[0])
         pos, offset = _routes.id_positions(ids, pos, offset, position_table.shape[0])
         rows = _f.lookup(as_array(token_table), ids).astype(np.float32)
         _f.add_positions(rows, as_array(position_table), pos, offset=offset, out=as_array(y))
